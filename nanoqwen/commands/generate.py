@@ -1,0 +1,134 @@
+"""Generate one completion from a .nanoqwen model, streaming the text to stdout.
+
+The prompt is a raw completion prompt (-p, `-p -` reads stdin), one chat message through the
+model's ChatML template (--chat, optionally with --system), or a fill-in-the-middle request
+(--fim-prefix / --fim-suffix). The backend picked and a statistics line go to stderr, so
+stdout holds only the generated text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+HELP = "generate a completion (raw prompt, one chat message, or fill-in-the-middle)"
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by generate, chat and demo: backend, context and sampling."""
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k best tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed; None = random")
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop string, repeatable; the text ends before it",
+    )
+    add_backend_arguments(p)
+
+
+def add_backend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        choices=("auto", "cuda", "reference"),
+        default="auto",
+        help="auto: cuda on an sm_90 GPU, else the PyTorch reference on the CPU",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="context positions to allocate; None = 4096 on reference, 32768 on cuda",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="the .nanoqwen model file")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("-p", "--prompt", default=None, help="raw prompt text ('-' reads stdin)")
+    source.add_argument("--chat", default=None, metavar="MESSAGE", help="one user chat message")
+    source.add_argument("--fim-prefix", default=None, help="code before the gap (FIM)")
+    p.add_argument("--fim-suffix", default="", help="code after the gap (with --fim-prefix)")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    add_sampling_arguments(p)
+
+
+def sampling_params(args: argparse.Namespace):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+    )
+
+
+def open_llm(path, args: argparse.Namespace):
+    """Load the model on the requested backend and say on stderr which one it got."""
+    from ..llm import LLM
+
+    llm = LLM(path, backend=args.backend, max_context=args.max_context)
+    print(f"nanoqwen: backend {llm.backend_name} ({llm.backend_reason})", file=sys.stderr)
+    return llm
+
+
+def stream_to_stdout(llm, ids, params) -> tuple[str, str]:
+    """Stream a completion to stdout (flushed per delta); stats on stderr. (text, finish)."""
+    start = time.perf_counter()
+    first = None  # when the first token arrived (prefill + one step)
+    count, parts, finish = 0, [], "length"
+    for delta in llm.stream(ids, params):
+        first = first or time.perf_counter()
+        count += len(delta.token_ids)
+        parts.append(delta.text)
+        finish = delta.finish_reason or finish
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    end = time.perf_counter()
+    text = "".join(parts)
+    if text and not text.endswith("\n"):
+        sys.stdout.write("\n")
+    first = first or end
+    rate = (count - 1) / (end - first) if count > 1 and end > first else 0.0
+    print(
+        f"nanoqwen: prompt {len(ids)} tokens, generated {count} tokens in {end - start:.2f} s "
+        f"(first after {first - start:.2f} s, then {rate:.1f} tokens/s), finish {finish}",
+        file=sys.stderr,
+    )
+    return text, finish
+
+
+def _prompt_ids(llm, args: argparse.Namespace) -> list[int]:
+    if args.fim_prefix is not None:
+        return llm.prepare(fim=(args.fim_prefix, args.fim_suffix))
+    if args.chat is not None:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        return llm.prepare(messages=[*messages, {"role": "user", "content": args.chat}])
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    return llm.prepare(prompt=prompt)
+
+
+def _check_combinations(args: argparse.Namespace) -> None:
+    from ..errors import NanoqwenError
+
+    if args.system is not None and args.chat is None:
+        raise NanoqwenError("--system goes with --chat")
+    if args.fim_suffix and args.fim_prefix is None:
+        raise NanoqwenError("--fim-suffix goes with --fim-prefix")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_combinations(args)
+    params = sampling_params(args)
+    with open_llm(args.file, args) as llm:
+        ids = _prompt_ids(llm, args)
+        stream_to_stdout(llm, ids, params)
+    return 0

@@ -1,0 +1,68 @@
+"""Pack a model into a .nanoqwen file: INT4 g128 projections (ValueShuffle), fp16 elsewhere.
+
+Sources: a Hugging Face Qwen2 checkpoint directory (safetensors in bf16/fp16/fp32), a GGUF file
+(F32/F16/BF16/Q8_0/Q4_K/Q5_0/Q6_K, dequantized then re-quantized), or `--synthetic PRESET`
+(random weights with exactly the preset's shapes, seeded). Tensors stream one at a time, and
+the output is written atomically: on any error an existing OUT is left as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import ConvertError
+
+HELP = "convert an HF checkpoint, a GGUF file or a synthetic preset to .nanoqwen"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "source",
+        nargs="?",
+        default=None,
+        help="HF checkpoint directory or .gguf file (omit with --synthetic)",
+    )
+    p.add_argument("-o", "--output", required=True, default=None, help="output .nanoqwen path")
+    p.add_argument(
+        "--synthetic",
+        metavar="PRESET",
+        default=None,
+        help="write random weights for a preset (tiny, 0.5b, 1.5b, 3b, 7b, 14b, 32b)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed of --synthetic weights")
+    p.add_argument(
+        "--tokenizer-from",
+        metavar="PATH",
+        default=None,
+        help="with --synthetic: embed the tokenizer of this .nanoqwen/.gguf/HF directory "
+        "instead of the small byte-level one",
+    )
+    p.add_argument(
+        "--no-tokenizer",
+        action="store_true",
+        default=False,
+        help="pack an HF directory without its tokenizer",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", default=False, help="hide the progress bar"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..convert import pack_source, pack_synthetic
+
+    progress = not args.no_progress
+    if args.synthetic is not None:
+        if args.source is not None:
+            raise ConvertError(f"give either SOURCE ({args.source}) or --synthetic, not both")
+        summary = pack_synthetic(
+            args.synthetic, args.output, args.seed, args.tokenizer_from, progress
+        )
+    else:
+        if args.source is None:
+            raise ConvertError("give a SOURCE (HF directory or .gguf file) or --synthetic PRESET")
+        if args.tokenizer_from is not None:
+            raise ConvertError("--tokenizer-from applies to --synthetic only")
+        summary = pack_source(args.source, args.output, progress, not args.no_tokenizer)
+    print(summary.line())
+    return 0

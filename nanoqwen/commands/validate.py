@@ -1,0 +1,47 @@
+"""Run the validation ladder (nanoqwen/config/nanoqwen.yaml) on an sm_90 GPU: unit (each
+kernel vs numpy on awkward sizes), layer (one decoder block vs the reference), graph (prompts
+end to end vs the reference). Exits non-zero if any check fails."""
+
+HELP = "validate the CUDA kernels and engine against the reference"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("file", help=".nanoqwen model file (its config sets the kernel dims)")
+    p.add_argument("--tier", choices=("unit", "layer", "graph", "all"), default="all",
+                   help="which rung(s) of the ladder")  # fmt: skip
+    p.add_argument(
+        "--prompts",
+        type=int,
+        default=None,
+        help="graph tier prompts; None = the count in config/nanoqwen.yaml",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the random inputs; None = fresh inputs each run",
+    )
+
+
+def run(args) -> int:
+    from .. import validate as v
+    from ..engine import CudaBackend
+    from ..fileformat import NanoqwenFile
+
+    ladder = v.load_ladder()["ladder"]
+    checks = []
+    with NanoqwenFile(args.file) as f:
+        if args.tier in ("unit", "all"):
+            checks += v.unit_tier(f.config, ladder["unit"]["tolerances"], args.seed)
+        if args.tier in ("layer", "graph", "all"):
+            engine = CudaBackend(f, max_context=4096)
+            try:
+                if args.tier in ("layer", "all"):
+                    checks += v.layer_tier(engine, f, ladder["layer"]["tolerance"], seed=args.seed)
+                if args.tier in ("graph", "all"):
+                    n = args.prompts or ladder["graph"]["prompts"]
+                    checks += v.graph_tier(engine, f, ladder["graph"], n, args.seed)
+            finally:
+                engine.close()
+    v.print_table(checks)
+    return 0 if all(c.ok for c in checks) else 1

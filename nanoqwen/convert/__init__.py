@@ -1,0 +1,118 @@
+"""Converters: HF checkpoint directories, GGUF files and synthetic presets -> .nanoqwen.
+
+    pack_source(source, out, progress=True, with_tokenizer=True) -> PackSummary
+    pack_synthetic(preset, out, seed=0, tokenizer_from=None, progress=True) -> PackSummary
+
+Every path streams one tensor at a time into `fileformat.write_nanoqwen` (atomic: on any
+error the old output survives). `names.py` holds the one HF/GGUF -> nanoqwen name map and the
+shared storing step (INT4 for the seven projections, float16 for the rest).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import preset as get_preset
+from ..errors import ConvertError
+from ..fileformat import TokenizerSpec, write_nanoqwen
+
+
+@dataclass(frozen=True)
+class PackSummary:
+    """What a pack wrote: path, tensor count, file size in bytes, wall seconds."""
+
+    path: Path
+    tensors: int
+    bytes: int
+    seconds: float
+
+    def line(self) -> str:
+        return (
+            f"wrote {self.path}: {self.tensors} tensors, {self.bytes / 1e9:.3f} GB "
+            f"in {self.seconds:.1f} s"
+        )
+
+
+def _write(out, config, tensors, tokenizer, metadata, progress, started) -> PackSummary:
+    out = Path(out)
+    write_nanoqwen(out, config, tensors, tokenizer, metadata, progress=progress)
+    count = len(config.tensor_shapes())
+    return PackSummary(out, count, out.stat().st_size, time.perf_counter() - started)
+
+
+def pack_source(
+    source: str | os.PathLike[str], out: str | os.PathLike[str], progress: bool = True,
+    with_tokenizer: bool = True,
+) -> PackSummary:  # fmt: skip
+    """Pack an HF checkpoint directory or a .gguf file into `out`.
+
+    with_tokenizer=False packs an HF directory without its tokenizer; a GGUF file without
+    tokenizer metadata packs without one.
+    """
+    started = time.perf_counter()
+    src = Path(source)
+    if src.is_dir():
+        from .hf import read_hf
+
+        config, tokenizer, tensors = read_hf(src, with_tokenizer)
+        kind = "hf"
+    elif src.is_file() and src.suffix.lower() == ".gguf":
+        from .gguf import read_gguf
+
+        config, tokenizer, tensors = read_gguf(src)
+        kind = "gguf"
+    elif src.exists():
+        raise ConvertError(f"{src}: not a Hugging Face checkpoint directory or a .gguf file")
+    else:
+        raise ConvertError(f"{src}: no such file or directory")
+    metadata = {"source": str(src.resolve()), "source_format": kind}
+    return _write(out, config, tensors, tokenizer, metadata, progress, started)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> TokenizerSpec:
+    """The tokenizer of a .nanoqwen file, a .gguf file or an HF checkpoint directory."""
+    src = Path(path)
+    if src.is_dir():
+        from .tokenizers import spec_from_hf_dir
+
+        return spec_from_hf_dir(src)
+    if src.suffix.lower() == ".gguf":
+        from .gguf import open_gguf, tokenizer_from_gguf
+
+        spec = tokenizer_from_gguf(open_gguf(src), str(src))
+    elif not src.is_file():
+        raise ConvertError(f"{src}: no such tokenizer source")
+    else:
+        from ..fileformat import NanoqwenFile
+
+        with NanoqwenFile(src) as f:
+            spec = f.tokenizer
+    if spec is None:
+        raise ConvertError(f"{src}: the file carries no tokenizer")
+    return spec
+
+
+def pack_synthetic(
+    preset: str, out: str | os.PathLike[str], seed: int = 0,
+    tokenizer_from: str | os.PathLike[str] | None = None, progress: bool = True,
+) -> PackSummary:  # fmt: skip
+    """Pack random weights with exactly `preset`'s shapes (see synthetic.py) into `out`.
+
+    The tokenizer is a small byte-level one with the Qwen2.5 specials at their real ids, or
+    the one of `tokenizer_from` (a .nanoqwen, .gguf or HF directory).
+    """
+    from .synthetic import synthetic_tensors
+    from .tokenizers import byte_level_spec
+
+    started = time.perf_counter()
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ConvertError(f"synthetic seed must be an integer in [0, 2^63), got {seed!r}")
+    config = get_preset(preset)
+    tokenizer = byte_level_spec() if tokenizer_from is None else load_tokenizer(tokenizer_from)
+    metadata = {"source": f"synthetic:{config.name}", "source_format": "synthetic"}
+    metadata["seed"] = str(seed)
+    tensors = synthetic_tensors(config, seed)
+    return _write(out, config, tensors, tokenizer, metadata, progress, started)

@@ -1,0 +1,271 @@
+"""The GPU as the engine sees it: one device, one stream, raw device buffers, one `check()`.
+
+Public API (stable; the prefill launchers and the engine build on it):
+
+    sm90_available() -> bool            never raises; True only with cuda-core, a driver and an
+                                        sm_90 device 0
+    check(result, what) -> values       unwraps a cuda.bindings `(CUresult, *values)` tuple;
+                                        raises DeviceError naming `what` and the error
+    gpu = Gpu(device_id=0)              sets the device current, refuses non-sm_90, makes a stream
+    gpu.alloc(nbytes, what) -> DeviceArray   (.ptr int, .nbytes, .free()); owned by the Gpu
+    gpu.upload(dst_ptr, array)          host -> device through a pinned staging buffer (chunked)
+    gpu.download(src_ptr, out_array)    device -> host (synchronous)
+    gpu.memset(ptr, byte, nbytes)       stream-ordered
+    gpu.launch(kernel, grid, block, *args, smem=0, pdl=False)   args: ints become uint64
+                                        (device addresses); pass np.int32 etc. for scalars
+    gpu.sync(what)                      stream sync inside `guard`
+    with gpu.guard("what"): ...         turns CUDA errors into DeviceError; a sticky error (an
+                                        illegal address, a trap) marks the Gpu broken and every
+                                        later call raises DeviceError at once
+    gpu.mem_info() -> (free, total)
+
+Sticky errors poison the CUDA context for the life of the process; continuing would report
+garbage as results, so the engine refuses all further work instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import DeviceError
+
+SM90 = (9, 0)
+STAGING_BYTES = 64 << 20  # pinned host buffer for uploads: 64 MiB chunks keep PCIe busy
+# Errors after which the CUDA context is unusable (the driver's "sticky" errors).
+STICKY_ERRORS = (
+    "ILLEGAL_ADDRESS",
+    "LAUNCH_FAILED",
+    "MISALIGNED_ADDRESS",
+    "ILLEGAL_INSTRUCTION",
+    "HARDWARE_STACK_ERROR",
+    "INVALID_PC",
+    "ASSERT",
+    "ECC_UNCORRECTABLE",
+    "LAUNCH_TIMEOUT",
+)
+
+
+def sm90_available() -> bool:
+    """True when cuda-core imports, a driver answers and device 0 is compute capability 9.0."""
+    try:
+        from cuda.bindings import driver
+
+        (err,) = driver.cuInit(0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return False
+        err, count = driver.cuDeviceGetCount()
+        if err != driver.CUresult.CUDA_SUCCESS or count < 1:
+            return False
+        attr = driver.CUdevice_attribute
+        err, major = driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0
+        )
+        err2, minor = driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, 0
+        )
+        ok = driver.CUresult.CUDA_SUCCESS
+        return err == ok and err2 == ok and (major, minor) == SM90
+    except Exception:
+        return False
+
+
+def check(result, what: str):
+    """Unwrap a cuda.bindings result tuple `(CUresult, *values)`; raise DeviceError on failure.
+
+    Returns None, the single value, or a tuple of values.
+    """
+    from cuda.bindings import driver
+
+    if not isinstance(result, tuple):
+        result = (result,)
+    err, *values = result
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, name = driver.cuGetErrorName(err)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        raise DeviceError(f"{what} failed: {name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _is_sticky(message: str) -> bool:
+    return any(s in message for s in STICKY_ERRORS)
+
+
+@dataclass
+class DeviceArray:
+    """A raw device allocation. `ptr` is the device address (int), `nbytes` its size."""
+
+    ptr: int
+    nbytes: int
+    what: str
+    _buffer: object = None  # the cuda.core Buffer that owns the memory
+
+    def free(self) -> None:
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+
+
+class Gpu:
+    """One sm_90 device with one non-blocking stream. Not thread-safe (batch-1 runtime), but
+    usable from any one thread at a time: the server builds the engine on its main thread and
+    generates on a worker thread, so every entry binds the primary context to the caller."""
+
+    def __init__(self, device_id: int = 0) -> None:
+        try:
+            from cuda.core import Device
+        except ImportError as exc:
+            raise DeviceError(f"cuda-core is not installed: {exc}") from None
+        try:
+            from cuda.bindings import driver
+
+            self.device = Device(device_id)
+            self.device.set_current()
+            err, self._context = driver.cuCtxGetCurrent()
+            check((err,), "cuCtxGetCurrent")
+        except Exception as exc:
+            raise DeviceError(f"cannot open CUDA device {device_id}: {exc}") from None
+        cc = tuple(self.device.compute_capability)
+        if cc != SM90:
+            raise DeviceError(
+                f"{self.device.name} is compute capability {cc[0]}.{cc[1]}; nanoqwen's kernels "
+                "are built for sm_90a (H100/H200) only"
+            )
+        self.name = self.device.name
+        self.num_sms = self.device.properties.multiprocessor_count
+        self.stream = self.device.create_stream()
+        self.broken: str | None = None
+        self._arrays: list[DeviceArray] = []
+        self._staging_ptr = 0
+        self._configs: dict = {}
+
+    # -- errors -------------------------------------------------------------------------------
+    def ensure_ok(self) -> None:
+        """Refuse work after a sticky error; bind our context to the calling thread."""
+        from cuda.bindings import driver
+
+        if self.broken:
+            raise DeviceError(
+                f"the GPU hit a sticky error earlier ({self.broken}); restart the process"
+            )
+        check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """Run a block of CUDA work; errors become DeviceError naming `what`."""
+        self.ensure_ok()
+        try:
+            yield
+        except DeviceError as exc:
+            if _is_sticky(str(exc)):
+                self.broken = f"{what}: {exc}"
+            raise
+        except Exception as exc:  # cuda.core raises CUDAError / RuntimeError with the name
+            if _is_sticky(str(exc)):
+                self.broken = f"{what}: {exc}"
+            raise DeviceError(f"{what} failed: {exc}") from exc
+
+    # -- memory -------------------------------------------------------------------------------
+    def alloc(self, nbytes: int, what: str) -> DeviceArray:
+        """Device memory of `nbytes` (rounded up to 256 bytes), owned by this Gpu."""
+        self.ensure_ok()
+        size = max(256, (int(nbytes) + 255) // 256 * 256)
+        try:
+            buf = self.device.allocate(size, stream=self.stream)
+        except Exception as exc:
+            free, total = self.mem_info()
+            raise DeviceError(
+                f"allocating {size} bytes for {what} failed ({free} of {total} bytes free): {exc}"
+            ) from None
+        arr = DeviceArray(int(buf.handle), size, what, buf)
+        self._arrays.append(arr)
+        return arr
+
+    def mem_info(self) -> tuple[int, int]:
+        from cuda.bindings import driver
+
+        return check(driver.cuMemGetInfo(), "cuMemGetInfo")
+
+    def _staging(self) -> int:
+        from cuda.bindings import driver
+
+        if not self._staging_ptr:
+            self._staging_ptr = int(check(driver.cuMemAllocHost(STAGING_BYTES), "cuMemAllocHost"))
+        return self._staging_ptr
+
+    def upload(self, dst: int, array: np.ndarray) -> None:
+        """Copy a host array to device address `dst` through pinned staging, in chunks."""
+        from cuda.bindings import driver
+
+        src = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        staging = self._staging()
+        with self.guard("upload"):
+            for start in range(0, src.nbytes, STAGING_BYTES):
+                n = min(STAGING_BYTES, src.nbytes - start)
+                # The previous chunk's async copy must finish before staging is overwritten.
+                check(driver.cuStreamSynchronize(self.stream.handle), "cuStreamSynchronize")
+                ctypes.memmove(staging, src[start : start + n].ctypes.data, n)
+                check(
+                    driver.cuMemcpyHtoDAsync(dst + start, staging, n, self.stream.handle),
+                    "cuMemcpyHtoDAsync",
+                )
+            check(driver.cuStreamSynchronize(self.stream.handle), "cuStreamSynchronize")
+
+    def download(self, src: int, out: np.ndarray) -> np.ndarray:
+        """Copy `out.nbytes` bytes from device address `src` into `out` (synchronous)."""
+        from cuda.bindings import driver
+
+        if not out.flags.c_contiguous:
+            raise ValueError("download: out must be C-contiguous")
+        with self.guard("download"):
+            check(driver.cuStreamSynchronize(self.stream.handle), "cuStreamSynchronize")
+            check(driver.cuMemcpyDtoH(out.ctypes.data, src, out.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def memset(self, ptr: int, byte: int, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        with self.guard("memset"):
+            check(driver.cuMemsetD8Async(ptr, byte, nbytes, self.stream.handle), "cuMemsetD8")
+
+    def copy_d2d(self, dst: int, src: int, nbytes: int) -> None:
+        from cuda.bindings import driver
+
+        with self.guard("copy_d2d"):
+            check(driver.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream.handle), "cuMemcpyDtoD")
+
+    # -- launches -----------------------------------------------------------------------------
+    def launch(self, kernel, grid, block, *args, smem: int = 0, pdl: bool = False, stream=None):
+        """Launch `kernel` (a cuda.core Kernel). Python ints are passed as uint64 addresses."""
+        from cuda.core import LaunchConfig, launch
+
+        key = (grid, block, smem, pdl)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            cfg = LaunchConfig(
+                grid=grid, block=block, shmem_size=smem, programmatic_stream_serialization=pdl
+            )
+            self._configs[key] = cfg
+        args = [np.uint64(a) if isinstance(a, int) else a for a in args]
+        launch(self.stream if stream is None else stream, cfg, kernel, *args)
+
+    def sync(self, what: str = "stream synchronize") -> None:
+        with self.guard(what):
+            self.stream.sync()
+
+    def close(self) -> None:
+        from cuda.bindings import driver
+
+        for arr in self._arrays:
+            with contextlib.suppress(Exception):
+                arr.free()
+        self._arrays.clear()
+        if self._staging_ptr:
+            with contextlib.suppress(Exception):
+                driver.cuMemFreeHost(self._staging_ptr)
+            self._staging_ptr = 0

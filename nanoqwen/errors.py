@@ -1,0 +1,27 @@
+"""The exceptions users see. Every error the runtime raises on bad input derives from
+`NanoqwenError`, so the CLI and the server can turn it into a clear message instead of a
+traceback."""
+
+
+class NanoqwenError(Exception):
+    """Base class of every user-facing nanoqwen error."""
+
+
+class FormatError(NanoqwenError):
+    """A .nanoqwen file that cannot be read: bad magic, version, layout, bounds, checksum."""
+
+
+class ConvertError(NanoqwenError):
+    """A source checkpoint (HF directory, GGUF file) that cannot be packed."""
+
+
+class ContextError(NanoqwenError):
+    """A request that does not fit the context: prompt + max_tokens > max context."""
+
+
+class TokenizerError(NanoqwenError):
+    """A missing or unusable tokenizer, or input it cannot encode."""
+
+
+class DeviceError(NanoqwenError):
+    """A CUDA failure; after a sticky error the engine refuses further work."""

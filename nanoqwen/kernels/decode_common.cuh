@@ -1,0 +1,63 @@
+// decode_common.cuh: helpers shared by the decode kernels (sm_90a, fp16 activations, fp32 math).
+//
+// The model dims (kHidden, kHeadDim, ...) arrive as constexpr from the generated header
+// nanoqwen_model.h, which nanoqwen.cuda.jit prepends to every source; nothing here hard-codes
+// a model.
+#pragma once
+#include <cuda_fp16.h>
+typedef unsigned int uint32_t;  // NVRTC has no libc headers (stdint.h)
+
+constexpr int kWarp = 32;
+constexpr float kLog2e = 1.4426950408889634f;
+// -inf without math.h (NVRTC): the empty-set value of a running max.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Programmatic dependent launch (PDL). `pdl_wait` blocks until the previous kernel in the stream
+// has finished (or triggered) and its writes are visible; `pdl_trigger` lets the next kernel
+// start its prologue early. Both are no-ops when the launch did not enable PDL.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over a block of `NWARPS` warps; every thread gets the result. `scratch`: NWARPS floats.
+template <int NWARPS>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < NWARPS; ++w) total += scratch[w];
+  __syncthreads();  // scratch may be reused right after
+  return total;
+}
+
+// ValueShuffle word -> four half2 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7), exact signed values.
+// Pair i sits in bits (w >> 4i) & 0x000F000F (one nibble per 16-bit half). XOR with 0x0008
+// turns the two's-complement nibble v into v + 8 (0..15); OR-ing exponent 0x6400 makes the half
+// 1024 + (v + 8) exactly; subtracting 1032 leaves v. `lop3` does the mask and both ORs/XORs in
+// one instruction: (x & 0x000F000F) ^ 0x64086408.
+__device__ __forceinline__ void dequant_word(uint32_t w, half2 (&out)[4]) {
+  const half2 bias = __half2half2(__ushort_as_half(0x6408));  // 1032.0
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t x = w >> (4 * i), r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(r) : "r"(x), "r"(0x000F000Fu), "r"(0x64086408u));
+    // 0x6a = (a & b) ^ c
+    out[i] = __hsub2(*reinterpret_cast<half2*>(&r), bias);
+  }
+}

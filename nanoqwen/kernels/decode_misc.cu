@@ -1,0 +1,347 @@
+// decode_misc.cu: the small token-parallel kernels around the GEMVs and the device sampler.
+//
+// embed_gather   x[t] = embed[ids[t]]                        (T tokens; decode: T = 1)
+// rmsnorm_rows   y[t] = rmsnorm(x[t]) * w                    (prefill: before each GEMM)
+// rope_kv_write  q/k RoPE + K/V into 16-token pages          (T tokens at positions pos0..)
+// lm_head_argmax logits = W_lm @ rmsnorm(x) (fp32) and a 64-bit atomicMax of (logit, -id)
+// sample_finish  picks the token (greedy or temperature/top-k/top-p), advances the decode
+//                state on the device, writes the ring buffers, sets the while-loop condition
+#include "decode_common.cuh"
+// From cuda_device_runtime_api.h (declared here: that header drags in host-only internals
+// under NVRTC). Sets a graph conditional node's value from device code.
+extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
+
+constexpr int kMiscThreads = 256;
+constexpr int kLmWarps = 4;
+constexpr int kLmRows = 2;      // rows per warp tile
+constexpr int kLmUnroll = 4;    // 16-byte loads per row per lane in flight
+constexpr int kSampleThreads = 1024;
+constexpr int kSearchIters = 32;  // bisection steps for the top-k / top-p thresholds
+
+// Decode state: int32 words in device memory, advanced by sample_finish (one home: engine.py
+// mirrors these indices).
+enum StateWord {
+  kToken = 0,     // the token the next step consumes
+  kPos = 1,       // its position (KV slot)
+  kStep = 2,      // tokens generated so far
+  kMaxNew = 3,    // stop after this many tokens
+  kDone = 4,      // 1 once eos / max / cancel is reached
+  kTopK = 5,      // 0 = off
+  kTemp = 6,      // float bits; 0 = greedy
+  kTopP = 7,      // float bits; 1 = off
+  kSeedLo = 8,
+  kSeedHi = 9,
+  kNumEos = 10,
+  kEos0 = 11,     // kNumEos ids follow
+  kMaxEos = 8,
+};
+
+// ids int32 [T]; embed fp16 [V, kHidden]; x fp16 [T, kHidden]. Grid T, block kMiscThreads.
+extern "C" __global__ void __launch_bounds__(kMiscThreads)
+embed_gather(const int* __restrict__ ids, const uint4* __restrict__ embed, uint4* x) {
+  static_assert(kHidden % 8 == 0, "rows are copied as 16-byte vectors");
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x;
+  const size_t id = (size_t)ids[t];
+  for (int v = threadIdx.x; v < kHidden / 8; v += blockDim.x)
+    x[(size_t)t * (kHidden / 8) + v] = embed[id * (kHidden / 8) + v];
+}
+
+// x fp16 [T, kHidden] -> y fp16 [T, kHidden] = x * rsqrt(mean(x^2) + eps) * w (fp32 math,
+// one rounding, like the reference). w fp16 [kHidden]. Grid T, block kMiscThreads.
+extern "C" __global__ void __launch_bounds__(kMiscThreads)
+rmsnorm_rows(const half* __restrict__ x, const half* __restrict__ w, half* __restrict__ y) {
+  __shared__ float red[kMiscThreads / kWarp];
+  pdl_wait();
+  pdl_trigger();
+  const half* xr = x + (size_t)blockIdx.x * kHidden;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < kHidden; i += blockDim.x) {
+    const float f = __half2float(xr[i]);
+    ss += f * f;
+  }
+  const float rstd = rsqrtf(block_sum<kMiscThreads / kWarp>(ss, red) / kHidden + kRmsEps);
+  for (int i = threadIdx.x; i < kHidden; i += blockDim.x)
+    y[(size_t)blockIdx.x * kHidden + i] =
+        __float2half_rn(__half2float(xr[i]) * rstd * __half2float(w[i]));
+}
+
+// RoPE (NEOX halves) on q and k, then K/V into the paged cache.
+// qkv    fp16 [T, kQKVSize]   q | k | v per token, bias already added (gemv epilogue)
+// pos0   int32 *              position of token 0 (device memory: decode reads state[kPos])
+// rope   float2 [max_pos, kHeadDim/2]  (cos, sin), formed in float64 on the host
+// pages  int32 [max_pages]    page table of the sequence: logical page -> physical page
+// kc, vc fp16 [num_pages, kPageTokens, kKVHeads, kHeadDim]   this layer's caches
+// q_out  fp16 [T, kHeads, kHeadDim]
+// k_out, v_out fp16 [T, kKVHeads, kHeadDim] or null (prefill attention reads them contiguous)
+// Grid T, block kMiscThreads.
+extern "C" __global__ void __launch_bounds__(kMiscThreads)
+rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __restrict__ rope,
+              const int* __restrict__ pages, half* kc, half* vc, half* q_out, half* k_out,
+              half* v_out) {
+  constexpr int kHalf = kHeadDim / 2;
+  static_assert(kHeadDim % 2 == 0, "RoPE rotates two halves");
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x;
+  const int pos = *pos0 + t;
+  const half* row = qkv + (size_t)t * kQKVSize;
+  const size_t slot = (size_t)pages[pos / kPageTokens] * kPageTokens + pos % kPageTokens;
+  const float2* cs = rope + (size_t)pos * kHalf;
+  // Rotations: (kHeads + kKVHeads) heads x kHalf pairs.
+  for (int i = threadIdx.x; i < (kHeads + kKVHeads) * kHalf; i += blockDim.x) {
+    const int head = i / kHalf, j = i % kHalf;
+    const float x1 = __half2float(row[head * kHeadDim + j]);
+    const float x2 = __half2float(row[head * kHeadDim + j + kHalf]);
+    const float2 c = cs[j];
+    const half y1 = __float2half_rn(x1 * c.x - x2 * c.y);
+    const half y2 = __float2half_rn(x2 * c.x + x1 * c.y);
+    if (head < kHeads) {
+      half* q = q_out + ((size_t)t * kHeads + head) * kHeadDim;
+      q[j] = y1;
+      q[j + kHalf] = y2;
+    } else {
+      const int kh = head - kHeads;
+      half* k = kc + (slot * kKVHeads + kh) * kHeadDim;
+      k[j] = y1;
+      k[j + kHalf] = y2;
+      if (k_out) {
+        half* ko = k_out + ((size_t)t * kKVHeads + kh) * kHeadDim;
+        ko[j] = y1;
+        ko[j + kHalf] = y2;
+      }
+    }
+  }
+  for (int i = threadIdx.x; i < kKVSize; i += blockDim.x) {
+    const half v = row[kQSize + kKVSize + i];
+    vc[slot * kKVSize + i] = v;
+    if (v_out) v_out[(size_t)t * kKVSize + i] = v;
+  }
+}
+
+__device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
+  // Order floats as unsigned ints; ties go to the lowest id (sampling.py's greedy rule).
+  uint32_t b = __float_as_uint(v);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return ((unsigned long long)b << 32) | (0xFFFFFFFFu - (uint32_t)id);
+}
+
+// logits fp32 [V] = W fp16 [V, kHidden] @ rmsnorm(x) * norm_w, and *key = max over rows of
+// argmax_key(logit, row) (the caller zeroes *key before the first use; sample_finish re-zeroes).
+// x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows (V % kLmRows == 0). Persistent grid.
+extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp)
+lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
+               const uint4* __restrict__ w, float* __restrict__ logits,
+               unsigned long long* key, int V) {
+  constexpr int kVecs = kHidden / 8;  // 16-byte vectors per row
+  constexpr int kIters = (kVecs + kWarp - 1) / kWarp;
+  __shared__ __align__(16) uint4 xs[kVecs];
+  __shared__ float red[kLmWarps];
+  __shared__ unsigned long long best_s[kLmWarps];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  pdl_wait();
+  pdl_trigger();
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < kHidden; i += blockDim.x) {
+    const float f = __half2float(x[i]);
+    ss += f * f;
+  }
+  const float rstd = rsqrtf(block_sum<kLmWarps>(ss, red) / kHidden + kRmsEps);
+  half* xh = reinterpret_cast<half*>(xs);
+  for (int i = threadIdx.x; i < kHidden; i += blockDim.x)
+    xh[i] = __float2half_rn(__half2float(x[i]) * rstd * __half2float(norm_w[i]));
+  __syncthreads();
+
+  unsigned long long best = 0;
+  const int tiles = V / kLmRows;
+  for (int tile = blockIdx.x * kLmWarps + warp; tile < tiles; tile += gridDim.x * kLmWarps) {
+    float acc[kLmRows] = {};
+#pragma unroll 1
+    for (int j0 = 0; j0 < kIters; j0 += kLmUnroll) {
+      uint4 wv[kLmRows][kLmUnroll];
+#pragma unroll
+      for (int r = 0; r < kLmRows; ++r)
+#pragma unroll
+        for (int u = 0; u < kLmUnroll; ++u) {
+          const int c = (j0 + u) * kWarp + lane;
+          wv[r][u] = (j0 + u < kIters && c < kVecs)
+                         ? __ldg(w + (size_t)(tile * kLmRows + r) * kVecs + c)
+                         : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < kLmUnroll; ++u) {
+        const int c = (j0 + u) * kWarp + lane;
+        if (j0 + u < kIters && c < kVecs) {
+          const uint4 xv = xs[c];
+          const half2* x2 = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+          for (int r = 0; r < kLmRows; ++r) {
+            const half2* w2 = reinterpret_cast<const half2*>(&wv[r][u]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float2 a = __half22float2(w2[i]), b = __half22float2(x2[i]);
+              acc[r] = fmaf(a.x, b.x, fmaf(a.y, b.y, acc[r]));
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kLmRows; ++r) {
+      const float v = warp_sum(acc[r]);
+      const int n = tile * kLmRows + r;
+      if (lane == 0) logits[n] = v;
+      const unsigned long long k = argmax_key(v, n);
+      best = k > best ? k : best;
+    }
+  }
+  if (lane == 0) best_s[warp] = best;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 1; i < kLmWarps; ++i) best = best_s[i] > best ? best_s[i] : best;
+    best = best_s[0] > best ? best_s[0] : best;
+    atomicMax(key, best);
+  }
+}
+
+// A counter-based random number in [0, 1): splitmix64 of (seed, step). Deterministic per
+// (seed, step), so a seeded generation is reproducible on the device.
+__device__ __forceinline__ float uniform01(unsigned long long seed, int step) {
+  unsigned long long z = seed + 0x9E3779B97F4A7C15ull * (unsigned long long)(step + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+// Sampling over logits (temperature > 0): keep tokens with logit >= tk (top-k threshold) and
+// probability mass order >= tp (top-p threshold), both found by bisection on the logit value
+// (ties at a threshold are kept), then one draw by inverse CDF over the kept set in id order.
+__device__ int sample_token(const float* logits, int V, float m, const int* state) {
+  const float temp = __int_as_float(state[kTemp]);
+  const int top_k = state[kTopK];
+  const float top_p = __int_as_float(state[kTopP]);
+  const float inv_t = 1.f / temp;
+  __shared__ float red[kSampleThreads / kWarp];
+  __shared__ int pick;
+  // Top-k threshold: the largest value thr with count(l >= thr) >= k.
+  float lo = -3.0e38f, hi = m;  // count(l >= hi) >= 1 always
+  if (top_k > 0 && top_k < V) {
+    float a = m - 1.f;
+    for (int i = threadIdx.x; i < V; i += blockDim.x) a = fminf(a, logits[i]);
+    // bisection on [min, m]
+    __shared__ float mn_s[kSampleThreads / kWarp];
+    float mn = warp_max(-a);
+    if (threadIdx.x % kWarp == 0) mn_s[threadIdx.x / kWarp] = mn;
+    __syncthreads();
+    mn = mn_s[0];
+    for (int i = 1; i < kSampleThreads / kWarp; ++i) mn = fmaxf(mn, mn_s[i]);
+    __syncthreads();
+    lo = -mn;
+    for (int it = 0; it < kSearchIters; ++it) {
+      const float mid = 0.5f * (lo + hi);
+      float c = 0.f;
+      for (int i = threadIdx.x; i < V; i += blockDim.x) c += logits[i] >= mid ? 1.f : 0.f;
+      c = block_sum<kSampleThreads / kWarp>(c, red);
+      if (c >= top_k) lo = mid; else hi = mid;
+    }
+    hi = m;
+  } else {
+    lo = -3.0e38f;
+  }
+  const float tk = lo;  // keep l >= tk
+  float z = 0.f;
+  for (int i = threadIdx.x; i < V; i += blockDim.x)
+    if (logits[i] >= tk) z += exp2f((logits[i] - m) * inv_t * kLog2e);
+  z = block_sum<kSampleThreads / kWarp>(z, red);
+  float tp = tk;
+  if (top_p < 1.f) {
+    // Largest thr >= tk with mass(l >= thr) >= top_p * z.
+    float plo = tk < -1e37f ? m - 200.f * temp : tk, phi = m;
+    for (int it = 0; it < kSearchIters; ++it) {
+      const float mid = 0.5f * (plo + phi);
+      float s = 0.f;
+      for (int i = threadIdx.x; i < V; i += blockDim.x)
+        if (logits[i] >= mid && logits[i] >= tk) s += exp2f((logits[i] - m) * inv_t * kLog2e);
+      s = block_sum<kSampleThreads / kWarp>(s, red);
+      if (s >= top_p * z) plo = mid; else phi = mid;
+    }
+    tp = fmaxf(plo, tk);
+  }
+  // Inverse CDF over the kept set, in id order: each thread owns a contiguous range.
+  const int per = (V + blockDim.x - 1) / blockDim.x;
+  const int b = threadIdx.x * per, e = min(V, b + per);
+  float mine = 0.f;
+  for (int i = b; i < e; ++i)
+    if (logits[i] >= tp) mine += exp2f((logits[i] - m) * inv_t * kLog2e);
+  __shared__ float part[kSampleThreads];
+  part[threadIdx.x] = mine;
+  if (threadIdx.x == 0) pick = -1;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int i = 0; i < blockDim.x; ++i) total += part[i];
+    const unsigned long long seed =
+        ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
+    float u = uniform01(seed, state[kStep]) * total, run = 0.f;
+    int owner = blockDim.x - 1;
+    for (int i = 0; i < blockDim.x; ++i) {
+      if (run + part[i] > u && part[i] > 0.f) { owner = i; break; }
+      run += part[i];
+    }
+    const int ob = owner * per, oe = min(V, ob + per);
+    int last = -1;
+    for (int i = ob; i < oe; ++i) {
+      if (logits[i] < tp) continue;
+      last = i;
+      run += exp2f((logits[i] - m) * inv_t * kLog2e);
+      if (run > u) break;
+    }
+    pick = last;
+  }
+  __syncthreads();
+  return pick;
+}
+
+// Picks the next token and advances the decode state (one CTA of kSampleThreads).
+// logits   fp32 [V]; key: u64 argmax key from lm_head_argmax (re-zeroed here)
+// state    int32 [kEos0 + kMaxEos]  (StateWord)
+// ring     int32 [max_new]  device copy of the generated ids (ring[step] = token)
+// host_ring int32 [max_new] mapped pinned host memory (may be null): the host streams from it
+// cancel   int32 * mapped pinned host flag (may be null): nonzero stops after this token
+// cond     graph conditional handle of the generation while-loop (0 = none): set to !done
+extern "C" __global__ void __launch_bounds__(kSampleThreads)
+sample_finish(const float* __restrict__ logits, unsigned long long* key, int* state, int* ring,
+              volatile int* host_ring, const volatile int* cancel,
+              unsigned long long cond, int V) {
+  pdl_wait();
+  const unsigned long long k = *key;
+  const int greedy_id = (int)(0xFFFFFFFFu - (uint32_t)(k & 0xFFFFFFFFull));
+  const float temp = __int_as_float(state[kTemp]);
+  int token = greedy_id;
+  if (temp > 0.f && state[kTopK] != 1) {
+    uint32_t b = (uint32_t)(k >> 32);
+    b = (b & 0x80000000u) ? (b & 0x7FFFFFFFu) : ~b;
+    const int s = sample_token(logits, V, __uint_as_float(b), state);
+    if (s >= 0) token = s;
+  }
+  if (threadIdx.x == 0) {
+    const int step = state[kStep];
+    ring[step] = token;
+    bool done = step + 1 >= state[kMaxNew];
+    for (int i = 0; i < state[kNumEos]; ++i) done |= token == state[kEos0 + i];
+    if (cancel && *cancel) done = true;
+    state[kToken] = token;
+    state[kPos] += 1;
+    state[kStep] = step + 1;
+    state[kDone] = done ? 1 : 0;
+    *key = 0ull;
+    if (host_ring) {
+      host_ring[step] = token;
+      __threadfence_system();  // the token is visible to the host before the count moves
+      host_ring[-1] = step + 1;  // word before the ring: tokens written so far
+    }
+    if (cond) cudaGraphSetConditional(cond, done ? 0u : 1u);
+  }
+}

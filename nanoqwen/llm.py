@@ -1,0 +1,225 @@
+"""LLM: the Python API over any backend, used by the CLI and the server.
+
+    llm = LLM("model.nanoqwen")                 # backend "auto": cuda on sm_90, else reference
+    ids = llm.prepare(messages=[{"role": "user", "content": "Write is_prime(n)."}])
+    for delta in llm.stream(ids, SamplingParams(max_tokens=128)):
+        print(delta.text, end="", flush=True)
+
+The front end owns everything around the token ids: the tokenizer and chat template
+(`prepare`), the context check, detokenization that never splits a UTF-8 sequence, and stop
+strings (text that might start one is held back). A backend only turns prompt ids into
+generated ids (nanoqwen/backend.py). Generation stops on the tokenizer's EOS ids ("stop"),
+on a user stop string ("stop"), or after `max_tokens` ("length").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelConfig
+from .errors import ContextError, NanoqwenError
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+BACKENDS = ("auto", "cuda", "reference")
+REFERENCE_DEFAULT_CONTEXT = 4096  # the reference keeps fp32 weights and KV in CPU memory
+CUDA_DEFAULT_CONTEXT = 32768
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of a streamed completion. The last one has finish_reason "stop" or "length"."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+def _cuda_available() -> tuple[bool, str]:
+    """(usable, reason): an sm_90 GPU with our CUDA runtime importable."""
+    try:
+        from .cuda.device import sm90_available
+    except ImportError as exc:
+        return False, f"CUDA runtime not importable: {exc}"
+    if not sm90_available():
+        return False, "no sm_90 GPU found"
+    return True, "sm_90 GPU found"
+
+
+def choose_backend(requested: str) -> tuple[str, str]:
+    """(backend name, reason) for a `--backend` value."""
+    if requested not in BACKENDS:
+        raise NanoqwenError(f"unknown backend {requested!r}; choose one of {', '.join(BACKENDS)}")
+    if requested == "reference":
+        return "reference", "requested"
+    usable, reason = _cuda_available()
+    if requested == "cuda" and not usable:
+        raise NanoqwenError(
+            f"backend 'cuda' needs an NVIDIA Hopper GPU (sm_90) and the cuda extras ({reason}); "
+            "use --backend reference to run on the CPU"
+        )
+    return ("cuda" if usable else "reference"), reason
+
+
+class LLM:
+    """A loaded .nanoqwen model with its tokenizer, on one backend (batch 1)."""
+
+    def __init__(self, path: str | os.PathLike, backend: str = "auto", max_context=None):
+        from .fileformat import NanoqwenFile
+
+        self.backend_name, self.backend_reason = choose_backend(backend)
+        self.path = Path(path)
+        self._file = NanoqwenFile(self.path)
+        try:
+            self.config: ModelConfig = self._file.config
+            self.tokenizer = Tokenizer.from_file(self._file)
+            self.max_context = self._resolve_context(max_context)
+            self._backend = self._open_backend()
+        except BaseException:
+            self._file.close()
+            raise
+        self._stop_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.model_name = str(self._file.metadata.get("model_name") or self.path.stem)
+
+    def _resolve_context(self, requested: int | None) -> int:
+        limit = self.config.max_position_embeddings
+        if requested is None:
+            default = REFERENCE_DEFAULT_CONTEXT
+            if self.backend_name == "cuda":
+                default = CUDA_DEFAULT_CONTEXT
+            return min(default, limit)
+        if not 0 < requested <= limit:
+            raise ContextError(
+                f"max_context {requested} must be in [1, {limit}] "
+                f"(the model's max_position_embeddings)"
+            )
+        return requested
+
+    def _open_backend(self):
+        if self.backend_name == "cuda":
+            try:
+                from .engine import CudaBackend
+            except ImportError as exc:
+                raise NanoqwenError(
+                    f"the cuda backend cannot be loaded ({exc}); use --backend reference"
+                ) from None
+            return CudaBackend(self._file, max_context=self.max_context)
+        from .reference import ReferenceBackend
+
+        return ReferenceBackend(self._file, max_context=self.max_context)
+
+    # Prompts -----------------------------------------------------------------------------
+    def prepare(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[dict[str, str]] | None = None,
+        fim: tuple[str, str] | None = None,
+    ) -> list[int]:
+        """Prompt token ids from exactly one of: a raw prompt, chat messages, (prefix, suffix)."""
+        given = [x is not None for x in (prompt, messages, fim)]
+        if sum(given) != 1:
+            raise NanoqwenError("prepare() takes exactly one of prompt=, messages=, fim=")
+        if prompt is not None:
+            ids = self.tokenizer.encode(prompt)
+        elif messages is not None:
+            ids = self.tokenizer.encode_chat(list(messages))
+        else:
+            if not (isinstance(fim, tuple | list) and len(fim) == 2):
+                raise NanoqwenError("fim= must be a (prefix, suffix) pair of strings")
+            ids = self.tokenizer.fim_prompt(*fim)
+        if not ids:
+            raise ContextError("the prompt is empty: it encodes to 0 tokens")
+        return ids
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        total = prompt_len + max_tokens
+        if total > self.max_context:
+            raise ContextError(
+                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} = {total} exceeds "
+                f"the context of {self.max_context} tokens"
+            )
+
+    # Generation --------------------------------------------------------------------------
+    def stream(self, ids: Sequence[int], params: SamplingParams) -> Iterator[Delta]:
+        """Generate from prompt ids: one Delta per generated token; see the module docstring.
+
+        A delta's text may be empty (an incomplete UTF-8 sequence or a possible stop string
+        is held back), so the consumer gets control after every decode step. Checks happen
+        here, before the first delta is asked for. Closing the returned iterator early
+        cancels the backend generation (its KV pages are freed).
+        """
+        self._require_open()
+        self.check_fits(len(ids), params.max_tokens)
+        matcher = StopMatcher(params.stop)
+        tokens = self._backend.generate(list(ids), params, self._stop_ids)
+        return self._deltas(tokens, params.max_tokens, matcher)
+
+    def _deltas(self, tokens: Generator[int], max_tokens: int, matcher) -> Iterator[Delta]:
+        detok = IncrementalDetokenizer(self.tokenizer)
+
+        def flush(text: str) -> tuple[str, bool]:
+            """`text` plus everything held back, at the end of the generation."""
+            tail, stopped = matcher.feed(detok.finish())
+            return text + tail + matcher.finish(), stopped
+
+        try:
+            for count, token in enumerate(tokens, start=1):
+                if token in self._stop_ids:  # EOS: ends the text, adds none
+                    yield Delta(flush("")[0], (token,), "stop")
+                    return
+                text, stopped = matcher.feed(detok.feed([token]))
+                if not stopped and count == max_tokens:
+                    text, stopped = flush(text)
+                    yield Delta(text, (token,), "stop" if stopped else "length")
+                    return
+                yield Delta(text, (token,), "stop" if stopped else None)
+                if stopped:
+                    return
+            yield Delta(flush("")[0], (), "length")  # a backend that ended early on its own
+        finally:
+            tokens.close()
+
+    def generate(self, ids: Sequence[int], params: SamplingParams) -> Completion:
+        """The whole completion at once (same stopping rules as `stream`)."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        finish = "length"
+        for delta in self.stream(ids, params):
+            text.append(delta.text)
+            token_ids += delta.token_ids
+            finish = delta.finish_reason or finish
+        return Completion("".join(text), tuple(token_ids), len(ids), len(token_ids), finish)
+
+    # Lifetime ----------------------------------------------------------------------------
+    @property
+    def kv_pages_in_use(self) -> int:
+        return 0 if self._backend is None else self._backend.kv_pages_in_use
+
+    def _require_open(self) -> None:
+        if self._backend is None:
+            raise NanoqwenError("this LLM is closed")
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+            self._file.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

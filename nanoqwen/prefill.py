@@ -1,0 +1,280 @@
+"""Prefill launchers: INT4 tensor-core GEMM and causal GQA attention over a whole prompt.
+
+The kernels live in `kernels/prefill_gemm.cu` and `kernels/prefill_attention.cu`. Construction
+compiles the explicit table of (kernel, template arguments) in `prefill_kernels(config)` through
+`nanoqwen.cuda.jit` (disk cache; NANOQWEN_NO_COMPILE=1 makes a miss an error), loads them, sets
+their shared-memory limits and reads their occupancy; `gemm` and `attention` then only check
+shapes and launch: no compilation, no allocation. Every launcher checks shapes in Python and
+raises ValueError with the numbers before anything reaches the GPU.
+
+Pointers: every buffer argument is a device address: an int (a `DeviceArray.ptr`), an object
+with `.ptr` (a DeviceArray), `.data_ptr()` (a torch tensor) or `.handle` (a cuda.core Buffer).
+Streams: `stream=None` means the Gpu's stream; anything cuda.core's launch accepts otherwise.
+
+Measured (H200, 2026-11-30, tools/prefill_check.py, M = 512, median of 20): the 64 x 128 tile
+runs qkv 148-160, o 163-182, gate_up+SwiGLU 247-256, down 211-223 TFLOP/s; 28 layers of GEMMs
+plus attention project to ~30 ms for a 512-token 7B prefill (cuBLAS fp16 on the same shapes:
+360-690 TFLOP/s; closing that gap needs wgmma).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import GROUP_SIZE, ModelConfig
+from .cuda import jit
+from .cuda.device import check
+
+GEMM_SOURCE = "prefill_gemm.cu"
+ATTENTION_SOURCE = "prefill_attention.cu"
+
+# Shared memory of one GEMM tile: BM rows x 128 fp16 of A + BN rows x 128 nibbles of W.
+_GEMM_BK = 128
+_ATTN_TILE = 64  # query rows per CTA and keys per K/V tile (prefill_attention.cu)
+_ATTN_THREADS = 128
+
+
+@dataclass(frozen=True)
+class GemmVariant:
+    """One compiled GEMM instantiation: a BM x BN tile, a STAGES-deep pipeline."""
+
+    bm: int
+    bn: int
+    wm: int  # warp tile: wm x wn outputs
+    wn: int
+    stages: int
+    min_ctas: int  # CTAs per SM asked of the register allocator (__launch_bounds__)
+    swiglu: bool
+
+    @property
+    def name(self) -> str:
+        sw = "true" if self.swiglu else "false"
+        args = (self.bm, self.bn, self.wm, self.wn, self.stages, self.min_ctas)
+        return f"prefill_gemm_int4<{', '.join(map(str, args))}, {sw}>"
+
+    @property
+    def label(self) -> str:
+        return f"{self.bm}x{self.bn}/w{self.wm}x{self.wn}/s{self.stages}/c{self.min_ctas}"
+
+    @property
+    def threads(self) -> int:
+        return (self.bm // self.wm) * (self.bn // self.wn) * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.bm * _GEMM_BK * 2 + self.bn * _GEMM_BK // 2)
+
+
+# Tile table (H200, 2026-11-30, tools/prefill_check.py at M = 512). 64 x 128 CTAs of four
+# 64 x 32 warp tiles, 4 stages (96 KiB: two CTAs per SM) beat, on every 7B shape, 128 x 128
+# (one CTA/SM; 235 vs 256 TFLOP/s on gate_up) and 32 x 64 warp tiles (half the A traffic but
+# twice the dequantization per mma: 219). Three CTAs per SM would need <= 168 registers and
+# spills. The first variant of a kind wins ties in pick_gemm.
+GEMM_VARIANTS = (
+    GemmVariant(64, 128, 64, 32, 4, 1, False),
+    GemmVariant(64, 128, 64, 32, 4, 1, True),
+)
+
+
+def gemm_variants() -> tuple[GemmVariant, ...]:
+    return GEMM_VARIANTS
+
+
+def attention_variant(config: ModelConfig) -> str:
+    """The attention instantiation for a model: head_dim, query heads and KV heads as constexpr."""
+    return f"prefill_attention<{config.head_dim}, {config.num_heads}, {config.num_kv_heads}>"
+
+
+def attention_smem_bytes(head_dim: int) -> int:
+    return 5 * _ATTN_TILE * (head_dim + 8) * 2  # Q + 2 K + 2 V tiles, rows padded by 16 bytes
+
+
+def prefill_kernels(
+    config: ModelConfig, variants: tuple[GemmVariant, ...] = GEMM_VARIANTS
+) -> dict[str, list[str]]:
+    """The explicit (source, kernel name expressions) table of the prefill path."""
+    return {
+        GEMM_SOURCE: [v.name for v in variants],
+        ATTENTION_SOURCE: [attention_variant(config)],
+    }
+
+
+def _ptr(x) -> int:
+    """Device address of an int, a DeviceArray, a torch tensor or a cuda.core Buffer."""
+    if isinstance(x, int):
+        return x
+    if hasattr(x, "ptr"):
+        return int(x.ptr)
+    if hasattr(x, "data_ptr"):
+        return int(x.data_ptr())
+    if hasattr(x, "handle"):
+        return int(x.handle)
+    return int(x)
+
+
+def _set_dynamic_smem(kernel, nbytes: int, device_id: int) -> None:
+    """Raise a kernel's dynamic shared-memory limit (anything above 48 KiB needs this)."""
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    handle = kernel.handle
+    if isinstance(handle, driver.CUkernel):
+        result = driver.cuKernelSetAttribute(attr, nbytes, handle, driver.CUdevice(device_id))
+    else:
+        result = driver.cuFuncSetAttribute(handle, attr, nbytes)
+    check(result, f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes})")
+
+
+def _load_kernels(compiled) -> tuple[object, dict]:
+    """Load a jit.Compiled cubin and look its kernels up by mangled name.
+
+    Not `Compiled.kernel()`: cuda.core's get_kernel wants symbol_mapping values as bytes (it
+    passes them to the driver as const char*) and the device image's cuda.core rejects the
+    str mapping ("expected bytes, str found", H200 run 2026-11-30). A name that is not in the
+    mapping is encoded by get_kernel itself, so the mangled str works on every version.
+    """
+    from cuda.core import ObjectCode
+
+    module = ObjectCode.from_cubin(compiled.cubin)
+    return module, {name: module.get_kernel(m) for name, m in compiled.symbols.items()}
+
+
+class PrefillKernels:
+    """The prefill kernels of one model, compiled and ready to launch.
+
+    Construction compiles both .cu files with NVRTC (model dims as template constexpr), loads
+    them on the current device and sets shared-memory limits. `gemm` and `attention` then
+    only check shapes and launch: no allocation, no compilation.
+    """
+
+    def __init__(
+        self, config: ModelConfig, gpu, variants: tuple[GemmVariant, ...] = GEMM_VARIANTS
+    ) -> None:
+        """config: the model; gpu: a nanoqwen.cuda.device.Gpu (device current, its stream the
+        default); variants: the GEMM tile table (tools/prefill_check.py passes extra ones)."""
+        self.config, self.gpu, self.variants = config, gpu, tuple(variants)
+        self.num_sms = gpu.num_sms
+        dev_id = gpu.device.device_id
+        table = prefill_kernels(config, self.variants)
+        gemm_mod = jit.compile_module(GEMM_SOURCE, table[GEMM_SOURCE], config)
+        attn_mod = jit.compile_module(ATTENTION_SOURCE, table[ATTENTION_SOURCE], config)
+        self.resources = {**gemm_mod.resources(), **attn_mod.resources()}  # ptxas -v, by name
+        self._gemm, self._per_sm = {}, {}
+        with gpu.guard("loading the prefill kernels"):
+            gemm_lib, gemm_kernels = _load_kernels(gemm_mod)
+            attn_lib, attn_kernels = _load_kernels(attn_mod)
+            self._modules = (gemm_lib, attn_lib)  # keep the libraries alive with the kernels
+            for v in self.variants:
+                kernel = gemm_kernels[v.name]
+                _set_dynamic_smem(kernel, v.smem_bytes, dev_id)
+                self._gemm[v] = kernel
+                # CTAs resident per SM (registers and shared memory), for the tile choice.
+                occ = kernel.occupancy.max_active_blocks_per_multiprocessor(v.threads, v.smem_bytes)
+                self._per_sm[v] = max(1, occ)
+            self.attention_name = table[ATTENTION_SOURCE][0]
+            self._attn = attn_kernels[self.attention_name]
+            self._attn_smem = attention_smem_bytes(config.head_dim)
+            _set_dynamic_smem(self._attn, self._attn_smem, dev_id)
+
+    # -- GEMM ---------------------------------------------------------------------------------
+    def pick_gemm(self, M: int, N: int, swiglu: bool = False) -> GemmVariant:
+        """Tile choice: the fewest SM-waves of work, counting the CTAs resident per SM (from
+        the occupancy API); ties go to the first variant in the table (its order is the
+        measured preference)."""
+        best, best_cost = None, None
+        for v in self.variants:
+            if v.swiglu != swiglu or N % v.bn:
+                continue
+            ctas = -(-M // v.bm) * (N // v.bn)
+            per_sm = self._per_sm[v]
+            waves = -(-ctas // (self.num_sms * per_sm))
+            cost = waves * v.bm * v.bn / per_sm
+            if best_cost is None or cost < best_cost:
+                best, best_cost = v, cost
+        if best is None:
+            raise ValueError(f"prefill gemm: no tile fits N={N} (needs a multiple of 128)")
+        return best
+
+    def gemm(
+        self,
+        a,
+        qweight,
+        scales,
+        bias,
+        out,
+        M: int,
+        N: int,
+        K: int,
+        residual=None,
+        *,
+        swiglu: bool = False,
+        variant: GemmVariant | None = None,
+        stream=None,
+    ) -> None:
+        """out = a @ dequant(qweight, scales)^T (+ bias) (+ residual), fp32 accumulate.
+
+        a        fp16   [M, K] row-major activations (M >= 1, any)
+        qweight  uint32 [N, K/8] ValueShuffle words, row-major (nanoqwen.quant)
+        scales   fp16   [N, K/128] one scale per output row and 128-group of K
+        bias     fp16   [N] or None
+        out      fp16   [M, N]; with swiglu=True [M, N/2]: the weight is [gate; up] stacked
+                 (rows 0..N/2-1 gate, N/2..N-1 up) and out = silu(a @ gate^T) * (a @ up^T)
+        residual fp16   [M, N] or None; added in fp32 before rounding; may be `out` itself
+        K % 128 == 0, N % 128 == 0 (swiglu: N/2 % 64 == 0). All pointers 16-byte aligned.
+        """
+        if M < 1 or K < GROUP_SIZE or K % GROUP_SIZE:
+            raise ValueError(f"prefill gemm: need M >= 1 and K % {GROUP_SIZE} == 0; M={M} K={K}")
+        if N < 128 or N % 128:
+            raise ValueError(f"prefill gemm: N={N} must be a positive multiple of 128")
+        if swiglu and (bias is not None or residual is not None):
+            raise ValueError("prefill gemm: swiglu takes no bias and no residual")
+        v = variant if variant is not None else self.pick_gemm(M, N, swiglu)
+        if v.swiglu != swiglu:
+            raise ValueError(f"prefill gemm: variant {v.name} does not match swiglu={swiglu}")
+        ptrs = [_ptr(x) for x in (a, qweight, scales, out)]
+        if any(p % 16 for p in ptrs):
+            raise ValueError(f"prefill gemm: pointers must be 16-byte aligned, got {ptrs}")
+        grid = (-(-M // v.bm), N // v.bn, 1)
+        self._launch(
+            stream,
+            "prefill gemm",
+            grid,
+            v.threads,
+            v.smem_bytes,
+            self._gemm[v],
+            ptrs[0],
+            ptrs[1],
+            ptrs[2],
+            0 if bias is None else _ptr(bias),
+            0 if residual is None else _ptr(residual),
+            ptrs[3],
+            np.int32(M),
+            np.int32(N),
+            np.int32(K),
+        )
+
+    # -- attention ------------------------------------------------------------------------------
+    def attention(self, q, k, v, out, T: int, *, stream=None) -> None:
+        """Causal GQA attention over positions 0..T-1, softmax scale 1/sqrt(head_dim).
+
+        q    fp16 [T, num_heads, head_dim]     RoPE applied, row-major
+        k, v fp16 [T, num_kv_heads, head_dim]  RoPE applied to k, row-major
+        out  fp16 [T, num_heads, head_dim]     must not alias q, k, v
+        """
+        if T < 1:
+            raise ValueError(f"prefill attention: T={T} must be >= 1")
+        ptrs = [_ptr(x) for x in (q, k, v, out)]
+        if any(p % 16 for p in ptrs):
+            raise ValueError(f"prefill attention: pointers must be 16-byte aligned, got {ptrs}")
+        grid = (-(-T // _ATTN_TILE), self.config.num_heads, 1)
+        self._launch(
+            stream, "prefill attention", grid, _ATTN_THREADS, self._attn_smem, self._attn, *ptrs,
+            np.int32(T),
+        )  # fmt: skip
+
+    # -- launch ----------------------------------------------------------------------------------
+    def _launch(self, stream, what, grid, threads, smem, kernel, *args) -> None:
+        with self.gpu.guard(what):  # a sticky error marks the Gpu broken
+            self.gpu.launch(kernel, grid, threads, *args, smem=smem, stream=stream)

@@ -1,0 +1,112 @@
+"""Symmetric INT4 group quantization and the ValueShuffle nibble layout (layout_id 1).
+
+Quantization rule (one group = 128 consecutive K-elements of one output row):
+
+    scale = fp16(max|w| / 7)             # stored; rounded to fp16 *before* quantizing
+    q     = clip(rint(w / scale), -8, 7)  # rint = round half to even, in float32
+    w'    = q * scale                    # what the kernels see (exact in fp32)
+
+Dividing by 7 (not 8) keeps the largest magnitude exactly representable on both signs; -8 is
+reachable only through rounding and costs nothing. Quantizing against the fp16-rounded scale
+makes `dequantize` the exact inverse the kernels compute. An all-zero group gets scale 0 and
+q = 0. A group whose max|w| / 7 overflows fp16 is an error, not a silent inf.
+
+ValueShuffle (layout_id 1): eight signed nibbles per uint32, K-elements v0..v7 of one row,
+even lanes in the low half-word and odd lanes in the high half-word:
+
+    bits [4i, 4i+4)       hold v(2i)      i = 0..3
+    bits [16+4i, 20+4i)   hold v(2i+1)
+
+so `(w >> 4i) & 0x000F000F` yields the pair (v2i, v2i+1), one per 16-bit half: the shape that
+prmt.b32 / lop3 turn into a half2 without shuffles. Words are tiled row-major: qweight[n, j]
+holds K-elements 8j..8j+7 of output row n; scales[n, g] covers K-elements 128g..128g+127.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import GROUP_SIZE
+from .errors import NanoqwenError
+
+LAYOUT_VALUE_SHUFFLE = 1
+QMIN, QMAX = -8, 7
+_FP16_MAX = float(np.finfo(np.float16).max)
+
+# Bit offset of each of the 8 lanes within a word: lane 2i -> 4i, lane 2i+1 -> 16 + 4i.
+LANE_SHIFTS = np.array([0, 16, 4, 20, 8, 24, 12, 28], dtype=np.uint32)
+
+
+class QuantError(NanoqwenError, ValueError):
+    """A weight that cannot be quantized (wrong shape, NaN/Inf, fp16 overflow)."""
+
+
+def _check_matrix(w: np.ndarray, name: str) -> tuple[int, int]:
+    if w.ndim != 2:
+        raise QuantError(f"{name}: expected a 2-D [N, K] weight, got shape {w.shape}")
+    n, k = w.shape
+    if k % GROUP_SIZE:
+        raise QuantError(f"{name}: K={k} is not a multiple of the group size {GROUP_SIZE}")
+    return n, k
+
+
+def quantize(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """INT4-quantize one projection.
+
+    w: float [N, K] (any float dtype; computed in float32), K % 128 == 0.
+    Returns (q: int8 [N, K] in [-8, 7], scales: float16 [N, K/128]).
+    """
+    n, k = _check_matrix(w, name)
+    groups = np.asarray(w, dtype=np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    if not np.isfinite(groups).all():
+        bad = np.argwhere(~np.isfinite(groups.reshape(n, k)))[0]
+        raise QuantError(f"{name}: non-finite value at [{bad[0]}, {bad[1]}]")
+    absmax = np.abs(groups).max(axis=2)
+    if absmax.max(initial=0.0) / QMAX > _FP16_MAX:
+        raise QuantError(f"{name}: max |w| {absmax.max():.4g} overflows the fp16 scale")
+    scales = (absmax / QMAX).astype(np.float16)
+    s32 = scales.astype(np.float32)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s32 > 0, np.rint(groups / s32), 0.0)
+    q = np.clip(q, QMIN, QMAX).astype(np.int8).reshape(n, k)
+    return q, scales
+
+
+def dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """q: int8 [N, K], scales: float16 [N, K/128] -> float32 [N, K] (exact)."""
+    n, k = q.shape
+    groups = q.reshape(n, k // GROUP_SIZE, GROUP_SIZE).astype(np.float32)
+    return (groups * scales.astype(np.float32)[:, :, None]).reshape(n, k)
+
+
+def pack_value_shuffle(q: np.ndarray) -> np.ndarray:
+    """q: int8 [N, K] in [-8, 7], K % 8 == 0 -> uint32 [N, K/8] ValueShuffle words."""
+    if q.ndim != 2 or q.shape[1] % 8:
+        raise QuantError(f"pack: expected int8 [N, K] with K % 8 == 0, got {q.shape}")
+    if q.size and (q.min() < QMIN or q.max() > QMAX):
+        raise QuantError(f"pack: values outside [{QMIN}, {QMAX}]")
+    n, k = q.shape
+    nibbles = (q.astype(np.int32) & 0xF).astype(np.uint32).reshape(n, k // 8, 8)
+    return np.bitwise_or.reduce(nibbles << LANE_SHIFTS, axis=2).astype(np.uint32)
+
+
+def unpack_value_shuffle(words: np.ndarray) -> np.ndarray:
+    """uint32 [N, K/8] ValueShuffle words -> int8 [N, K] in [-8, 7]."""
+    if words.ndim != 2 or words.dtype != np.uint32:
+        raise QuantError(f"unpack: expected uint32 [N, K/8], got {words.dtype} {words.shape}")
+    n, kw = words.shape
+    nibbles = (words[:, :, None] >> LANE_SHIFTS) & 0xF  # [N, K/8, 8]
+    signed = nibbles.astype(np.int8)
+    signed[signed > 7] -= 16
+    return signed.reshape(n, kw * 8)
+
+
+def quantize_pack(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
+    """float [N, K] -> (qweight uint32 [N, K/8] ValueShuffle, scales float16 [N, K/128])."""
+    q, scales = quantize(w, name)
+    return pack_value_shuffle(q), scales
+
+
+def dequantize_packed(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(qweight uint32 [N, K/8], scales float16 [N, K/128]) -> float32 [N, K]."""
+    return dequantize(unpack_value_shuffle(qweight), scales)

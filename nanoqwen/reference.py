@@ -1,0 +1,350 @@
+"""The reference model: a plain PyTorch Qwen2 decoder reading a .nanoqwen file. The oracle.
+
+Every kernel and logit test compares against this file, and this file is in turn checked against
+Hugging Face transformers' Qwen2 on the same weights (tests/test_reference.py). So it favours
+being obviously right over being fast:
+
+- Weights are what the kernels see: each INT4 projection is dequantized exactly
+  (`quant.dequantize_packed`: q * fp16 scale, exact in float32); embeddings, norms, biases and
+  lm_head are the file's fp16 values upcast. Compute runs in float32 unless `dtype` says
+  otherwise; RMSNorm and softmax always run in float32.
+- The KV cache is paged the way the engine pages it: per layer a pool of 16-token pages
+  `[num_pages, 16, n_kv_heads, head_dim]` for K and for V, a page table (list of page ids) per
+  sequence, pages taken before the step that writes them and returned when the sequence ends.
+  Prefill and decode both write K/V into the pages and read the whole context back through the
+  page table, so the indirection is exercised on every step.
+- RoPE is the NEOX form (rotate the halves [..., :d/2] and [..., d/2:]). Its cos/sin table is
+  formed in float64 and rounded once to float32: an angle `pos * inv_freq` formed in float32
+  is off by ~pos * 6e-8 radians, 2e-3 at position 32k.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .errors import ContextError, NanoqwenError
+from .quant import dequantize_packed
+from .sampling import SamplingParams, make_generator, sample
+
+if TYPE_CHECKING:
+    from .fileformat import NanoqwenFile
+
+PAGE_TOKENS = 16  # tokens per KV page, as in the engine
+
+
+def _check_tokens(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """Token ids -> int64 [T]; refuses an empty list and ids outside the vocabulary."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+    if ids.numel() == 0:
+        raise NanoqwenError("empty prompt: at least one token id is needed")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        at = int(bad.nonzero()[0, 0])
+        raise NanoqwenError(f"token id {int(ids[at])} at index {at} outside [0, {vocab_size})")
+    return ids
+
+
+# --- Paged KV cache -------------------------------------------------------------------------
+
+
+class PagedKVCache:
+    """K and V pools of 16-token pages per layer, and the free list of page ids.
+
+    A sequence owns a page table (list of page ids); position p lives in page
+    `table[p // 16]`, slot `p % 16`. Pages are handed out from the top of the pool down, so a
+    page table is never the identity and a wrong indirection shows in the tests.
+    """
+
+    def __init__(self, config: ModelConfig, num_pages: int, dtype: torch.dtype, device):
+        shape = (num_pages, PAGE_TOKENS, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.num_pages = num_pages
+        self._free = list(range(num_pages))
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def reserve(self, page_table: list[int], length: int) -> None:
+        """Grow `page_table` (in place) until it covers positions [0, length)."""
+        needed = -(-length // PAGE_TOKENS) - len(page_table)
+        if needed > len(self._free):
+            raise ContextError(
+                f"KV cache full: {length} positions need {needed} more 16-token pages, "
+                f"{len(self._free)} of {self.num_pages} are free"
+            )
+        for _ in range(max(needed, 0)):
+            page_table.append(self._free.pop())
+
+    def release(self, page_table: list[int]) -> None:
+        """Return every page of `page_table` to the pool and empty it."""
+        self._free.extend(reversed(page_table))
+        page_table.clear()
+
+    def write(self, layer: int, table: torch.Tensor, start: int, k, v) -> None:
+        """k, v: [T, n_kv_heads, head_dim] for positions start..start+T-1."""
+        pos = torch.arange(start, start + k.shape[0], device=k.device)
+        pages, slots = table[pos // PAGE_TOKENS], pos % PAGE_TOKENS
+        self.k[layer][pages, slots] = k
+        self.v[layer][pages, slots] = v
+
+    def read(self, layer: int, table: torch.Tensor, length: int):
+        """K and V of positions 0..length-1, each [length, n_kv_heads, head_dim]."""
+        pages = table[: -(-length // PAGE_TOKENS)]
+        k = self.k[layer][pages].flatten(0, 1)[:length]  # [pages * 16, n_kv_heads, head_dim]
+        v = self.v[layer][pages].flatten(0, 1)[:length]
+        return k, v
+
+
+# --- Weights ----------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H] float32
+    post_attn_norm: torch.Tensor  # [H] float32
+    q_proj: torch.Tensor  # [n_heads * head_dim, H]
+    k_proj: torch.Tensor  # [n_kv_heads * head_dim, H]
+    v_proj: torch.Tensor  # [n_kv_heads * head_dim, H]
+    q_bias: torch.Tensor
+    k_bias: torch.Tensor
+    v_bias: torch.Tensor
+    o_proj: torch.Tensor  # [H, n_heads * head_dim]
+    gate_proj: torch.Tensor  # [I, H]
+    up_proj: torch.Tensor  # [I, H]
+    down_proj: torch.Tensor  # [H, I]
+
+
+def _fp16(file: NanoqwenFile, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """A float16 tensor of the file, upcast exactly (float32 holds every float16)."""
+    return torch.from_numpy(file.tensor(name).astype(np.float32)).to(device, dtype)
+
+
+def _int4(file: NanoqwenFile, proj: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """An INT4 projection dequantized as the kernels see it: q * fp16 scale, [N, K]."""
+    w = dequantize_packed(file.tensor(proj + ".qweight"), file.tensor(proj + ".scales"))
+    return torch.from_numpy(w).to(device, dtype).contiguous()
+
+
+def _load_layer(file: NanoqwenFile, i: int, dtype: torch.dtype, device) -> LayerWeights:
+    p = f"layers.{i}."
+
+    def fp16(name: str, to: torch.dtype = dtype) -> torch.Tensor:
+        return _fp16(file, p + name, to, device)
+
+    def int4(proj: str) -> torch.Tensor:
+        return _int4(file, p + proj, dtype, device)
+
+    return LayerWeights(
+        input_norm=fp16("input_norm", torch.float32),
+        post_attn_norm=fp16("post_attn_norm", torch.float32),
+        q_proj=int4("q_proj"),
+        k_proj=int4("k_proj"),
+        v_proj=int4("v_proj"),
+        q_bias=fp16("q_proj.bias"),
+        k_bias=fp16("k_proj.bias"),
+        v_bias=fp16("v_proj.bias"),
+        o_proj=int4("o_proj"),
+        gate_proj=int4("gate_proj"),
+        up_proj=int4("up_proj"),
+        down_proj=int4("down_proj"),
+    )
+
+
+def rope_table(config: ModelConfig, positions: int, dtype: torch.dtype, device):
+    """cos, sin: [positions, head_dim / 2], formed in float64 (module docstring), then rounded
+    to float32 or to `dtype` if that is wider."""
+    half = config.head_dim // 2
+    inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    out = torch.promote_types(dtype, torch.float32)
+    return angles.cos().to(device, out), angles.sin().to(device, out)
+
+
+# --- The model --------------------------------------------------------------------------------
+
+
+def _at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight, in float32 (or wider); returns x's dtype."""
+    xf = _at_least_fp32(x)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * weight).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim / 2]. NEOX halves: (x1, x2) rotated."""
+    half = x.shape[-1] // 2
+    x1, x2 = _at_least_fp32(x[..., :half]), _at_least_fp32(x[..., half:])
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim / 2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Qwen2Reference:
+    """The decoder: weights on `device` in `dtype`, and the arithmetic of one forward pass."""
+
+    def __init__(self, file: NanoqwenFile, max_positions: int, dtype: torch.dtype, device):
+        cfg = self.config = file.config
+        self.embed_tokens = _fp16(file, "embed_tokens", dtype, device)  # [V, H]
+        self.layers = [_load_layer(file, i, dtype, device) for i in range(cfg.num_layers)]
+        self.final_norm = _fp16(file, "final_norm", torch.float32, device)  # [H]
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _fp16(file, "lm_head", dtype, device)  # [V, H]
+        self.cos, self.sin = rope_table(cfg, max_positions, dtype, device)
+
+    def forward(
+        self, tokens: torch.Tensor, start: int, page_table: list[int], cache: PagedKVCache
+    ) -> torch.Tensor:
+        """tokens: int64 [T] at positions start..start+T-1 -> final hidden states [T, H].
+
+        The pages of `page_table` must already cover positions [0, start + T).
+        """
+        table = torch.tensor(page_table, dtype=torch.int64, device=tokens.device)
+        cos = self.cos[start : start + tokens.shape[0]]  # [T, head_dim / 2]
+        sin = self.sin[start : start + tokens.shape[0]]
+        x = self.embed_tokens[tokens]  # x: [T, H]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, self.config.rms_norm_eps)
+            x = x + self.attention(h, layer, i, start, table, cache, cos, sin)
+            h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
+            x = x + self.mlp(h, layer)
+        return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, H] -> logits float32 [T, V]."""
+        return F.linear(hidden.to(self.lm_head.dtype), self.lm_head).float()
+
+    def attention(self, x, w: LayerWeights, layer: int, start: int, table, cache, cos, sin):
+        """x: [T, H] -> [T, H]. Causal GQA over positions 0..start+T-1 read from the pages."""
+        cfg, t = self.config, x.shape[0]
+        group, d = cfg.group_ratio, cfg.head_dim
+        q = F.linear(x, w.q_proj, w.q_bias).view(t, cfg.num_heads, d)  # q: [T, n_heads, d]
+        k = F.linear(x, w.k_proj, w.k_bias).view(t, cfg.num_kv_heads, d)  # k: [T, n_kv, d]
+        v = F.linear(x, w.v_proj, w.v_bias).view(t, cfg.num_kv_heads, d)  # v: [T, n_kv, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(layer, table, start, k, v)
+        k, v = cache.read(layer, table, start + t)  # k, v: [L, n_kv, d], L = start + T
+
+        # Query head h reads KV head h // group: view q as [n_kv, group, T, d].
+        q = q.view(t, cfg.num_kv_heads, group, d).permute(1, 2, 0, 3)
+        k, v = k.permute(1, 0, 2)[:, None], v.permute(1, 0, 2)[:, None]  # [n_kv, 1, L, d]
+        scores = _at_least_fp32(q @ k.transpose(-1, -2)) / math.sqrt(d)  # [n_kv, group, T, L]
+        query_pos = torch.arange(start, start + t, device=x.device)[:, None]  # [T, 1]
+        key_pos = torch.arange(start + t, device=x.device)[None, :]  # [1, L]
+        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = (probs @ v).permute(2, 0, 1, 3).reshape(t, cfg.q_size)  # out: [T, n_heads * d]
+        return F.linear(out, w.o_proj)
+
+    @staticmethod
+    def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """SwiGLU: down(silu(gate(x)) * up(x)); x: [T, H] -> [T, H]."""
+        return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+
+
+# --- The backend ------------------------------------------------------------------------------
+
+
+class ReferenceBackend:
+    """nanoqwen.backend.Backend in plain PyTorch: batch 1, host sampling, paged KV."""
+
+    name = "reference"
+
+    def __init__(
+        self,
+        file: NanoqwenFile,
+        max_context: int = 4096,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config: ModelConfig = file.config
+        if not 0 < max_context <= self.config.max_position_embeddings:
+            raise ContextError(
+                f"max_context {max_context} must be in [1, "
+                f"{self.config.max_position_embeddings}] (the model's max_position_embeddings)"
+            )
+        self.max_context = max_context
+        self.device = torch.device(device)
+        with torch.inference_mode():
+            self.model = Qwen2Reference(file, max_context, dtype, self.device)
+            pages = -(-max_context // PAGE_TOKENS)
+            self.cache = PagedKVCache(self.config, pages, dtype, self.device)
+
+    @property
+    def kv_pages_in_use(self) -> int:
+        return 0 if self.cache is None else self.cache.pages_in_use
+
+    def _require_open(self) -> None:
+        if self.model is None:
+            raise NanoqwenError("the reference backend is closed")
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens + max_tokens > self.max_context:
+            raise ContextError(
+                f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
+                f"{prompt_tokens + max_tokens} exceeds the context limit of {self.max_context}"
+            )
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
+    ) -> Iterator[int]:
+        """Prefill the prompt, then decode one token per step (see backend.Backend)."""
+        self._require_open()
+        prompt = _check_tokens(prompt_ids, self.config.vocab_size).to(self.device)
+        self.check_fits(len(prompt), params.max_tokens)
+        return self._generate(prompt, params, stop_ids)
+
+    def _generate(self, prompt: torch.Tensor, params: SamplingParams, stop_ids) -> Iterator[int]:
+        page_table: list[int] = []
+        cache = self.cache  # released into even if the backend is closed meanwhile
+        generator = make_generator(params.seed)
+        try:
+            logits = self._step(prompt, 0, page_table)
+            for n in range(1, params.max_tokens + 1):
+                token = sample(logits.cpu(), params, generator)
+                yield token
+                if token in stop_ids or n == params.max_tokens:
+                    return
+                next_token = torch.tensor([token], device=self.device)
+                logits = self._step(next_token, len(prompt) + n - 1, page_table)
+        finally:  # also runs on close() or garbage collection of an unfinished iterator
+            cache.release(page_table)
+
+    @torch.inference_mode()
+    def _step(self, tokens: torch.Tensor, start: int, page_table: list[int]) -> torch.Tensor:
+        """Run tokens at positions start.. through the model; the last row's logits [V]."""
+        self.cache.reserve(page_table, start + len(tokens))
+        hidden = self.model.forward(tokens, start, page_table, self.cache)
+        return self.model.logits(hidden[-1:])[0]
+
+    @torch.inference_mode()
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits, one prefill over the whole sequence: float32 [T, V]."""
+        self._require_open()
+        tokens = _check_tokens(token_ids, self.config.vocab_size).to(self.device)
+        self.check_fits(len(tokens), 0)
+        page_table: list[int] = []
+        try:
+            self.cache.reserve(page_table, len(tokens))
+            hidden = self.model.forward(tokens, 0, page_table, self.cache)
+            return self.model.logits(hidden).cpu().numpy()
+        finally:
+            self.cache.release(page_table)
+
+    def close(self) -> None:
+        """Drop the weights and the KV pools; the backend is unusable afterwards."""
+        self.model = self.cache = None

@@ -1,0 +1,93 @@
+"""Sampling parameters (validated once) and the host-side sampler used by the reference backend.
+
+Semantics shared by every backend: temperature 0 is greedy (argmax, lowest id on ties);
+otherwise logits / temperature, then top-k (0 = off), then top-p (nucleus, 1.0 = off) over the
+tokens sorted by probability, then one draw from a generator seeded by `seed` (None = random).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import NanoqwenError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SamplingError(NanoqwenError, ValueError):
+    """Sampling parameters out of range."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 100.0):
+            raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+# The host sampler. torch is imported inside the functions: it is an optional dependency (the
+# `reference` extra), and this module is imported by every backend through SamplingParams.
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU torch.Generator seeded by `seed`; None draws a fresh random seed."""
+    import torch
+
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
+    """One token id from `logits` (float32 [V], CPU) under `params` (module docstring).
+
+    Greedy is argmax, lowest id on ties. Otherwise the tokens are sorted by probability (stable,
+    so equal probabilities keep id order), cut to the top_k, renormalized, cut to the smallest
+    prefix whose cumulative probability reaches top_p (the top token is always kept), and one
+    token is drawn from what is left with `generator`.
+    """
+    import torch
+
+    if logits.ndim != 1 or logits.numel() == 0:
+        raise SamplingError(f"sample: expected logits of shape [V], got {tuple(logits.shape)}")
+    if params.greedy:
+        return int(torch.argmax(logits))  # first maximal index: lowest id on ties
+    probs = torch.softmax(logits.float() / params.temperature, dim=0)
+    probs, ids = torch.sort(probs, descending=True, stable=True)
+    if params.top_k:
+        probs, ids = probs[: params.top_k], ids[: params.top_k]
+    probs = probs / probs.sum()
+    if params.top_p < 1.0:
+        # Keep token i while the mass strictly before it is < top_p: the smallest prefix with
+        # cumulative probability >= top_p. Token 0 has 0 before it, so it is always kept.
+        before = torch.cumsum(probs, dim=0) - probs
+        keep = int((before < params.top_p).sum())
+        probs = probs[:keep]
+    choice = torch.multinomial(probs, 1, generator=generator)
+    return int(ids[choice])

@@ -1,0 +1,292 @@
+"""The FastAPI application: routes, validation, streaming and error mapping.
+
+Every request is validated (pydantic, model name, tokenization, `LLM.check_fits`) before it
+reaches the engine queue, so a bad request costs no GPU work and always gets a 400 with an
+OpenAI error object. Prompts are tokenized in the thread pool (the tokenizer is read-only and
+thread-safe); only the worker thread runs the engine.
+
+Streaming: the handler waits for the first delta before it answers, so a failure before the
+first token still gets its HTTP status (500/503); later failures become an error event in the
+stream. `JobStream` cancels the job whenever the response ends for any reason (client gone,
+task cancelled by Starlette's disconnect listener, normal end), and `job_events` also polls
+`request.is_disconnected()` so a non-streamed request whose client left is cancelled too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import ContextError, DeviceError, NanoqwenError
+from .auth import BearerAuth
+from .protocol import SSE_DONE, APIError, Reply, sse
+from .schemas import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    GenerationRequest,
+    field_names,
+)
+from .worker import DONE, EngineDown, Job, QueueFull, Worker
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+RETRY_AFTER_S = 1  # Retry-After on a 429 (queue full)
+FIELD_NAMES = field_names()
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited or ran."""
+
+
+class JobStream(StreamingResponse):
+    """A server-sent-event response that cancels its job however the response ends."""
+
+    def __init__(self, job: Job, content: AsyncIterator[bytes]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """The HTTP answer for a failure reported by the worker."""
+    if isinstance(exc, EngineDown):
+        return APIError(503, str(exc), type="server_error", code="engine_unavailable")
+    code = "device_error" if isinstance(exc, DeviceError) else "internal_error"
+    return APIError(500, f"generation failed: {exc}", type="server_error", code=code)
+
+
+async def job_events(request: Request, job: Job) -> AsyncIterator[Any]:
+    """The job's deltas as they arrive; raises APIError on failure, ClientGone on disconnect."""
+    getter: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            getter = getter or asyncio.ensure_future(job.events.get())
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+            if not done:
+                if await request.is_disconnected():
+                    raise ClientGone
+                continue
+            event, getter = getter.result(), None
+            if event is DONE:
+                return
+            if isinstance(event, BaseException):
+                raise engine_error(event)
+            yield event
+    finally:
+        job.cancel()
+        if getter is not None:
+            getter.cancel()
+
+
+class Service:
+    """The request path shared by the two generation endpoints."""
+
+    def __init__(self, llm: Any, worker: Worker) -> None:
+        self.llm = llm
+        self.worker = worker
+        self.model = llm.model_name
+        self.created = int(time.time())
+
+    def check_model(self, name: str) -> None:
+        if name != self.model:
+            raise APIError(
+                400,
+                f"model {name!r} is not served here; this server serves {self.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def prepare(self, body: GenerationRequest, **prompt: Any) -> list[int]:
+        """Prompt ids (tokenized in the thread pool); a prompt the tokenizer refuses is a 400."""
+        try:
+            return await run_in_threadpool(self.llm.prepare, **prompt)
+        except NanoqwenError as exc:
+            raise APIError(400, str(exc), param=body.prompt_field) from None
+
+    def submit(self, body: GenerationRequest, ids: list[int], default_max_tokens: int) -> Job:
+        """Check the context and the sampling parameters, then queue the job (or 429/503)."""
+        max_tokens = body.requested_max_tokens() or max(1, default_max_tokens)
+        try:
+            self.llm.check_fits(len(ids), max_tokens)
+            params = body.sampling_params(max_tokens)
+        except ContextError as exc:
+            # Name the prompt when it cannot fit even alone, else the completion budget.
+            too_long = len(ids) >= self.llm.max_context
+            param = body.prompt_field if too_long else body.max_tokens_field
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except NanoqwenError as exc:
+            raise APIError(400, str(exc)) from None
+        job = Job(ids, params, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull as exc:
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
+            raise APIError(
+                429, str(exc), type="rate_limit_error", code="queue_full", headers=headers
+            ) from None
+        except EngineDown as exc:
+            raise engine_error(exc) from None
+        return job
+
+    async def respond(
+        self, request: Request, body: GenerationRequest, ids: list[int], job: Job
+    ) -> Response:
+        reply = Reply(chat=isinstance(body, ChatRequest), model=self.model, prompt_tokens=len(ids))
+        events = job_events(request, job)
+        try:
+            if body.stream:
+                first = await anext(events, None)  # errors before the first token keep a status
+                return JobStream(job, stream_body(reply, first, events, body.include_usage))
+            async for delta in events:
+                reply.add(delta)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        return JSONResponse(reply.body())
+
+
+async def stream_body(
+    reply: Reply, first: Any, events: AsyncIterator[Any], include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The SSE body: role chunk (chat), text chunks, finish chunk, usage chunk, [DONE]."""
+    try:
+        if reply.chat:
+            yield reply.chunk("", role=True)
+        delta = first
+        while delta is not None:
+            reply.add(delta)
+            if delta.text:
+                yield reply.chunk(delta.text)
+            delta = await anext(events, None)
+        yield reply.chunk(None, reply.finish_reason)
+        if include_usage:
+            yield reply.usage_chunk()
+        yield SSE_DONE
+    except APIError as exc:  # the status line is gone: report the failure as an event
+        yield sse(exc.body)
+    except ClientGone:
+        return
+    finally:
+        await events.aclose()  # no await inside: safe even when the task is being cancelled
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 as OpenAI's 400: the first problem, with the offending field as `param`."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "cannot parse")
+        return APIError(400, f"request body is not valid JSON: {reason}")
+    path = _field_path(first["loc"])
+    if not path:
+        if first["type"] == "missing":
+            return APIError(400, "request body is missing: send a JSON object")
+        return APIError(400, f"request body must be a JSON object: {first['msg']}")
+    others = {_field_path(e["loc"]) for e in errors} - {path}
+    more = f" (and {len(others)} more problems)" if others else ""
+    return APIError(400, f"{path}: {first['msg']}{more}", param=path)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    """("body", "messages", 0, "str", "content") -> "messages[0].content"."""
+    parts = [p for p in loc if isinstance(p, int) or p in FIELD_NAMES]
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+
+
+def create_app(llm: Any, worker: Worker, *, api_key: str | None = None) -> FastAPI:
+    """The ASGI app over a started `worker` that owns `llm` (an `nanoqwen.llm.LLM`)."""
+    app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None)
+    service = Service(llm, worker)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key, open_paths=("/health",))
+    _add_error_handlers(app)
+    _add_info_routes(app, service)
+    _add_generation_routes(app, service)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {exc}", type="server_error").response()
+
+
+def _add_info_routes(app: FastAPI, service: Service) -> None:
+    def card() -> dict[str, Any]:
+        return {
+            "id": service.model,
+            "object": "model",
+            "created": service.created,
+            "owned_by": "nanoqwen",
+        }
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        worker, alive = service.worker, service.worker.alive
+        body = {
+            "status": "ok" if alive else "unavailable",
+            "engine_alive": alive,
+            "model": service.model,
+            "backend": service.llm.backend_name,
+            "queue_depth": worker.queue_depth,
+            "max_queue": worker.max_queue,
+            "running": worker.running,
+            "kv_pages_in_use": service.llm.kv_pages_in_use if alive else None,
+        }
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != service.model:
+            raise APIError(
+                404, f"model {model_id!r} not found", param="model", code="model_not_found"
+            )
+        return card()
+
+
+def _add_generation_routes(app: FastAPI, service: Service) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        ids = await service.prepare(body, messages=[m.as_template_message() for m in body.messages])
+        job = service.submit(body, ids, service.llm.max_context - len(ids))
+        return await service.respond(request, body, ids, job)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        service.check_model(body.model)
+        if body.suffix is None:
+            ids = await service.prepare(body, prompt=body.prompt)
+        else:
+            ids = await service.prepare(body, fim=(body.prompt, body.suffix))
+        job = service.submit(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await service.respond(request, body, ids, job)

@@ -1,0 +1,173 @@
+"""The engine worker: one thread owns the LLM and runs one generation at a time (batch 1).
+
+Requests become `Job`s in a bounded FIFO (`queue.Queue(maxsize=max_queue)`); a full queue is
+refused at once (`QueueFull` -> HTTP 429) rather than letting latency grow without bound. The
+worker thread pops a job, iterates `llm.stream(ids, params)` and hands every `Delta` to the
+job's asyncio queue through `loop.call_soon_threadsafe`, so the HTTP handlers await results
+without ever blocking the event loop, and the engine is never touched by two threads.
+
+Cancellation: the handler sets `job.cancelled` (client disconnected, response torn down). The
+worker checks it after every delta, i.e. between decode steps, and closes the stream iterator,
+which frees the generation's KV pages. A job cancelled while still queued is skipped.
+
+A `DeviceError` (sticky CUDA failure) is fatal: the job gets the error, every queued job is
+failed with `EngineDown`, later submissions are refused, and `on_fatal` (called on the worker
+thread) tells the server to shut down so that a supervisor can restart the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import DeviceError, NanoqwenError
+from ..sampling import SamplingParams
+
+
+class QueueFull(NanoqwenError):
+    """The bounded request queue is full; the client should retry later."""
+
+
+class EngineDown(NanoqwenError):
+    """The engine hit a sticky device error (or is shutting down) and takes no more work."""
+
+
+class Done:
+    """End-of-job marker posted after the last delta of a generation that ran to its end."""
+
+
+DONE = Done()
+
+
+class Job:
+    """One generation request: prompt ids and params in, events out on an asyncio queue.
+
+    Events are `Delta`s, then `DONE`, or an exception instance if the generation failed.
+    """
+
+    def __init__(
+        self, ids: Sequence[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.ids = list(ids)
+        self.params = params
+        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = threading.Event()
+        self._loop = loop
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def post(self, event: Any) -> None:
+        """Called from the worker thread: deliver `event` on the job's event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is gone, nobody is listening
+            self.cancel()
+
+
+class Worker:
+    """The single engine thread and its bounded queue of pending jobs."""
+
+    def __init__(
+        self, llm: Any, max_queue: int, on_fatal: Callable[[DeviceError], None] | None = None
+    ) -> None:
+        if max_queue < 1:
+            raise NanoqwenError(f"max_queue must be >= 1, got {max_queue}")
+        self.llm = llm
+        self.max_queue = max_queue
+        self.fatal: DeviceError | None = None
+        self.on_fatal = on_fatal
+        self._pending: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="nanoqwen-engine", daemon=True)
+
+    # Called from the event loop --------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.fatal is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pending.qsize()
+
+    @property
+    def running(self) -> int:
+        return int(self._running is not None)
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`, or raise EngineDown / QueueFull without queueing it."""
+        if not self.alive:
+            raise EngineDown(self._down_message())
+        try:
+            self._pending.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"request queue is full ({self.max_queue} waiting)") from None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel the running job, fail the queued ones, and join the thread."""
+        self._stopping = True
+        if self._running is not None:
+            self._running.cancel()
+        self._fail_pending(EngineDown("server is shutting down"))
+        self._pending.put(None)  # wakes the thread; the queue was just drained
+        self._thread.join(timeout)
+
+    # The worker thread -----------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            job = self._pending.get()
+            if job is None:
+                return
+            if self.fatal is not None or self._stopping:
+                job.post(EngineDown(self._down_message()))
+            elif not job.cancelled.is_set():
+                self._running = job
+                try:
+                    self._generate(job)
+                finally:
+                    self._running = None
+
+    def _generate(self, job: Job) -> None:
+        stream = None
+        try:
+            stream = self.llm.stream(job.ids, job.params)
+            for delta in stream:
+                if job.cancelled.is_set():
+                    return  # the finally closes the stream: KV pages are freed now
+                job.post(delta)
+            job.post(DONE)
+        except DeviceError as exc:
+            self._die(job, exc)
+        except Exception as exc:  # an engine bug must not kill the worker: answer 500
+            job.post(exc)
+        finally:
+            if stream is not None:
+                stream.close()
+
+    def _die(self, job: Job, exc: DeviceError) -> None:
+        self.fatal = exc
+        job.post(exc)
+        self._fail_pending(EngineDown(self._down_message()))
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
+    def _fail_pending(self, exc: EngineDown) -> None:
+        while True:
+            try:
+                job = self._pending.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                job.post(exc)
+
+    def _down_message(self) -> str:
+        if self.fatal is not None:
+            return f"the engine failed and is restarting: {self.fatal}"
+        return "server is shutting down"

@@ -1,0 +1,326 @@
+"""Text <-> token ids for Qwen2.5: byte-level BPE, ChatML through the embedded template, FIM.
+
+Design decisions, stated once:
+
+* **No BOS.** Qwen2.5 prompts start with whatever the text or template says; `encode` adds
+  nothing.
+* **Special-token text in user input stays text.** `encode(text)` never turns the characters
+  `<|im_end|>` into the control token 151645: it encodes them as ordinary bytes, so a prompt
+  cannot forge turn boundaries. `encode(text, allow_special=True)` opts in (every added token of
+  the tokenizer is then matched, as Hugging Face does). Chat prompts get the safe behaviour per
+  message: the template's own text may contain control tokens, message contents never do
+  (`encode_chat`). Plain text is always encoded as one run, so the ids equal Hugging Face's
+  whenever the input holds no special-token text.
+* **Streaming never emits broken UTF-8.** Token ids map to raw bytes (the GPT-2 byte alphabet);
+  `IncrementalDetokenizer` feeds them through an incremental UTF-8 decoder that holds back an
+  incomplete multi-byte sequence until the bytes that finish it arrive.
+* **Stop strings are matched on text.** `StopMatcher` holds back any tail that could be the
+  start of a stop string, and cuts the text before the first stop string found.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import secrets
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import TokenizerError
+
+ROLES = ("system", "user", "assistant", "tool")
+FIM_KEYS = ("fim_prefix", "fim_suffix", "fim_middle")
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: the printable stand-in for each byte -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+
+
+def check_text(text: str, what: str = "input") -> str:
+    """Refuse text that is not valid Unicode (e.g. lone surrogates from undecodable argv)."""
+    if not isinstance(text, str):
+        raise TokenizerError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TokenizerError(
+            f"{what} is not valid UTF-8 text (undecodable character at position {exc.start})"
+        ) from None
+    return text
+
+
+def _is_byte_level(decoder: dict[str, Any] | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_is_byte_level(d) for d in decoder.get("decoders", []))
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer with the Qwen2.5 special tokens and chat template."""
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        chat_template: str | None,
+        special_tokens: dict[str, int],
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        try:
+            spec = json.loads(tokenizer_json)
+            self._full = tokenizers.Tokenizer.from_str(tokenizer_json)
+            # Same model without added tokens: the "plain text" encoder that never emits them.
+            self._plain = tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": []}))
+        except Exception as exc:  # tokenizers raises plain Exception on a bad JSON
+            raise TokenizerError(f"the embedded tokenizer.json cannot be loaded: {exc}") from None
+        if not _is_byte_level(spec.get("decoder")):
+            raise TokenizerError("only byte-level BPE tokenizers (Qwen2.5's kind) are supported")
+        # Ids as the loaded tokenizer assigned them (it renumbers added tokens whose JSON ids
+        # leave a gap after the vocabulary), so encode and decode agree with each other.
+        added = self._full.get_added_tokens_decoder()
+        self._added = {t.content: i for i, t in added.items()}
+        self._added_ids = {i: s.encode("utf-8") for s, i in self._added.items()}
+        by_length = sorted(self._added, key=len, reverse=True)  # longest match first
+        self._special_re = re.compile("|".join(map(re.escape, by_length))) if by_length else None
+        self.special_tokens = dict(special_tokens)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
+        self._bytes_cache: dict[int, bytes] = {}
+
+    @classmethod
+    def from_spec(cls, spec: Any) -> Tokenizer:
+        """From a `fileformat.TokenizerSpec`."""
+        return cls(spec.tokenizer_json, spec.chat_template, spec.special_tokens, spec.eos_token_ids)
+
+    @classmethod
+    def from_file(cls, file: Any) -> Tokenizer:
+        """From an open `fileformat.NanoqwenFile`; refuses a file packed without a tokenizer."""
+        if file.tokenizer is None:
+            raise TokenizerError(
+                f"{getattr(file, 'path', 'the model file')} has no tokenizer; re-pack it from a "
+                "source that carries one (a GGUF file, or an HF directory with tokenizer.json), "
+                "e.g. `nanoqwen pack SOURCE OUT.nanoqwen`"
+            )
+        return cls.from_spec(file.tokenizer)
+
+    # Encoding ----------------------------------------------------------------------------
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Token ids of `text` (no BOS). Special-token text stays text unless `allow_special`."""
+        check_text(text)
+        if not allow_special:
+            return self._encode_plain(text)
+        return self._encode_segments([(text, True)])
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+
+    def _encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """Encode (text, specials_allowed) pieces; adjacent plain text is encoded as one run."""
+        ids: list[int] = []
+        run: list[str] = []
+        for text, allowed in segments:
+            pos = 0
+            matches = self._special_re.finditer(text) if allowed and self._special_re else ()
+            for m in matches:
+                run.append(text[pos : m.start()])
+                ids += self._encode_plain("".join(run))
+                ids.append(self._added[m.group()])
+                run, pos = [], m.end()
+            run.append(text[pos:])
+        return ids + self._encode_plain("".join(run))
+
+    def special_id(self, key: str) -> int:
+        try:
+            return self.special_tokens[key]
+        except KeyError:
+            raise TokenizerError(f"the tokenizer has no {key!r} special token") from None
+
+    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
+        """`<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`, built from the ids."""
+        pre, suf, mid = (self.special_id(k) for k in FIM_KEYS)
+        p = self._encode_plain(check_text(prefix, "FIM prefix"))
+        s = self._encode_plain(check_text(suffix, "FIM suffix"))
+        return [pre, *p, suf, *s, mid]
+
+    # Chat --------------------------------------------------------------------------------
+    def render_chat(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text the embedded chat template makes of `messages`."""
+        return self._render(validate_messages(messages), add_generation_prompt)
+
+    def encode_chat(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a chat: template text may hold control tokens, message contents never.
+
+        Each content is rendered as a unique placeholder and encoded as plain text. If the
+        template transforms contents (so the placeholders do not reproduce the real
+        rendering), the whole rendering is encoded with specials allowed, as Hugging Face does.
+        """
+        messages = validate_messages(messages)
+        text = self._render(messages, add_generation_prompt)
+        nonce = secrets.token_hex(8)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        masked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", self._render(masked, add_generation_prompt))
+        segments = [
+            (messages[int(p)]["content"], False) if i % 2 else (p, True)
+            for i, p in enumerate(parts)
+        ]
+        if "".join(s for s, _ in segments) != text:
+            return self._encode_segments([(text, True)])
+        return self._encode_segments(segments)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        if not self.chat_template:
+            raise TokenizerError("the model file has no chat template; use a raw prompt or FIM")
+        inv = {v: k for k, v in self._added.items()}
+        try:
+            template = _jinja_env().from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                bos_token=inv.get(self.special_tokens.get("bos", -1), ""),
+                eos_token=inv.get(self.eos_token_ids[0], "") if self.eos_token_ids else "",
+            )
+        except jinja2.TemplateError as exc:
+            raise TokenizerError(f"chat template failed: {exc}") from None
+
+    # Decoding ----------------------------------------------------------------------------
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (special tokens: their text)."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is not None:
+            return cached
+        if token_id in self._added_ids:
+            raw = self._added_ids[token_id]
+        else:
+            piece = self._full.id_to_token(token_id) or ""
+            raw = bytes(_BYTE_DECODER[c] for c in piece if c in _BYTE_DECODER)
+        self._bytes_cache[token_id] = raw
+        return raw
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD."""
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def validate_messages(messages: Any) -> list[dict[str, str]]:
+    """Check a chat: a non-empty list of {role: system|user|assistant|tool, content: str}.
+
+    Returns copies holding only `role` and `content` (the template sees nothing else).
+    """
+    if not isinstance(messages, list | tuple) or not messages:
+        raise TokenizerError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise TokenizerError(f"messages[{i}] must be an object, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise TokenizerError(f"messages[{i}].role must be one of {', '.join(ROLES)}: {role!r}")
+        if not isinstance(content, str):
+            raise TokenizerError(f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
+    return out
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """The sandbox Hugging Face renders chat templates in (trim/lstrip blocks, tojson)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise_exception
+    env.filters["tojson"] = _tojson
+    return env
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text deltas out; an incomplete UTF-8 sequence is held back.
+
+    Bytes that can never become valid UTF-8 are emitted as U+FFFD at once; `finish()` flushes
+    a trailing incomplete sequence the same way.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: Iterable[int]) -> str:
+        raw = b"".join(self._tokenizer.token_bytes(i) for i in token_ids)
+        return self._decoder.decode(raw)
+
+    def finish(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Cuts streamed text before the first user stop string to complete.
+
+    `feed(text)` returns (safe_text, stopped). Text that might be the start of a stop string is
+    held back until the next feed shows it is not; `finish()` releases it at the end.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise TokenizerError(f"stop strings must be non-empty strings, got {s!r}")
+            check_text(s, "stop string")
+        self._stops = tuple(stops)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        buf = self._held + text
+        # The stop that completes first (then the longest of those): the same cut whatever
+        # pieces the text arrives in.
+        hits = [(i + len(s), i) for s in self._stops if (i := buf.find(s)) >= 0]
+        if hits:
+            self._held, self.stopped = "", True
+            return buf[: min(hits)[1]], True
+        keep = self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self._stops:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def finish(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

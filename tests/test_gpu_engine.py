@@ -1,0 +1,73 @@
+"""GPU (sm_90): the decode kernels' unit tier and the engine on a tiny synthetic model
+(layer + graph tiers, pages freed). Skipped cleanly without an sm_90 device."""
+
+import pytest
+
+from nanoqwen.cuda.device import sm90_available
+
+if not sm90_available():
+    pytest.skip("needs an sm_90 GPU", allow_module_level=True)
+
+from nanoqwen import validate as v  # noqa: E402
+from nanoqwen.config import preset  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+LADDER = v.load_ladder()["ladder"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "7b"])
+def test_unit_tier(name):
+    checks = v.unit_tier(preset(name), LADDER["unit"]["tolerances"])
+    bad = [c for c in checks if not c.ok]
+    assert not bad, bad
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from nanoqwen.convert import pack_synthetic
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+
+    path = tmp_path_factory.mktemp("m") / "tiny.nanoqwen"
+    pack_synthetic("tiny", path, progress=False)
+    f = NanoqwenFile(path)
+    e = CudaBackend(f, max_context=1024)
+    yield e, f
+    e.close()
+    f.close()
+
+
+def test_layer_and_graph(tiny):
+    e, f = tiny
+    checks = v.layer_tier(e, f, LADDER["layer"]["tolerance"])
+    checks += v.graph_tier(e, f, LADDER["graph"], prompts=10)
+    bad = [c for c in checks if not c.ok]
+    assert not bad, bad
+    assert e.kv_pages_in_use == 0
+
+
+def test_cancel_frees_pages(tiny):
+    from nanoqwen.sampling import SamplingParams
+
+    e, _ = tiny
+    it = e.generate([1, 2, 3], SamplingParams(max_tokens=200), frozenset())
+    next(it)
+    assert e.kv_pages_in_use > 0
+    it.close()
+    assert e.kv_pages_in_use == 0
+
+
+def test_generate_on_another_thread(tiny):
+    """The server builds the engine on its main thread and generates on a worker thread."""
+    import threading
+
+    from nanoqwen.sampling import SamplingParams
+
+    e, _ = tiny
+    out: list = []
+    worker = threading.Thread(
+        target=lambda: out.extend(e.generate([1, 2, 3], SamplingParams(max_tokens=8), frozenset()))
+    )
+    worker.start()
+    worker.join()
+    assert len(out) == 8 and e.kv_pages_in_use == 0

@@ -1,0 +1,65 @@
+"""CI (no GPU): every decode kernel compiles with NVRTC for sm_90a without spills, the cache
+is honest (a hit returns the same cubin; NANOQWEN_NO_COMPILE turns a miss into an error), and
+the generated header carries the config's dims."""
+
+import pytest
+
+from nanoqwen.config import preset
+from nanoqwen.cuda import jit
+from nanoqwen.errors import DeviceError
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path_factory.getbasetemp() / "kcache"))
+
+
+@pytest.mark.parametrize("name", ["7b", "tiny"])
+def test_kernels_command(name, capsys):
+    from nanoqwen.cli import main
+
+    assert main(["kernels", "--model", name]) == 0
+    out = capsys.readouterr().out
+    for names in jit.decode_kernels(preset(name)).values():
+        for n in names:
+            assert n in out
+    assert "SPILLS" not in out
+
+
+def test_resources_parsed():
+    mods = jit.compile_decode(preset("7b"))
+    res = mods["gemv_int4.cu"].resources()
+    assert len(res) == 4
+    for r in res.values():
+        assert r.registers > 0 and r.spill_bytes == 0 and r.registers <= 128
+
+
+def test_cache_hit_and_no_compile(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
+    cfg = preset("tiny")
+    a = jit.compile_module("decode_misc.cu", ["embed_gather"], cfg)
+    monkeypatch.setenv("NANOQWEN_NO_COMPILE", "1")
+    b = jit.compile_module("decode_misc.cu", ["embed_gather"], cfg)  # a hit: allowed
+    assert a.cubin == b.cubin
+    with pytest.raises(DeviceError, match="NANOQWEN_NO_COMPILE"):
+        jit.compile_module("decode_misc.cu", ["embed_gather"], preset("1.5b"))  # a miss
+
+
+def test_compile_error_names_file():
+    with pytest.raises(DeviceError, match="broken.cu"):
+        jit.compile_module("broken.cu", ["k"], None, source='extern "C" __global__ void k() { x; }')
+
+
+def test_model_header():
+    text = jit.model_header(preset("7b"))
+    assert "constexpr int kHidden = 3584;" in text
+    assert "constexpr int kKVHeads = 4;" in text
+    assert "kRopeTheta = 1000000.0f" in text
+
+
+def test_sm90_available_never_raises():
+    from nanoqwen.cuda.device import sm90_available
+
+    assert sm90_available() in (True, False)

@@ -1,0 +1,253 @@
+"""The server's engine worker and failure paths, in process, over a scripted fake LLM.
+
+The fake LLM counts the tokens it produces and the KV pages it holds, so the tests can check
+that a cancelled job stops within one decode step and frees its pages, that a full queue is
+refused, and that a DeviceError fails the request with a 500, /health with a 503, fails the
+queued requests, and asks the server to shut down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import pytest
+
+from nanoqwen.errors import ContextError, DeviceError
+from nanoqwen.llm import Delta
+from nanoqwen.sampling import SamplingParams
+from nanoqwen.server import Worker, create_app
+from nanoqwen.server.worker import DONE, EngineDown, Job, QueueFull
+
+
+class FakeLLM:
+    """Yields one Delta per token every `step_s`; raises DeviceError at token `fail_at`."""
+
+    model_name = "fake"
+    backend_name = "fake"
+    max_context = 4096
+
+    def __init__(self, step_s: float = 0.0, fail_at: int | None = None) -> None:
+        self.step_s = step_s
+        self.fail_at = fail_at
+        self.produced = 0
+        self.kv_pages_in_use = 0
+        self.gate = threading.Event()  # every generation waits for it before its first token
+        self.gate.set()
+        self.seen: list[tuple[dict, SamplingParams]] = []  # (prepare's arguments, params)
+        self._prompt: dict = {}
+
+    def prepare(self, prompt=None, *, messages=None, fim=None) -> list[int]:
+        self._prompt = {"prompt": prompt, "messages": messages, "fim": fim}
+        return [1, 2, 3]
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len + max_tokens > self.max_context:
+            raise ContextError(f"{prompt_len} + {max_tokens} > {self.max_context}")
+
+    def stream(self, ids, params: SamplingParams):
+        self.seen.append((self._prompt, params))
+        self.kv_pages_in_use = 1 + len(ids) // 16
+        try:
+            self.gate.wait()
+            for i in range(params.max_tokens):
+                time.sleep(self.step_s)
+                if i == self.fail_at:
+                    raise DeviceError("cudaErrorIllegalAddress (sticky)")
+                self.produced += 1
+                last = i == params.max_tokens - 1
+                yield Delta("x", (100 + i,), "length" if last else None)
+        finally:
+            self.kv_pages_in_use = 0
+
+
+async def _next(job: Job, timeout: float = 5.0):
+    return await asyncio.wait_for(job.events.get(), timeout)
+
+
+async def _wait_idle(worker: Worker, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while worker.running or worker.queue_depth:
+        assert time.monotonic() < deadline, "worker did not become idle"
+        await asyncio.sleep(0.002)
+
+
+def test_job_runs_to_done_with_every_delta() -> None:
+    async def main() -> None:
+        llm = FakeLLM()
+        worker = Worker(llm, max_queue=2)
+        worker.start()
+        job = Job([1, 2], SamplingParams(max_tokens=7), asyncio.get_running_loop())
+        worker.submit(job)
+        events = [await _next(job) for _ in range(8)]
+        assert [e.token_ids for e in events[:7]] == [(100 + i,) for i in range(7)]
+        assert events[6].finish_reason == "length" and events[7] is DONE
+        await _wait_idle(worker)
+        assert llm.kv_pages_in_use == 0
+        worker.stop()
+
+    asyncio.run(main())
+
+
+def test_cancel_stops_within_one_decode_step_and_frees_pages() -> None:
+    async def main() -> None:
+        llm = FakeLLM(step_s=0.003)
+        worker = Worker(llm, max_queue=2)
+        worker.start()
+        job = Job([1] * 40, SamplingParams(max_tokens=100_000), asyncio.get_running_loop())
+        worker.submit(job)
+        for _ in range(5):
+            await _next(job)
+        assert llm.kv_pages_in_use == 3
+        job.cancel()
+        produced_at_cancel = llm.produced
+        await _wait_idle(worker)
+        assert llm.produced - produced_at_cancel <= 1, "more than one step after cancel"
+        assert llm.kv_pages_in_use == 0
+        worker.stop()
+
+    asyncio.run(main())
+
+
+def test_full_queue_is_refused_and_cancelled_queued_job_is_skipped() -> None:
+    async def main() -> None:
+        llm = FakeLLM()
+        llm.gate.clear()  # the first job holds the engine until the gate opens
+        worker = Worker(llm, max_queue=2)
+        worker.start()
+        loop = asyncio.get_running_loop()
+        jobs = [Job([1], SamplingParams(max_tokens=2), loop) for _ in range(3)]
+        worker.submit(jobs[0])
+        while not worker.running:
+            await asyncio.sleep(0.001)
+        worker.submit(jobs[1])
+        worker.submit(jobs[2])
+        assert worker.queue_depth == 2
+        with pytest.raises(QueueFull, match="2 waiting"):
+            worker.submit(Job([1], SamplingParams(max_tokens=2), loop))
+        jobs[1].cancel()
+        llm.gate.set()
+        assert [await _next(jobs[2]) for _ in range(3)][-1] is DONE
+        assert jobs[1].events.empty()
+        assert llm.produced == 4  # jobs 0 and 2 only
+        worker.stop()
+
+    asyncio.run(main())
+
+
+def test_device_error_is_fatal_for_job_queue_and_worker() -> None:
+    async def main() -> None:
+        llm = FakeLLM(fail_at=2)
+        llm.gate.clear()
+        fatal: list[DeviceError] = []
+        worker = Worker(llm, max_queue=4, on_fatal=fatal.append)
+        worker.start()
+        loop = asyncio.get_running_loop()
+        first, queued = (Job([1], SamplingParams(max_tokens=9), loop) for _ in range(2))
+        worker.submit(first)
+        while not worker.running:
+            await asyncio.sleep(0.001)
+        worker.submit(queued)
+        llm.gate.set()
+        events = [await _next(first) for _ in range(3)]
+        assert isinstance(events[2], DeviceError)
+        assert isinstance(await _next(queued), EngineDown)
+        assert len(fatal) == 1 and not worker.alive
+        with pytest.raises(EngineDown, match="restarting"):
+            worker.submit(Job([1], SamplingParams(max_tokens=1), loop))
+        worker.stop()
+
+    asyncio.run(main())
+
+
+def test_app_device_error_answers_500_then_health_503() -> None:
+    async def main() -> None:
+        llm = FakeLLM(fail_at=1)
+        fatal: list[DeviceError] = []
+        worker = Worker(llm, max_queue=4, on_fatal=fatal.append)
+        worker.start()
+        transport = httpx.ASGITransport(app=create_app(llm, worker))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            assert (await client.get("/health")).json()["engine_alive"] is True
+            body = {"model": "fake", "prompt": "hi", "max_tokens": 5}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 500
+            assert r.json()["error"]["code"] == "device_error"
+            assert "sticky" in r.json()["error"]["message"]
+            health = await client.get("/health")
+            assert health.status_code == 503 and health.json()["engine_alive"] is False
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert len(fatal) == 1
+        worker.stop()
+
+    asyncio.run(main())
+
+
+def test_app_stream_error_after_first_token_is_an_error_event() -> None:
+    async def main() -> None:
+        llm = FakeLLM(fail_at=3)
+        worker = Worker(llm, max_queue=4)
+        worker.start()
+        transport = httpx.ASGITransport(app=create_app(llm, worker))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = {"model": "fake", "prompt": "hi", "max_tokens": 9, "stream": True}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200
+            events = [line for line in r.text.split("\n\n") if line]
+            assert len(events) == 4  # three text chunks, then the error event; no [DONE]
+            assert '"code":"device_error"' in events[-1]
+        worker.stop()
+
+    asyncio.run(main())
+
+
+PLUMBING = [
+    (
+        "/v1/completions",
+        {"prompt": "p", "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7, "stop": "x"},
+        {"prompt": "p", "messages": None, "fim": None},
+        SamplingParams(0.5, 5, 0.9, 7, 16, ("x",)),  # 16: OpenAI's completions default
+    ),
+    (
+        "/v1/completions",
+        {"prompt": "a", "suffix": "b", "max_tokens": 3, "stop": ["x", "y"], "top_p": 0},
+        {"prompt": None, "messages": None, "fim": ("a", "b")},
+        SamplingParams(0.0, 0, 1.0, None, 3, ("x", "y")),  # top_p 0: only the top token
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "developer", "content": [{"type": "text", "text": "s"}]}]},
+        {"prompt": None, "messages": [{"role": "system", "content": "s"}], "fim": None},
+        SamplingParams(1.0, 0, 1.0, None, 4096 - 3, ()),  # chat default: the rest of the context
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "u"}],
+            "max_tokens": 9,
+            "max_completion_tokens": 2,
+        },
+        {"prompt": None, "messages": [{"role": "user", "content": "u"}], "fim": None},
+        SamplingParams(1.0, 0, 1.0, None, 2, ()),
+    ),
+]
+
+
+@pytest.mark.parametrize("path,fields,prompt,params", PLUMBING)
+def test_request_fields_reach_prepare_and_sampling_params(path, fields, prompt, params) -> None:
+    async def main() -> None:
+        llm = FakeLLM()
+        worker = Worker(llm, max_queue=1)
+        worker.start()
+        transport = httpx.ASGITransport(app=create_app(llm, worker))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            r = await client.post(path, json={"model": "fake"} | fields)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == params.max_tokens
+        assert llm.seen == [(prompt, params)]
+        worker.stop()
+
+    asyncio.run(main())
