@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from .generate import add_backend_arguments, open_llm
@@ -50,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_backend_arguments(p)
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signal.SIGTERM)
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -77,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
             f"nanoqwen serve: {llm.model_name} on http://{args.host}:{args.port}/v1{key_note}",
             file=sys.stderr,
         )
+        # uvicorn shuts down gracefully on SIGTERM, restores the previous handler and re-raises
+        # the signal: with the default handler the process would die before `finally` closes
+        # the engine (CUDA buffers, pinned memory). Exit 128 + SIGTERM after cleaning up.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
         server.run()
     finally:
         worker.stop()
