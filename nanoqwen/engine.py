@@ -9,7 +9,7 @@ Life of a generation (batch 1):
               our token-parallel kernels around them (embed, RMSNorm, RoPE + page write);
               lm_head + sampler on the last row give the first token
     decode    ONE graph launch for the whole generation: a conditional while node whose body is
-              the decode step (embed, 28 x [qkv, rope/page write, attention split + combine,
+              the decode step (embed, 28 x [qkv + RoPE + K/V page write, split attention + merge,
               o, gate/up, down], lm_head, sampler). Token, position, step and the stop flag live
               in device memory and are advanced by the sampler kernel, which also writes each
               token to a mapped host ring and sets the loop condition. The host only reads the
@@ -74,6 +74,7 @@ class CudaBackend:
             )
         self.max_context = max_context
         self.gpu = Gpu()
+        self._free_at_start = self.gpu.mem_info()[0]  # the context exists; nothing of ours yet
         self.k = DecodeKernels(self.gpu, cfg, pdl=pdl)
         self.graph_mode = graph
         self._prefill = None
@@ -82,6 +83,7 @@ class CudaBackend:
         self._pbufs: dict[str, object] = {}
         self._pcap = 0
         self._upload_weights()
+        self.weight_bytes = self.gpu.live_bytes()
         self._alloc_runtime()
 
     # -- load -----------------------------------------------------------------------------------
@@ -133,6 +135,7 @@ class CudaBackend:
         for L in self.layers:
             L.kc = gpu.alloc(layer_bytes, "k cache").ptr
             L.vc = gpu.alloc(layer_bytes, "v cache").ptr
+        self.kv_bytes = need
         # Single sequence: logical page i -> physical page i; reserved per generation.
         self.pages = self._put(np.arange(self.num_pages, dtype=np.int32), "page table")
         half, dt = cfg.head_dim // 2, np.float64
@@ -141,9 +144,7 @@ class CudaBackend:
         rope = np.stack([np.cos(ang), np.sin(ang)], axis=-1).astype(np.float32)
         self.rope = self._put(rope, "rope table")  # [max_context, D/2, 2]
         a = lambda n, w: gpu.alloc(n, w).ptr  # noqa: E731
-        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-        self.x = a(h * 2, "x")
-        self.qkv = a(qkv * 2, "qkv")
+        self.x = a(cfg.hidden_size * 2, "x")
         self.q = a(cfg.q_size * 2, "q")
         self.attn = a(cfg.q_size * 2, "attn")
         self.mlp = a(cfg.intermediate_size * 2, "mlp")
@@ -153,6 +154,8 @@ class CudaBackend:
         self.ring = a(self.max_context * 4, "ring")
         self.part_ml = a(cfg.num_heads * jit.ATTN_SPLITS * 2 * 4, "attn m/l")
         self.part_acc = a(cfg.num_heads * jit.ATTN_SPLITS * cfg.head_dim * 4, "attn acc")
+        self.attn_count = a(cfg.num_kv_heads * 4, "attn counters")  # last-CTA semaphores
+        gpu.memset(self.attn_count, 0, cfg.num_kv_heads * 4)  # once: each launch re-zeroes
         self.zero = self._put(np.zeros(4, np.int32), "zero")
         gpu.memset(self.key, 0, 8)
         # Mapped pinned host memory: [count, ring...] and the cancel flag.
@@ -170,15 +173,14 @@ class CudaBackend:
     def _layer_step(self, L: _Layer, s) -> None:
         cfg, k = self.config, self.k
         pos = self.state + 4 * S_POS
-        k.gemv("qkv", self.x, L.in_norm, L.qkv_w, L.qkv_s, L.qkv_b, self.qkv,
-               cfg.q_size + 2 * cfg.kv_size, stream=s)  # fmt: skip
-        k.rope_kv(self.qkv, pos, self.rope, self.pages, L.kc, L.vc, self.q, 0, 0, 1, stream=s)
+        k.qkv_rope(self.x, L.in_norm, L.qkv_w, L.qkv_s, L.qkv_b, pos, self.rope, self.pages,
+                   L.kc, L.vc, self.q, stream=s)  # fmt: skip
         k.attention(self.q, L.kc, L.vc, self.pages, pos, self.part_ml, self.part_acc,
-                    self.attn, stream=s)  # fmt: skip
-        k.gemv("o", self.attn, 0, L.o_w, L.o_s, 0, self.x, cfg.hidden_size, stream=s)
-        k.gemv("gate_up", self.x, L.post_norm, L.gu_w, L.gu_s, 0, self.mlp,
-               cfg.intermediate_size, stream=s)  # fmt: skip
-        k.gemv("down", self.mlp, 0, L.d_w, L.d_s, 0, self.x, cfg.hidden_size, stream=s)
+                    self.attn_count, self.attn, stream=s)  # fmt: skip
+        k.gemv("o", self.attn, 0, L.o_w, L.o_s, self.x, cfg.hidden_size, stream=s)
+        k.gemv("gate_up", self.x, L.post_norm, L.gu_w, L.gu_s, self.mlp, cfg.intermediate_size,
+               stream=s)  # fmt: skip
+        k.gemv("down", self.mlp, 0, L.d_w, L.d_s, self.x, cfg.hidden_size, stream=s)
 
     def _step(self, s, cond=0, sample: bool = True) -> None:
         self.k.embed(self.state + 4 * S_TOKEN, self.embed, self.x, 1, stream=s)
@@ -264,6 +266,21 @@ class CudaBackend:
             pk.gemm(b["mlp"], L.d_w, L.d_s, None, b["x"], T, h, cfg.intermediate_size,
                     residual=b["x"], stream=s)  # fmt: skip
         return b["x"]
+
+    def memory(self) -> dict:
+        """Device memory: what we hold (weights, KV cache, workspace = decode buffers, RoPE and
+        page tables, prefill scratch sized by the longest prompt so far) against what the
+        device lost since the context was made (kernel images, allocator slack included)."""
+        live, (free, _) = self.gpu.live_bytes(), self.gpu.mem_info()
+        used = self._free_at_start - free
+        return {
+            "weights": self.weight_bytes,
+            "kv_cache": self.kv_bytes,
+            "workspace": live - self.weight_bytes - self.kv_bytes,
+            "accounted": live,
+            "device_used": used,
+            "unaccounted_pct": 100.0 * (used - live) / live,
+        }
 
     # -- Backend API ------------------------------------------------------------------------
     @property

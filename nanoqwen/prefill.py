@@ -1,6 +1,7 @@
 """Prefill launchers: INT4 tensor-core GEMM and causal GQA attention over a whole prompt.
 
-The kernels live in `kernels/prefill_gemm.cu` and `kernels/prefill_attention.cu`. Construction
+The kernels live in `kernels/prefill_gemm.cu` (mma.sync), `kernels/prefill_gemm_wgmma.cu`
+(Hopper wgmma, warp-specialized) and `kernels/prefill_attention.cu`. Construction
 compiles the explicit table of (kernel, template arguments) in `prefill_kernels(config)` through
 `nanoqwen.cuda.jit` (disk cache; NANOQWEN_NO_COMPILE=1 makes a miss an error), loads them, sets
 their shared-memory limits and reads their occupancy; `gemm` and `attention` then only check
@@ -15,30 +16,43 @@ Measured (H200, 2026-11-30, tools/prefill_check.py, M = 512, median of 20): the 
 runs qkv 148-160, o 163-182, gate_up+SwiGLU 247-256, down 211-223 TFLOP/s; 28 layers of GEMMs
 plus attention project to ~30 ms for a 512-token 7B prefill (cuBLAS fp16 on the same shapes:
 360-690 TFLOP/s; closing that gap needs wgmma).
+
+The wgmma kernel (2026-12, not yet measured on a GPU) takes every shape it can (N % 128 == 0,
+K % 128 == 0: all Qwen2.5 shapes); `pick_gemm` weighs the variants by SM-waves times a nominal
+per-kind rate (`GemmVariant.tflops`). NANOQWEN_PREFILL_WGMMA=0 in the environment keeps the
+engine on the mma.sync kernels (the wgmma ones stay compiled, and explicit `variant=` works).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from .config import GROUP_SIZE, ModelConfig
 from .cuda import jit
-from .cuda.device import check
 
 GEMM_SOURCE = "prefill_gemm.cu"
+WGMMA_SOURCE = "prefill_gemm_wgmma.cu"
 ATTENTION_SOURCE = "prefill_attention.cu"
 
 # Shared memory of one GEMM tile: BM rows x 128 fp16 of A + BN rows x 128 nibbles of W.
 _GEMM_BK = 128
+# prefill_gemm_wgmma.cu: 64-wide k-tiles, 128 weight rows per CTA, 3 warpgroups.
+_WGMMA_BK = 64
+_WGMMA_ROWS = 128
+_WGMMA_THREADS = 384
 _ATTN_TILE = 64  # query rows per CTA and keys per K/V tile (prefill_attention.cu)
 _ATTN_THREADS = 128
 
 
 @dataclass(frozen=True)
 class GemmVariant:
-    """One compiled GEMM instantiation: a BM x BN tile, a STAGES-deep pipeline."""
+    """One compiled GEMM instantiation: a BM (tokens) x BN (weight rows) tile, a STAGES-deep
+    pipeline. kind "mma": prefill_gemm.cu, warp tiles WM x WN. kind "wgmma":
+    prefill_gemm_wgmma.cu, BN = 128 weight rows (two consumer warpgroups of 64) x BM tokens
+    (the wgmma N: 64, 128 or 256); wm/wn are unused there (set to bm, 64)."""
 
     bm: int
     bn: int
@@ -47,24 +61,54 @@ class GemmVariant:
     stages: int
     min_ctas: int  # CTAs per SM asked of the register allocator (__launch_bounds__)
     swiglu: bool
+    kind: str = "mma"
+    # Nominal TFLOP/s of a full wave of this variant, pick_gemm's only notion of speed: mma from
+    # the 2026-11-30 measurement; wgmma a guess until tools/prefill_check.py has timed it.
+    tflops: float = 220.0
+
+    @property
+    def source(self) -> str:
+        return WGMMA_SOURCE if self.kind == "wgmma" else GEMM_SOURCE
 
     @property
     def name(self) -> str:
         sw = "true" if self.swiglu else "false"
+        if self.kind == "wgmma":
+            return f"prefill_gemm_wgmma<{self.bm}, {self.stages}, {sw}>"
         args = (self.bm, self.bn, self.wm, self.wn, self.stages, self.min_ctas)
         return f"prefill_gemm_int4<{', '.join(map(str, args))}, {sw}>"
 
     @property
     def label(self) -> str:
+        if self.kind == "wgmma":
+            return f"wgmma {self.bm}x{self.bn}/s{self.stages}"
         return f"{self.bm}x{self.bn}/w{self.wm}x{self.wn}/s{self.stages}/c{self.min_ctas}"
 
     @property
     def threads(self) -> int:
+        if self.kind == "wgmma":
+            return _WGMMA_THREADS
         return (self.bm // self.wm) * (self.bn // self.wn) * 32
 
     @property
     def smem_bytes(self) -> int:
+        if self.kind == "wgmma":  # = smem_bytes<BT, STAGES, SWIGLU>() in the kernel
+            ring = self.stages * (self.bm * _WGMMA_BK * 2 + _WGMMA_ROWS * _WGMMA_BK // 2)
+            cols = _WGMMA_ROWS // 2 if self.swiglu else _WGMMA_ROWS
+            staging = self.bm * (cols + 4) * 4
+            return 1024 + max(ring, staging) + 2 * self.stages * 8
         return self.stages * (self.bm * _GEMM_BK * 2 + self.bn * _GEMM_BK // 2)
+
+    def fits(self, N: int, K: int) -> bool:
+        """The shape preconditions of this variant's kernel (beyond gemm()'s own checks)."""
+        if self.kind == "wgmma":
+            return N % _WGMMA_ROWS == 0 and K % (2 * _WGMMA_BK) == 0
+        return N % self.bn == 0
+
+
+def wgmma_variant(bt: int, stages: int, swiglu: bool, tflops: float) -> GemmVariant:
+    """A prefill_gemm_wgmma.cu instantiation: 128 weight rows x `bt` tokens, `stages` deep."""
+    return GemmVariant(bt, _WGMMA_ROWS, bt, 64, stages, 1, swiglu, "wgmma", tflops)
 
 
 # Tile table (H200, 2026-11-30, tools/prefill_check.py at M = 512). 64 x 128 CTAs of four
@@ -72,10 +116,28 @@ class GemmVariant:
 # (one CTA/SM; 235 vs 256 TFLOP/s on gate_up) and 32 x 64 warp tiles (half the A traffic but
 # twice the dequantization per mma: 219). Three CTAs per SM would need <= 168 registers and
 # spills. The first variant of a kind wins ties in pick_gemm.
-GEMM_VARIANTS = (
+# wgmma (H200, 2026-11-30, prefill_check.py --only wgmma, M = 512, TFLOP/s): 128 tokens x
+# 128 rows, 6 stages (121 KiB): qkv 154, o 176, gate_up 370, down 314; 256 tokens, 4 stages
+# (145 KiB; half the dequantization per flop, but SMs idle at M = 512): qkv 180, o 137,
+# gate_up 404, down 219 (cuBLAS fp16 on the same shapes: 307, 269, 592, 548). The rates
+# below are those measurements (down's for the plain kind, gate_up's for SwiGLU); the picker
+# then takes 128 tokens for qkv/o/down and 256 for gate_up: 18.5 ms TTFT at 512 tokens.
+MMA_VARIANTS = (
     GemmVariant(64, 128, 64, 32, 4, 1, False),
     GemmVariant(64, 128, 64, 32, 4, 1, True),
 )
+WGMMA_VARIANTS = (
+    wgmma_variant(128, 6, False, 314.0),
+    wgmma_variant(128, 6, True, 370.0),
+    wgmma_variant(256, 4, False, 219.0),
+    wgmma_variant(256, 4, True, 404.0),
+)
+GEMM_VARIANTS = WGMMA_VARIANTS + MMA_VARIANTS
+
+
+def wgmma_enabled() -> bool:
+    """False when NANOQWEN_PREFILL_WGMMA=0: pick_gemm then keeps to the mma.sync kernels."""
+    return os.environ.get("NANOQWEN_PREFILL_WGMMA", "1") != "0"
 
 
 def gemm_variants() -> tuple[GemmVariant, ...]:
@@ -94,11 +156,15 @@ def attention_smem_bytes(head_dim: int) -> int:
 def prefill_kernels(
     config: ModelConfig, variants: tuple[GemmVariant, ...] = GEMM_VARIANTS
 ) -> dict[str, list[str]]:
-    """The explicit (source, kernel name expressions) table of the prefill path."""
-    return {
-        GEMM_SOURCE: [v.name for v in variants],
-        ATTENTION_SOURCE: [attention_variant(config)],
-    }
+    """The explicit (source, kernel name expressions) table of the prefill path: one entry
+    per GEMM source that some variant uses, then attention."""
+    table: dict[str, list[str]] = {}
+    for v in variants:
+        table.setdefault(v.source, [])
+        if v.name not in table[v.source]:
+            table[v.source].append(v.name)
+    table[ATTENTION_SOURCE] = [attention_variant(config)]
+    return table
 
 
 def _ptr(x) -> int:
@@ -112,19 +178,6 @@ def _ptr(x) -> int:
     if hasattr(x, "handle"):
         return int(x.handle)
     return int(x)
-
-
-def _set_dynamic_smem(kernel, nbytes: int, device_id: int) -> None:
-    """Raise a kernel's dynamic shared-memory limit (anything above 48 KiB needs this)."""
-    from cuda.bindings import driver
-
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    handle = kernel.handle
-    if isinstance(handle, driver.CUkernel):
-        result = driver.cuKernelSetAttribute(attr, nbytes, handle, driver.CUdevice(device_id))
-    else:
-        result = driver.cuFuncSetAttribute(handle, attr, nbytes)
-    check(result, f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES={nbytes})")
 
 
 def _load_kernels(compiled) -> tuple[object, dict]:
@@ -144,7 +197,7 @@ def _load_kernels(compiled) -> tuple[object, dict]:
 class PrefillKernels:
     """The prefill kernels of one model, compiled and ready to launch.
 
-    Construction compiles both .cu files with NVRTC (model dims as template constexpr), loads
+    Construction compiles the .cu files with NVRTC (model dims as template constexpr), loads
     them on the current device and sets shared-memory limits. `gemm` and `attention` then
     only check shapes and launch: no allocation, no compilation.
     """
@@ -156,19 +209,20 @@ class PrefillKernels:
         default); variants: the GEMM tile table (tools/prefill_check.py passes extra ones)."""
         self.config, self.gpu, self.variants = config, gpu, tuple(variants)
         self.num_sms = gpu.num_sms
-        dev_id = gpu.device.device_id
+        self.use_wgmma = wgmma_enabled()
         table = prefill_kernels(config, self.variants)
-        gemm_mod = jit.compile_module(GEMM_SOURCE, table[GEMM_SOURCE], config)
-        attn_mod = jit.compile_module(ATTENTION_SOURCE, table[ATTENTION_SOURCE], config)
-        self.resources = {**gemm_mod.resources(), **attn_mod.resources()}  # ptxas -v, by name
+        mods = {src: jit.compile_module(src, names, config) for src, names in table.items()}
+        self.resources = {}  # ptxas -v, by name expression
+        for mod in mods.values():
+            self.resources.update(mod.resources())
         self._gemm, self._per_sm = {}, {}
         with gpu.guard("loading the prefill kernels"):
-            gemm_lib, gemm_kernels = _load_kernels(gemm_mod)
-            attn_lib, attn_kernels = _load_kernels(attn_mod)
-            self._modules = (gemm_lib, attn_lib)  # keep the libraries alive with the kernels
+            loaded = {src: _load_kernels(mod) for src, mod in mods.items()}
+            self._modules = tuple(lib for lib, _ in loaded.values())  # keep the libraries alive
+            attn_kernels = loaded[ATTENTION_SOURCE][1]
             for v in self.variants:
-                kernel = gemm_kernels[v.name]
-                _set_dynamic_smem(kernel, v.smem_bytes, dev_id)
+                kernel = loaded[v.source][1][v.name]
+                gpu.set_max_dynamic_smem(kernel, v.smem_bytes)
                 self._gemm[v] = kernel
                 # CTAs resident per SM (registers and shared memory), for the tile choice.
                 occ = kernel.occupancy.max_active_blocks_per_multiprocessor(v.threads, v.smem_bytes)
@@ -176,21 +230,24 @@ class PrefillKernels:
             self.attention_name = table[ATTENTION_SOURCE][0]
             self._attn = attn_kernels[self.attention_name]
             self._attn_smem = attention_smem_bytes(config.head_dim)
-            _set_dynamic_smem(self._attn, self._attn_smem, dev_id)
+            gpu.set_max_dynamic_smem(self._attn, self._attn_smem)
 
     # -- GEMM ---------------------------------------------------------------------------------
-    def pick_gemm(self, M: int, N: int, swiglu: bool = False) -> GemmVariant:
-        """Tile choice: the fewest SM-waves of work, counting the CTAs resident per SM (from
-        the occupancy API); ties go to the first variant in the table (its order is the
-        measured preference)."""
+    def pick_gemm(self, M: int, N: int, swiglu: bool = False, K: int | None = None) -> GemmVariant:
+        """Tile choice: the least estimated time, SM-waves x (the work of one wave on one SM,
+        per_sm CTAs of bm x bn) / the variant's nominal rate; per_sm is the CTAs resident per
+        SM (occupancy API). Variants whose preconditions fail for (N, K) are skipped, and the
+        wgmma ones when NANOQWEN_PREFILL_WGMMA=0. Ties go to the first variant in the table."""
         best, best_cost = None, None
         for v in self.variants:
-            if v.swiglu != swiglu or N % v.bn:
+            if v.swiglu != swiglu or not v.fits(N, K if K is not None else 2 * _WGMMA_BK):
+                continue
+            if v.kind == "wgmma" and not self.use_wgmma:
                 continue
             ctas = -(-M // v.bm) * (N // v.bn)
             per_sm = self._per_sm[v]
             waves = -(-ctas // (self.num_sms * per_sm))
-            cost = waves * v.bm * v.bn / per_sm
+            cost = waves * per_sm * v.bm * v.bn / v.tflops
             if best_cost is None or cost < best_cost:
                 best, best_cost = v, cost
         if best is None:
@@ -230,12 +287,17 @@ class PrefillKernels:
             raise ValueError(f"prefill gemm: N={N} must be a positive multiple of 128")
         if swiglu and (bias is not None or residual is not None):
             raise ValueError("prefill gemm: swiglu takes no bias and no residual")
-        v = variant if variant is not None else self.pick_gemm(M, N, swiglu)
+        v = variant if variant is not None else self.pick_gemm(M, N, swiglu, K)
         if v.swiglu != swiglu:
             raise ValueError(f"prefill gemm: variant {v.name} does not match swiglu={swiglu}")
+        if not v.fits(N, K):
+            raise ValueError(f"prefill gemm: variant {v.name} does not take N={N} K={K}")
         ptrs = [_ptr(x) for x in (a, qweight, scales, out)]
-        if any(p % 16 for p in ptrs):
-            raise ValueError(f"prefill gemm: pointers must be 16-byte aligned, got {ptrs}")
+        res_ptr = 0 if residual is None else _ptr(residual)
+        if any(p % 16 for p in (*ptrs, res_ptr)):  # the wgmma epilogue reads 16-byte residuals
+            raise ValueError(
+                f"prefill gemm: pointers must be 16-byte aligned, got {ptrs} residual {res_ptr}"
+            )
         grid = (-(-M // v.bm), N // v.bn, 1)
         self._launch(
             stream,
@@ -248,7 +310,7 @@ class PrefillKernels:
             ptrs[1],
             ptrs[2],
             0 if bias is None else _ptr(bias),
-            0 if residual is None else _ptr(residual),
+            res_ptr,
             ptrs[3],
             np.int32(M),
             np.int32(N),

@@ -92,10 +92,25 @@ def _rms(x, w, eps):
     return _f16(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w.astype(np.float32))
 
 
-def unit_gemv(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
+def _rope_table(cfg: ModelConfig, positions: int) -> np.ndarray:
+    """float32 [positions, D/2, 2] (cos, sin), formed in float64 like the engine's."""
+    half = cfg.head_dim // 2
+    inv = cfg.rope_theta ** (-np.arange(half) / half)
+    ang = np.arange(positions)[:, None] * inv[None, :]
+    return np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+
+
+def _rope_ref(heads: np.ndarray, rope: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """NEOX RoPE of fp16 heads [T, n, D] at positions pos [T] -> fp16 (fp32 math)."""
+    half = heads.shape[-1] // 2
+    c, s = rope[pos, :, 0][:, None, :], rope[pos, :, 1][:, None, :]
+    x1, x2 = heads[..., :half].astype(np.float32), heads[..., half:].astype(np.float32)
+    return _f16(np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1))
+
+
+def unit_gemv(k, dev, cfg: ModelConfig, rng, tol: dict) -> list[Check]:
     h, i = cfg.hidden_size, cfg.intermediate_size
-    cases = [("qkv", h, (2, 34, cfg.q_size + 2 * cfg.kv_size)), ("o", h, (2, 1110, h)),
-             ("gate_up", h, (1, 17, i)), ("down", i, (2, 46, h))]  # fmt: skip
+    cases = [("o", h, (2, 1110, h)), ("gate_up", h, (1, 17, i)), ("down", i, (2, 46, h))]
     out = []
     for kind, kdim, ns in cases:
         for n in ns:
@@ -103,30 +118,61 @@ def unit_gemv(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
             words, scales, deq = _rand_int4(rng, rows, kdim)
             x = _f16(rng.standard_normal(kdim))
             normw = _f16(1 + 0.1 * rng.standard_normal(kdim))
-            bias = _f16(rng.standard_normal(n))
             resid = _f16(rng.standard_normal(n))
-            xin = _rms(x, normw, cfg.rms_norm_eps) if kind in ("qkv", "gate_up") else x
+            xin = _rms(x, normw, cfg.rms_norm_eps) if kind == "gate_up" else x
             y = deq.astype(np.float64) @ xin.astype(np.float64)
-            if kind == "qkv":
-                ref = y + bias
-            elif kind == "gate_up":
+            if kind == "gate_up":
                 g, u = y[:n], y[n:]
                 ref = g / (1 + np.exp(-g)) * u
+                optr, host = dev.out(n, np.float16)
             else:
                 ref = resid.astype(np.float64) + y
-            if kind in ("o", "down"):
-                optr = dev.put(resid)
-                host = np.empty(n, np.float16)
-            else:
-                optr, host = dev.out(n, np.float16)
-            k.gemv(kind, dev.put(x), dev.put(normw) if kind in ("qkv", "gate_up") else 0,
-                   dev.put(words), dev.put(scales), dev.put(bias) if kind == "qkv" else 0,
-                   optr, n)  # fmt: skip
-            got = dev.get(optr, host)
-            err = _rel_err(got, ref)
+                optr, host = dev.put(resid), np.empty(n, np.float16)
+            k.gemv(kind, dev.put(x), dev.put(normw) if kind == "gate_up" else 0, dev.put(words),
+                   dev.put(scales), optr, n)  # fmt: skip
+            err = _rel_err(dev.get(optr, host), ref)
             lim = tol["swiglu"] if kind == "gate_up" else tol["gemv"]
             out.append(Check("unit", f"gemv {kind} N={n} K={kdim}", err <= lim, f"{err:.2e}"))
             dev.free()
+    out += unit_qkv_rope(k, dev, cfg, rng, tol["gemv"])
+    return out
+
+
+def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
+    """RMSNorm + q/k/v GEMV + bias + RoPE + K/V page write against numpy, at a first-page,
+    a mid-page and a page-crossing position of a scattered page table."""
+    from .engine import PAGE
+
+    out, h, npages = [], cfg.hidden_size, 40
+    hq, hkv, d, n = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size + 2 * cfg.kv_size
+    rope = _rope_table(cfg, npages * PAGE)
+    table = rng.permutation(npages).astype(np.int32)
+    for pos in (0, 21, npages * PAGE - 1):
+        words, scales, deq = _rand_int4(rng, n, h)
+        x = _f16(rng.standard_normal(h))
+        normw = _f16(1 + 0.1 * rng.standard_normal(h))
+        bias = _f16(rng.standard_normal(n))
+        qkv = _f16(deq.astype(np.float64) @ _rms(x, normw, cfg.rms_norm_eps).astype(np.float64)
+                   + bias)  # fmt: skip
+        heads = qkv[: cfg.q_size + cfg.kv_size].reshape(1, hq + hkv, d)
+        rot = _rope_ref(heads, rope, np.array([pos]))[0]
+        q_ptr, qh = dev.out((hq, d), np.float16)
+        kc_ptr, kc = dev.out((npages, PAGE, hkv, d), np.float16)
+        vc_ptr, vc = dev.out((npages, PAGE, hkv, d), np.float16)
+        k.qkv_rope(dev.put(x), dev.put(normw), dev.put(words), dev.put(scales), dev.put(bias),
+                   dev.put(np.array([pos], np.int32)), dev.put(rope), dev.put(table), kc_ptr,
+                   vc_ptr, q_ptr)  # fmt: skip
+        got_q = dev.get(q_ptr, qh)
+        dev.get(kc_ptr, kc), dev.get(vc_ptr, vc)
+        slot = table[pos // PAGE], pos % PAGE
+        got_k, got_v = kc[slot].copy(), vc[slot].copy()
+        kc[slot], vc[slot] = np.nan, np.nan
+        err = max(_rel_err(got_q, rot[:hq]), _rel_err(got_k, rot[hq:]),
+                  _rel_err(got_v, qkv[cfg.q_size + cfg.kv_size :].reshape(hkv, d)))  # fmt: skip
+        untouched = bool(np.isnan(kc).all() and np.isnan(vc).all())  # only the slot written
+        note = f"{err:.2e}, other slots {'untouched' if untouched else 'WRITTEN'}"
+        out.append(Check("unit", f"qkv+rope+kv pos={pos}", err <= tol and untouched, note))
+        dev.free()
     return out
 
 
@@ -159,10 +205,7 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     out = []
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv_n, npages = cfg.q_size + 2 * cfg.kv_size, 300
-    half = d // 2
-    inv = cfg.rope_theta ** (-np.arange(half) / half)
-    ang = np.arange(npages * PAGE)[:, None] * inv[None, :]
-    rope = np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)
+    rope = _rope_table(cfg, npages * PAGE)
     rptr = dev.put(rope)
     table = rng.permutation(npages).astype(np.int32)  # scattered pages
     tptr = dev.put(table)
@@ -177,10 +220,8 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
         k.rope_kv(dev.put(qkv), dev.put(np.array([pos0], np.int32)), rptr, tptr, kc_ptr, vc_ptr,
                   q_ptr, ko_ptr, vo_ptr, T)  # fmt: skip
         pos = pos0 + np.arange(T)
-        c, s = rope[pos, :, 0][:, None, :], rope[pos, :, 1][:, None, :]
-        heads = qkv[:, : cfg.q_size + cfg.kv_size].reshape(T, hq + hkv, d).astype(np.float32)
-        x1, x2 = heads[..., :half], heads[..., half:]
-        rot = _f16(np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1))
+        heads = qkv[:, : cfg.q_size + cfg.kv_size].reshape(T, hq + hkv, d)
+        rot = _rope_ref(heads, rope, pos)
         v_ref = qkv[:, cfg.q_size + cfg.kv_size :].reshape(T, hkv, d)
         got_q, got_k = dev.get(q_ptr, qh), dev.get(ko_ptr, ko)
         dev.get(kc_ptr, kc), dev.get(vc_ptr, vc), dev.get(vo_ptr, vo)
@@ -194,28 +235,44 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     from .cuda import jit
 
     S = jit.ATTN_SPLITS
-    for L in (1, 17, 111, 4097):
-        kc = _f16(rng.standard_normal(cache_shape))
-        vc = _f16(rng.standard_normal(cache_shape))
+    # Single-page and page-edge lengths (one split), then the multi-split merge (ceil(L / 16 / 8)
+    # splits, capped); a last page holding a single valid token at 17, 33, 129, 4097, 8193.
+    lengths = (1, 16, 17, 33, 111, 129, 1000, 4097, 8193)
+    apages = -(-max(lengths) // PAGE) + 7
+    acache = (apages, PAGE, hkv, d)
+    g = cfg.group_ratio
+    for L in lengths:
+        kc = _f16(rng.standard_normal(acache))
+        vc = _f16(rng.standard_normal(acache))
         q = _f16(rng.standard_normal((hq, d)))
-        optr, host = dev.out((hq, d), np.float16)
+        atable = rng.permutation(apages).astype(np.int32)  # scattered pages
+        optr, host = dev.out((hq, d), np.float16)  # NaN-poisoned
         ml, _ = dev.out((hq, S, 2), np.float32)
         acc, _ = dev.out((hq, S, d), np.float32)
-        k.attention(dev.put(q), dev.put(kc), dev.put(vc), tptr,
-                    dev.put(np.array([L - 1], np.int32)), ml, acc, optr)  # fmt: skip
+        cnt = dev.put(np.zeros(hkv, np.int32))  # last-CTA counters: zero once, re-armed by each
+        args = (dev.put(q), dev.put(kc), dev.put(vc), dev.put(atable),
+                dev.put(np.array([L - 1], np.int32)), ml, acc, cnt)  # fmt: skip
+        k.attention(*args, optr)
+        got = dev.get(optr, host).copy()
+        left = dev.get(cnt, np.empty(hkv, np.int32)).copy()
+        k.gpu.memset(optr, 0xFF, host.nbytes)  # replay on the same counters (a graph would)
+        k.attention(*args, optr)
+        again = dev.get(optr, host)
         pos = np.arange(L)
-        kk = kc[table[pos // PAGE], pos % PAGE].astype(np.float64)  # [L, hkv, d]
-        vv = vc[table[pos // PAGE], pos % PAGE].astype(np.float64)
-        g = cfg.group_ratio
+        kk = kc[atable[pos // PAGE], pos % PAGE].astype(np.float64)  # [L, hkv, d]
+        vv = vc[atable[pos // PAGE], pos % PAGE].astype(np.float64)
         ref = np.empty((hq, d))
         for hh in range(hq):
             sc = kk[:, hh // g] @ q[hh].astype(np.float64) / np.sqrt(d)
             p = np.exp(sc - sc.max())
             ref[hh] = (p / p.sum()) @ vv[:, hh // g]
-        err = _rel_err(dev.get(optr, host), ref)
-        out.append(Check("unit", f"attention L={L}", err <= tol, f"{err:.2e}"))
+        err = _rel_err(got, ref)
+        replay = np.array_equal(again.view(np.uint16), got.view(np.uint16))
+        ok = err <= tol and replay and not left.any()
+        detail = f"{err:.2e}" + ("" if replay else ", replay differs")
+        detail += f", counters left {left.tolist()}" if left.any() else ""
+        out.append(Check("unit", f"attention L={L}", ok, detail))
         dev.free()
-        rptr, tptr = dev.put(rope), dev.put(table)
     dev.free()
     return out
 
@@ -232,8 +289,7 @@ def unit_lm_sample(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
         nw = _f16(1 + 0.1 * rng.standard_normal(h))
         lptr, host = dev.out(V, np.float32)
         key = dev.put(np.zeros(1, np.uint64))
-        k.gpu.launch(k._lm, (min(-(-V // 8), k.max_ctas), 1, 1), 128, dev.put(x), dev.put(nw),
-                     wptr, lptr, key, np.int32(V))  # fmt: skip
+        k.lm_head(dev.put(x), dev.put(nw), wptr, lptr, key, rows=V)
         ref = w[:V].astype(np.float64) @ _rms(x, nw, cfg.rms_norm_eps).astype(np.float64)
         got = dev.get(lptr, host)
         err = _rel_err(got, ref)
@@ -255,6 +311,61 @@ def unit_lm_sample(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
     return out
 
 
+def _argmax_key(v: float, i: int) -> np.uint64:
+    """decode_misc.cu argmax_key: the (logit, -id) order as one u64."""
+    b = int(np.float32(v).view(np.uint32))
+    b = (~b & 0xFFFFFFFF) if b & 0x80000000 else (b | 0x80000000)
+    return np.uint64((b << 32) | (0xFFFFFFFF - i))
+
+
+def unit_sampling(k, dev, cfg: ModelConfig, rng, draws: int = 4000) -> list[Check]:
+    """The device sampler (temperature, top-k, top-p) against the host rule in sampling.py:
+    `draws` seeds on one logits vector; every pick must be in the kept set and each kept
+    token's frequency within 5 sigma of its probability (binomial), for three settings."""
+    from .cuda.kernels import S_MAX_NEW, S_SEED_LO, S_TEMP, S_TOP_K, S_TOP_P, STATE_WORDS
+
+    V, out = cfg.vocab_size, []
+    logits = np.full(V, -60.0, np.float32)  # background mass < 1e-14: never drawn
+    hot = rng.choice(V, 12, replace=False)
+    logits[hot] = rng.uniform(-2.0, 2.0, 12).astype(np.float32)
+    lptr, top = dev.put(logits), int(np.argmax(logits))
+    key = dev.put(np.zeros(1, np.uint64))
+    ring = dev.put(np.zeros(4, np.int32))
+    sptr = dev.put(np.zeros(STATE_WORDS, np.int32))
+    for temp, top_k, top_p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8)):
+        order = np.lexsort((np.arange(V), -logits))  # descending, ties by id
+        z = np.exp((logits[order] - logits[top]) / temp)
+        keep = top_k if top_k else V
+        p = z[:keep] / z[:keep].sum()
+        if top_p < 1.0:
+            before = np.concatenate([[0.0], np.cumsum(p)[:-1]])
+            p = p[: int((before < top_p).sum())]
+        p = p / p.sum()
+        kept = order[: len(p)]
+        state = np.zeros(STATE_WORDS, np.int32)
+        state[S_MAX_NEW], state[S_TOP_K] = 1, top_k
+        state[S_TEMP] = np.float32(temp).view(np.int32)
+        state[S_TOP_P] = np.float32(top_p).view(np.int32)
+        counts: dict[int, int] = {}
+        for seed in range(draws):
+            state[S_SEED_LO] = seed
+            k.gpu.upload(sptr, state)
+            k.gpu.upload(key, np.array([_argmax_key(logits[top], top)]))
+            k.sample(lptr, key, sptr, ring, 0, 0, 0)
+            tok = int(dev.get(ring, np.empty(4, np.int32))[0])
+            counts[tok] = counts.get(tok, 0) + 1
+        kept_set = set(kept.tolist())
+        outside = sum(c for t, c in counts.items() if t not in kept_set)
+        freq = np.array([counts.get(int(t), 0) for t in kept]) / draws
+        sigma = np.sqrt(p * (1 - p) / draws) + 1e-12
+        worst = float(np.max(np.abs(freq - p) / sigma))
+        ok = outside == 0 and worst <= 5.0
+        out.append(Check("unit", f"sample T={temp} top_k={top_k} top_p={top_p}", ok,
+                         f"{len(p)} kept, worst {worst:.1f} sigma, {outside} outside"))  # fmt: skip
+    dev.free()
+    return out
+
+
 def unit_tier(config: ModelConfig, tol: dict, seed: int | None = None) -> list[Check]:
     from .cuda.device import Gpu
     from .cuda.kernels import DecodeKernels
@@ -267,6 +378,7 @@ def unit_tier(config: ModelConfig, tol: dict, seed: int | None = None) -> list[C
     checks += unit_small(k, dev, config, rng, tol["elementwise"])
     checks += unit_rope_attention(k, dev, config, rng, tol["attention"])
     checks += unit_lm_sample(k, dev, config, rng, tol["lm_head"])
+    checks += unit_sampling(k, dev, config, rng)
     gpu.close()
     return checks
 

@@ -1,6 +1,7 @@
 """Prefill kernels on an sm_90 GPU against PyTorch references (tools/prefill_check.py holds the
-references and states the tolerances): every 7B GEMM shape at awkward M, NaN-poisoned outputs,
-causal GQA attention at awkward T, and bad shapes raising before any launch."""
+references and states the tolerances): every 7B GEMM shape at awkward M for every GEMM variant
+(wgmma and mma.sync), NaN-poisoned outputs with guard rows past M, the variant the engine
+picks, causal GQA attention at awkward T, and bad shapes raising before any launch."""
 
 import importlib.util
 from pathlib import Path
@@ -56,6 +57,26 @@ def test_gemm_7b_shapes(env, shape_name):
                 kernels, stream, a, words, scales, deq, shape, m, v, bias
             )
             assert ok, f"{shape_name} M={m} {v.name}: max err {err:.3g} vs max|ref| {scale:.3g}"
+
+
+@pytest.mark.parametrize("shape_name", ["qkv", "o", "gate_up", "down"])
+def test_gemm_7b_picked_variant(env, shape_name):
+    """What the engine runs (variant=None: pick_gemm), wgmma unless NANOQWEN_PREFILL_WGMMA=0."""
+    kernels, stream, gen = env
+    shape = pc.gemm_shapes(CFG)[shape_name]
+    swiglu = shape.get("swiglu", False)
+    picked = kernels.pick_gemm(512, shape["n"], swiglu, shape["k"])
+    assert picked.kind == ("wgmma" if kernels.use_wgmma else "mma"), picked
+    words, scales, deq = pc.random_int4_weight(shape["n"], shape["k"], gen)
+    bias = (
+        torch.randn(shape["n"], device="cuda", dtype=torch.float16) if shape.get("bias") else None
+    )
+    for m in (5, 512, 700):
+        a = torch.randn(m, shape["k"], device="cuda", dtype=torch.float16)
+        ok, err, scale = pc.run_gemm_case(
+            kernels, stream, a, words, scales, deq, shape, m, None, bias
+        )
+        assert ok, f"{shape_name} M={m} picked: max err {err:.3g} vs max|ref| {scale:.3g}"
 
 
 @pytest.mark.parametrize(

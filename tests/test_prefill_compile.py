@@ -1,6 +1,8 @@
 """Prefill kernels on the CPU: they compile with NVRTC for sm_90a (7b, 1.5b and tiny) through
-nanoqwen.cuda.jit, use tensor cores and spill nothing; and the GEMM's register dequantization
-and K permutation, emulated in numpy lane by lane, reproduce A @ dequant(W)^T."""
+nanoqwen.cuda.jit, use tensor cores (mma.sync, and wgmma with setmaxnreg in
+prefill_gemm_wgmma.cu) and spill nothing; the GEMMs' register dequantization, K permutation and
+(wgmma) swizzled shared-memory layout, A fragments and epilogue mapping, emulated in numpy lane
+by lane, reproduce A @ dequant(W)^T; pick_gemm prefers wgmma and falls back to mma.sync."""
 
 import numpy as np
 import pytest
@@ -10,6 +12,10 @@ from nanoqwen.prefill import (
     ATTENTION_SOURCE,
     GEMM_SOURCE,
     GEMM_VARIANTS,
+    MMA_VARIANTS,
+    WGMMA_SOURCE,
+    WGMMA_VARIANTS,
+    PrefillKernels,
     attention_smem_bytes,
     prefill_kernels,
 )
@@ -53,12 +59,36 @@ def test_prefill_kernels_compile_without_spills(name):
     assert attention_smem_bytes(cfg.head_dim) <= SMEM_LIMIT
 
 
+def test_wgmma_kernel_ptxas_report():
+    """setmaxnreg honoured (no C7508), wgmma not serialized by ptxas (no C7515-style
+    advisory), every instantiation of the table and the --extra candidates spill-free."""
+    cfg = preset("7b")
+    names = sorted({v.name for v in WGMMA_VARIANTS})
+    names += ["prefill_gemm_wgmma<128, 8, false>", "prefill_gemm_wgmma<256, 5, true>"]
+    mod = jit.compile_module(WGMMA_SOURCE, names, cfg)
+    for kernel, r in mod.resources().items():
+        assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{kernel} uses local memory: {r}"
+    log = mod.log.lower()
+    assert "c7508" not in log and "setmaxnreg" not in log, mod.log
+    assert "serializ" not in log and "performance loss" not in log, mod.log
+
+
 def test_kernels_use_tensor_cores():
     cfg = preset("tiny")
     table = prefill_kernels(cfg)
     gemm = _ptx(GEMM_SOURCE, table[GEMM_SOURCE], cfg)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in gemm
     assert "cp.async.cg.shared.global" in gemm
+    wg = _ptx(WGMMA_SOURCE, table[WGMMA_SOURCE], cfg)
+    for bt in sorted({v.bm for v in WGMMA_VARIANTS}):
+        assert f"wgmma.mma_async.sync.aligned.m64n{bt}k16.f32.f16.f16" in wg
+    for needle in (
+        "setmaxnreg.dec.sync.aligned.u32 40",
+        "setmaxnreg.inc.sync.aligned.u32 232",
+        "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
+        "wgmma.wait_group.sync.aligned 1",
+    ):
+        assert needle in wg, needle
     attn = _ptx(ATTENTION_SOURCE, table[ATTENTION_SOURCE], cfg)
     assert "mma.sync.aligned.m16n8k16" in attn and "ldmatrix" in attn
 
@@ -128,3 +158,159 @@ def test_dequant_magic_numbers_exact(value):
     one = 0x3C003C00  # fp16 1.0 in both halves: no scaling
     pairs = [_halves(p) for p in _dequant_word(word, one)]
     assert all(p[0] == value and p[1] == -1 - value for p in pairs)
+
+
+# -- numpy emulation of prefill_gemm_wgmma.cu ------------------------------------------------
+def _wg_weight_row(tile_n: int, r: int, n: int, swiglu: bool) -> int:
+    """prefill_gemm_wgmma.cu weight_row: CTA-local row r -> global weight row."""
+    if not swiglu:
+        return tile_n * 128 + r
+    col = tile_n * 64 + 8 * (r >> 4) + (r & 7)
+    return n // 2 + col if r & 8 else col
+
+
+def _sw128(addr: int) -> int:
+    """The 128-byte swizzle (wgmma descriptor mode 1, TMA SWIZZLE_128B) on a 1024-aligned base:
+    address bits 4-6 ^= bits 7-9."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, swiglu, bias=None, residual=None):
+    """One CTA of prefill_gemm_wgmma<bt, *, swiglu> (token tile 0), step by step as the kernel:
+    the producer's swizzled activation stage and plain weight stage, the wgmma B operand read
+    through the K-major 128B-swizzle descriptor (start + 32 B per k16, SBO 1024), the per-lane A
+    fragments (pair t of words 2s / 2s+1 of rows g / g+8, times the group scale), the m64nBT
+    accumulator layout, and the epilogue's staging and column mapping. Returns the CTA's
+    output block [m, cols] in float32 (before the final fp16 rounding)."""
+    m, k = a.shape
+    n = qweight.shape[0]
+    a_pad = np.zeros((bt, k), np.float16)
+    a_pad[:m] = a  # cp.async zero-fills token rows past M
+    acc = np.zeros((2, 4, 32, bt // 2), np.float32)  # [warpgroup][warp][lane][register]
+    for kt in range(k // 64):
+        stage = np.zeros(bt * 128, np.uint8)  # producer: chunk c of row r at chunk c ^ (r & 7)
+        rows = a_pad[:, kt * 64 : (kt + 1) * 64].view(np.uint8).reshape(bt, 128)
+        for r in range(bt):
+            for c in range(8):
+                off = r * 128 + ((c ^ (r & 7)) << 4)
+                stage[off : off + 16] = rows[r, c * 16 : (c + 1) * 16]
+        halves = stage.view(np.float16)
+        wsm = np.stack([qweight[_wg_weight_row(tile_n, r, n, swiglu), kt * 8 : kt * 8 + 8]
+                        for r in range(128)])  # fmt: skip
+        for s in range(4):
+            b = np.zeros((bt, 16), np.float32)  # B[token][k] as the descriptor addresses it
+            for tok in range(bt):
+                for kk in range(16):
+                    addr = _sw128(32 * s + (tok // 8) * 1024 + (tok % 8) * 128 + 2 * kk)
+                    b[tok, kk] = halves[addr // 2]
+            for cw in range(2):
+                frag = np.zeros((64, 16), np.float32)  # the warpgroup's A, from its lanes
+                for warp in range(4):
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        r0 = 64 * cw + 16 * warp + g
+                        regs = []
+                        for w_idx, r in ((2 * s, r0), (2 * s, r0 + 8), (2 * s + 1, r0),
+                                         (2 * s + 1, r0 + 8)):  # fmt: skip
+                            sc = int(scales[_wg_weight_row(tile_n, r, n, swiglu), kt // 2]
+                                     .view(np.uint16))  # fmt: skip
+                            p = ((int(wsm[r, w_idx]) >> (4 * t)) & 0x000F000F) ^ 0x64086408
+                            h = _op(_op(p, 0x64086408, kind="sub"), sc | (sc << 16))
+                            regs.append(_halves(h).astype(np.float32))
+                        row = 16 * warp + g
+                        frag[row, 2 * t : 2 * t + 2] = regs[0]
+                        frag[row + 8, 2 * t : 2 * t + 2] = regs[1]
+                        frag[row, 2 * t + 8 : 2 * t + 10] = regs[2]
+                        frag[row + 8, 2 * t + 8 : 2 * t + 10] = regs[3]
+                d = frag @ b.T  # [64 weight rows][bt tokens]
+                for warp in range(4):
+                    for lane in range(32):
+                        g, t = lane >> 2, lane & 3
+                        for j in range(bt // 8):
+                            for e in range(2):
+                                acc[cw, warp, lane, 4 * j + e] += d[
+                                    16 * warp + g, 8 * j + 2 * t + e
+                                ]
+                                acc[cw, warp, lane, 4 * j + 2 + e] += d[
+                                    16 * warp + g + 8, 8 * j + 2 * t + e
+                                ]
+    cols = 64 if swiglu else 128
+    stg = np.full((bt, cols), np.nan, np.float32)
+    for cw in range(2):
+        for warp in range(4):
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                r0 = 64 * cw + 16 * warp + g
+                for j in range(bt // 8):
+                    for e in range(2):
+                        tok, x0, x1 = (
+                            8 * j + 2 * t + e,
+                            acc[cw, warp, lane, 4 * j + e],
+                            acc[cw, warp, lane, 4 * j + 2 + e],
+                        )
+                        if swiglu:
+                            stg[tok, 32 * cw + 8 * warp + g] = x0 / (1 + np.exp(-x0)) * x1
+                        else:
+                            b0 = 0.0 if bias is None else float(bias[tile_n * 128 + r0])
+                            b1 = 0.0 if bias is None else float(bias[tile_n * 128 + r0 + 8])
+                            stg[tok, r0], stg[tok, r0 + 8] = x0 + b0, x1 + b1
+    out = stg[:m].copy()
+    if residual is not None:
+        out += residual[:m, tile_n * cols : (tile_n + 1) * cols].astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["bias+residual", "swiglu"])
+def test_wgmma_emulation_matches_matmul(swiglu):
+    rng = np.random.default_rng()
+    n, k, bt, m, tile_n = 256, 256, 16, 13, 1  # 4 k-tiles, 2 scale groups, 3 padded tokens
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    qweight, scales = quantize_pack(rng.standard_normal((n, k)).astype(np.float32))
+    w16 = dequantize_packed(qweight, scales).astype(np.float16).astype(np.float32)
+    ref = a.astype(np.float32) @ w16.T
+    if swiglu:
+        gate, up = ref[:, : n // 2], ref[:, n // 2 :]
+        ref = (gate / (1 + np.exp(-gate)) * up)[:, tile_n * 64 : (tile_n + 1) * 64]
+        got = _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, True)
+    else:
+        bias = rng.standard_normal(n).astype(np.float16)
+        residual = rng.standard_normal((m, n)).astype(np.float16)
+        ref = ref + bias.astype(np.float32) + residual.astype(np.float32)
+        ref = ref[:, tile_n * 128 : (tile_n + 1) * 128]
+        got = _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, False, bias, residual)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
+
+
+# -- tile choice (no GPU: the occupancy numbers are what the H200 reports) ----------------------
+def _fake_kernels(variants, use_wgmma=True, num_sms=132):
+    pk = PrefillKernels.__new__(PrefillKernels)
+    pk.variants, pk.num_sms, pk.use_wgmma = tuple(variants), num_sms, use_wgmma
+    pk._per_sm = {v: (1 if v.kind == "wgmma" else 2) for v in variants}
+    return pk
+
+
+@pytest.mark.parametrize("m", [1, 17, 512, 513, 4096])
+def test_pick_gemm_prefers_wgmma_and_falls_back(m):
+    cfg = preset("7b")
+    shapes = [
+        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False),
+        (cfg.hidden_size, cfg.q_size, False),
+        (2 * cfg.intermediate_size, cfg.hidden_size, True),
+        (cfg.hidden_size, cfg.intermediate_size, False),
+    ]
+    on, off = _fake_kernels(GEMM_VARIANTS), _fake_kernels(GEMM_VARIANTS, use_wgmma=False)
+    for n, k, swiglu in shapes:
+        v = on.pick_gemm(m, n, swiglu, k)
+        assert v.kind == "wgmma" and v.swiglu == swiglu and v.fits(n, k)
+        assert off.pick_gemm(m, n, swiglu, k) in MMA_VARIANTS
+    mma_only = _fake_kernels(MMA_VARIANTS)
+    assert mma_only.pick_gemm(m, 4608, False, 3584).kind == "mma"
+
+
+def test_wgmma_smem_formula():
+    """prefill.py's smem_bytes repeats smem_bytes<BT, STAGES, SWIGLU>() of the kernel."""
+    for v in WGMMA_VARIANTS:
+        ring = v.stages * (v.bm * 128 + 128 * 32)
+        staging = v.bm * ((64 if v.swiglu else 128) + 4) * 4
+        assert v.smem_bytes == 1024 + max(ring, staging) + 16 * v.stages
+        assert v.threads == 384 and v.bn == 128

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The GPU record in one device call, through the product's own commands: pack the synthetic 7B
-# and 1.5B, benchmark the 7B (benchmark_e2e), run the whole validation ladder on both, time a
-# CUDA-backed server for one client, and run the GPU tests. Logs land in $OUT; table last.
+# The GPU record through the product's own commands, in two parts that each fit one device
+# call (10 minutes). Logs and result JSONs land in $OUT; a status table comes last.
 #
-#   bash tools/h200_record.sh            (on an sm_90 machine, from the repository root)
+#   bash tools/h200_record.sh bench      pack the synthetic 7B; bench it at prompt 512 (with
+#                                        --kernels, --plot, --baseline transformers), 8192 and
+#                                        32704 (+64); the whole validation ladder on the 7B
+#   bash tools/h200_record.sh rest       the ladder on the synthetic 1.5B, a CUDA-backed
+#                                        server timed for one client, the GPU tests
 #
-# Wheels for the HTTP stack, when the machine lacks them, are installed from .whl/ if present.
+# The synthetic packs are seeded (identical bytes every time), so a pack already under /tmp
+# is reused. Wheels for the HTTP stack, when the machine lacks them, are installed from .whl/.
 set -uo pipefail
+PART=${1:?usage: h200_record.sh bench|rest}
 OUT=${OUT:-/tmp/nanoqwen-record}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -25,13 +30,17 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember status and
     ROWS+=("$(printf '%-16s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - t0)))")
     echo "${ROWS[-1]}"
 }
-
-# Most important first: a call cut short at its time limit still returns what is in $OUT.
-step pack-7b nq pack --synthetic 7b --no-progress -o /tmp/s7b.nanoqwen
-step bench-7b nq bench /tmp/s7b.nanoqwen --json "$OUT/bench_7b.json"
-step validate-7b nq validate /tmp/s7b.nanoqwen --tier all
-step pack-1.5b nq pack --synthetic 1.5b --no-progress -o /tmp/s15.nanoqwen
-step validate-1.5b nq validate /tmp/s15.nanoqwen --tier all
+pack() {  # pack PRESET PATH (skipped when PATH exists: the synthetic packs are deterministic)
+    [ -f "$2" ] || step "pack-$1" nq pack --synthetic "$1" --no-progress -o "$2"
+}
+report() {
+    for f in "$@"; do
+        echo "==== $f"
+        tail -n 40 "$OUT/$f.log"
+    done
+    echo "==== steps"
+    printf '%s\n' "${ROWS[@]}"
+}
 
 serve_once() {  # one client against a CUDA-backed server: TTFT of the stream and tokens/s
     nq serve /tmp/s7b.nanoqwen --backend cuda --port 8011 --log-level warning &
@@ -48,12 +57,23 @@ serve_once() {  # one client against a CUDA-backed server: TTFT of the stream an
     wait "$pid"
     return $rc
 }
-step serve-7b serve_once
-step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
 
-for f in bench-7b validate-7b validate-1.5b serve-7b gpu-tests; do
-    echo "==== $f"
-    tail -n 40 "$OUT/$f.log"
-done
-echo "==== steps"
-printf '%s\n' "${ROWS[@]}"
+# Most important first: a call cut short at its time limit still returns what is in $OUT.
+if [ "$PART" = bench ]; then
+    pack 7b /tmp/s7b.nanoqwen
+    step bench-512 nq bench /tmp/s7b.nanoqwen --kernels --plot "$OUT/itl_512.png" \
+        --baseline transformers --json "$OUT/bench_512.json"
+    step bench-8k nq bench /tmp/s7b.nanoqwen --prompt-len 8192 --warmup 1 --runs 5 --kernels \
+        --json "$OUT/bench_8k.json"
+    step bench-32k nq bench /tmp/s7b.nanoqwen --prompt-len 32704 --gen-len 64 --warmup 1 \
+        --runs 3 --kernels --plot "$OUT/itl_32k.png" --json "$OUT/bench_32k.json"
+    step validate-7b nq validate /tmp/s7b.nanoqwen --tier all
+    report bench-512 bench-8k bench-32k validate-7b
+else
+    pack 1.5b /tmp/s15.nanoqwen
+    step validate-1.5b nq validate /tmp/s15.nanoqwen --tier all
+    pack 7b /tmp/s7b.nanoqwen
+    step serve-7b serve_once
+    step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+    report validate-1.5b serve-7b gpu-tests
+fi

@@ -1,10 +1,16 @@
 """Prefill kernels playground: validate against PyTorch, then time (run on an sm_90 GPU).
 
-    PYTHONPATH=. python3 tools/prefill_check.py [--quick] [--out DIR]
+    PYTHONPATH=. python3 tools/prefill_check.py [--quick] [--only SUBSTR] [--extra] [--out DIR]
+
+Variants: every GemmVariant of nanoqwen.prefill.GEMM_VARIANTS (the wgmma kernels of
+prefill_gemm_wgmma.cu and the mma.sync kernels of prefill_gemm.cu), plus EXTRA_VARIANTS with
+--extra; --only keeps the variants whose label contains SUBSTR (e.g. --only wgmma).
 
 Correctness. GEMM: every 7B projection shape (qkv, o + residual in place, gate_up + SwiGLU,
 down) at awkward M (1, 3, 17, 128, 511, 512, 513), fresh random INT4 weights each run, output
-poisoned with NaN before the launch. The reference dequantizes exactly as the kernel does
+poisoned with NaN before the launch, followed by GUARD_ROWS poisoned rows that must stay NaN
+(no store past row M); a launch that does not finish within a minute ends the script with a
+HANG line naming the kernel. The reference dequantizes exactly as the kernel does
 (q * scale rounded once to fp16; the packing is checked against nanoqwen.quant on a slice) and
 multiplies in fp32, so what is left is fp32 summation order (~1e-6 relative) and the final
 fp16 rounding (2^-11 relative): the tolerance is max|out - ref| <= 2e-3 * max|ref|.
@@ -15,6 +21,10 @@ max abs error <= 4e-3 on outputs of magnitude ~1.
 Timing: CUDA events, median of 20 launches after warm-up, for each 7B shape at M = 512 and each
 tile variant, beside cuBLAS fp16 (torch.matmul) on the same shape as a yardstick; then the
 projected 512-token prefill: 28 x (best per-shape GEMM times + attention).
+
+Printed: each variant's registers / spills / shared memory; a table of max|err| / max|ref|
+per shape, variant and M (FAIL marks a case over tolerance or with a non-finite output);
+the timing table; RESULT last.
 """
 
 from __future__ import annotations
@@ -33,12 +43,13 @@ import torch
 
 from nanoqwen.config import ModelConfig, preset
 from nanoqwen.cuda.device import Gpu
-from nanoqwen.prefill import GEMM_VARIANTS, GemmVariant, PrefillKernels
+from nanoqwen.prefill import GEMM_VARIANTS, GemmVariant, PrefillKernels, wgmma_variant
 from nanoqwen.quant import dequantize_packed
 
 GEMM_M = (1, 3, 17, 128, 511, 512, 513)
 ATTN_T = (1, 15, 16, 17, 100, 512)
 GEMM_REL_TOL = 2e-3
+GUARD_ROWS = 256  # poisoned rows past M after every GEMM output (must stay untouched)
 ATTN_ABS_TOL = 4e-3
 LANE_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # ValueShuffle: lane -> bit offset
 SCALE = 0.01  # weight scales: outputs of order 1 for K = 3584 and random N(0,1) activations
@@ -47,7 +58,23 @@ EXTRA_VARIANTS = tuple(
     GemmVariant(bm, bn, wm, wn, st, mc, sw)
     for sw in (False, True)
     for bm, bn, wm, wn, st, mc in ((64, 128, 64, 32, 3, 3), (64, 256, 64, 32, 3, 1))
-)
+) + tuple(
+    wgmma_variant(bt, st, sw, 300.0) for sw in (False, True) for bt, st in ((128, 8), (256, 5))
+)  # rates only steer pick_gemm; the timing table measures them
+
+
+def sync_or_die(what: str, timeout_s: float = 60.0) -> None:
+    """torch.cuda.synchronize with a deadline: a kernel that never finishes (a pipeline
+    deadlock) ends the script with its name instead of eating the whole device lease."""
+    ev = torch.cuda.Event()
+    ev.record()
+    t0 = time.time()
+    while not ev.query():
+        if time.time() - t0 > timeout_s:
+            print(f"HANG: {what} still running after {timeout_s:.0f} s; exiting", flush=True)
+            os._exit(3)
+        time.sleep(0.0005)
+    torch.cuda.synchronize()
 
 
 def log(msg: str, fh=None) -> None:
@@ -120,21 +147,23 @@ def run_gemm_case(pk, stream, a, words, scales, deq, shape, m, variant=None, bia
     n = shape["n"]
     swiglu = shape.get("swiglu", False)
     out_cols = n // 2 if swiglu else n
-    residual = None
+    # `out` is the first m rows of a NaN-poisoned buffer with GUARD_ROWS more: a kernel that
+    # stores past row M shows up as a finite guard row.
+    buf = torch.full((m + GUARD_ROWS, out_cols), float("nan"), device="cuda", dtype=torch.float16)
+    out = buf[:m]
     if shape.get("residual") and m % 2 == 0:  # in place, as the engine's h += o_proj(...)
         residual = torch.randn(m, n, device="cuda", dtype=torch.float16)
-        out = residual.clone()
+        out.copy_(residual)
         ref = gemm_reference(a, deq, bias, residual, swiglu)
         res_arg = out
     elif shape.get("residual"):  # separate residual buffer, poisoned output
         res_arg = torch.randn(m, n, device="cuda", dtype=torch.float16)
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.float16)
         ref = gemm_reference(a, deq, bias, res_arg, swiglu)
     else:
-        out = torch.full((m, out_cols), float("nan"), device="cuda", dtype=torch.float16)
         ref = gemm_reference(a, deq, bias, None, swiglu)
         res_arg = None
     torch.cuda.synchronize()
+    what = f"gemm {variant.name if variant else 'picked'} N={n} K={shape['k']} M={m}"
     pk.gemm(
         a,
         words,
@@ -149,15 +178,19 @@ def run_gemm_case(pk, stream, a, words, scales, deq, shape, m, variant=None, bia
         variant=variant,
         stream=stream,
     )
-    torch.cuda.synchronize()
+    sync_or_die(what)
     err = (out.float() - ref).abs().max().item()
     scale = ref.abs().max().item()
-    ok = bool(torch.isfinite(out).all().item()) and err <= GEMM_REL_TOL * scale
+    guard_ok = bool(torch.isnan(buf[m:]).all().item())
+    if not guard_ok:
+        err = float("inf")  # reported as a failure: the kernel wrote past row M
+    ok = guard_ok and bool(torch.isfinite(out).all().item()) and err <= GEMM_REL_TOL * scale
     return ok, err, scale
 
 
 def check_gemm(pk, stream, cfg, gen, fh, quick):
     rows, ok_all = [], True
+    ms = (GEMM_M[:3] + GEMM_M[-1:]) if quick else GEMM_M
     for name, shape in gemm_shapes(cfg).items():
         words, scales, deq = random_int4_weight(shape["n"], shape["k"], gen)
         check_packing_against_quant(words, scales, deq)
@@ -167,21 +200,33 @@ def check_gemm(pk, stream, cfg, gen, fh, quick):
             else None
         )
         variants = [v for v in pk.variants if v.swiglu == shape.get("swiglu", False)]
-        for m in (GEMM_M[:3] + GEMM_M[-1:]) if quick else GEMM_M:
+        variants.sort(key=lambda v: v.kind == "wgmma")  # known-good mma.sync kernels first
+        for m in ms:
             a = torch.randn(m, shape["k"], device="cuda", dtype=torch.float16)
             for v in variants:
                 ok, err, scale = run_gemm_case(pk, stream, a, words, scales, deq, shape, m, v, bias)
                 ok_all &= ok
-                rows.append((name, m, v.bm, v.bn, err, scale, ok))
+                rows.append((name, m, v.label, err, scale, ok))
                 if not ok:
                     log(
                         f"GEMM FAIL {name} M={m} {v.name}: err {err:.3g} (max|ref| {scale:.3g})",
                         fh,
                     )
         del words, scales, deq
-    worst = max(r[4] / max(r[5], 1e-30) for r in rows)
+    # max|err| / max|ref| per (shape, variant) and M: which kernel, which shapes, which M.
+    log(f"\nmax|err|/max|ref| (tol {GEMM_REL_TOL}); * = FAIL", fh)
+    log(f"{'shape':8s} {'variant':24s} " + " ".join(f"{'M=' + str(m):>9s}" for m in ms), fh)
+    for name in gemm_shapes(cfg):
+        for label in dict.fromkeys(r[2] for r in rows if r[0] == name):
+            cells = []
+            for m in ms:
+                r = next(r for r in rows if r[0] == name and r[2] == label and r[1] == m)
+                rel = r[3] / max(r[4], 1e-30)
+                cells.append(f"{rel:8.1e}{' ' if r[5] else '*'}")
+            log(f"{name:8s} {label:24s} " + " ".join(cells), fh)
+    worst = max(r[3] / max(r[4], 1e-30) for r in rows)
     log(
-        f"gemm correctness: {sum(r[6] for r in rows)}/{len(rows)} pass; worst max|err|/max|ref| = "
+        f"gemm correctness: {sum(r[5] for r in rows)}/{len(rows)} pass; worst max|err|/max|ref| = "
         f"{worst:.2e} (tol {GEMM_REL_TOL})",
         fh,
     )
@@ -247,7 +292,7 @@ def time_shape(pk, stream, name, shape, gen, m=512):
     wf = torch.randn(n, k, device="cuda", dtype=torch.float16)
     ms = time_ms(lambda: torch.matmul(a, wf.t()))
     rows.append((name, "cuBLAS fp16", ms, flop / ms / 1e9))
-    picked = pk.pick_gemm(m, n, swiglu)
+    picked = pk.pick_gemm(m, n, swiglu, k)
     picked_ms = next(r[2] for r in rows if r[1] == picked.label)
     rows.append((name, f"picked {picked.label}", picked_ms, flop / picked_ms / 1e9))
     return rows, picked_ms
@@ -273,6 +318,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer M values")
     ap.add_argument("--extra", action="store_true", help="also validate and time EXTRA_VARIANTS")
+    ap.add_argument(
+        "--only", default="", help="keep the GEMM variants whose label contains this substring"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="log/JSON directory")
     ap.add_argument(
         "--parts", default="gemm,attention,timing", help="comma list: gemm, attention, timing"
@@ -294,7 +342,11 @@ def main() -> int:
     )
     cfg7 = preset("7b")
     t0 = time.time()
-    pk = PrefillKernels(cfg7, gpu, GEMM_VARIANTS + (EXTRA_VARIANTS if args.extra else ()))
+    variants = GEMM_VARIANTS + (EXTRA_VARIANTS if args.extra else ())
+    variants = tuple(v for v in variants if args.only in v.label)
+    if not variants:
+        raise SystemExit(f"--only {args.only!r} matches no GEMM variant")
+    pk = PrefillKernels(cfg7, gpu, variants)
     log(f"compile+load 7b kernels: {time.time() - t0:.2f} s", fh)
     for v in pk.variants:
         r = pk.resources[v.name]
@@ -306,6 +358,7 @@ def main() -> int:
         )
     r = pk.resources[pk.attention_name]
     log(f"  attention: {r.registers} regs, {r.spill_bytes} B spilled, smem {pk._attn_smem} B", fh)
+    log(f"  wgmma in pick_gemm: {pk.use_wgmma} (NANOQWEN_PREFILL_WGMMA=0 turns it off)", fh)
     stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
     gen = torch.Generator(device="cuda")
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; logged to replay
@@ -326,9 +379,11 @@ def main() -> int:
         summary.update(attn_ok=a_ok, attn_worst_abs=a_worst)
     if "timing" in parts:
         results, best, attn_ms, per_layer = time_all(pk, stream, cfg7, gen)
-        log("\nshape      variant                 ms      TFLOP/s   (M = 512, median of 20)", fh)
+        log(
+            "\nshape      variant                        ms   TFLOP/s   (M = 512, median of 20)", fh
+        )
         for name, var, ms, tf in results:
-            log(f"{name:10s} {var:22s} {ms:8.4f} {tf:9.1f}", fh)
+            log(f"{name:10s} {var:28s} {ms:8.4f} {tf:9.1f}", fh)
         total = per_layer * cfg7.num_layers
         log(
             f"\nper layer: picked GEMMs {sum(best.values()):.3f} ms + attention {attn_ms:.3f} ms; "

@@ -1,31 +1,112 @@
-"""Benchmark the CUDA engine end to end (benchmark_e2e): TTFT, inter-token latency, tokens/s,
-achieved TB/s against a device-to-device copy measured in the same run."""
+"""Benchmark the CUDA engine end to end (benchmark_e2e): TTFT (the prompt's prefill + first
+token), inter-token latency, tokens/s, achieved TB/s against a device-to-device copy measured in
+the same run. --kernels adds a per-kernel table of one decode step, --plot draws inter-token
+latency by position, --baseline transformers times Hugging Face transformers (bf16, random
+weights of the same shapes) on the same GPU in the same run, after our engine is closed."""
+
+import argparse
+import sys
 
 HELP = "benchmark the CUDA engine (needs an sm_90 GPU)"
+BASELINES = ("transformers",)
+
+
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
 
 
 def add_arguments(p) -> None:
     p.add_argument("file", help=".nanoqwen model file")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (random ids)")
-    p.add_argument("--gen-len", type=int, default=128, help="generated tokens per run")
-    p.add_argument("--warmup", type=int, default=3, help="untimed runs first")
-    p.add_argument("--runs", type=int, default=10, help="timed runs")
-    p.add_argument("--max-context", type=int, default=4096, help="KV cache positions")
+    p.add_argument(
+        "--prompt-len", type=_at_least(1), default=512, help="prompt tokens (random ids)"
+    )
+    p.add_argument("--gen-len", type=_at_least(2), default=128, help="generated tokens per run")
+    p.add_argument("--warmup", type=_at_least(0), default=3, help="untimed runs first")
+    p.add_argument("--runs", type=_at_least(1), default=10, help="timed runs")
+    p.add_argument(
+        "--max-context",
+        type=_at_least(1),
+        default=None,
+        help="KV cache positions; default: prompt-len + gen-len rounded up to a 16-token page",
+    )
     p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also time each kernel of one decode step at position prompt-len "
+        "(table: us, bytes, TB/s, share of the step; JSON key 'kernels')",
+    )
+    p.add_argument(
+        "--kernel-reps", type=_at_least(1), default=20, help="--kernels: launches per timing graph"
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH.png",
+        help="draw inter-token latency against position into this PNG (needs matplotlib)",
+    )
+    p.add_argument(
+        "--baseline",
+        choices=BASELINES,
+        default=None,
+        help="also run this baseline (bf16, same shapes, same GPU) and print the "
+        "ratio; skipped with a message when not importable",
+    )
+    p.add_argument("--baseline-warmup", type=_at_least(0), default=1, help="untimed baseline runs")
+    p.add_argument("--baseline-runs", type=_at_least(1), default=3, help="timed baseline runs")
 
 
 def run(args) -> int:
-    from ..bench import print_result, run_bench, save
+    from ..bench import (
+        default_max_context,
+        format_kernels,
+        kernel_breakdown,
+        plot_itl,
+        print_result,
+        require_matplotlib,
+        run_bench,
+        save,
+    )
     from ..engine import CudaBackend
     from ..fileformat import NanoqwenFile
 
+    if args.plot:
+        require_matplotlib()  # before minutes of benchmarking, not after
     with NanoqwenFile(args.file) as f:
-        engine = CudaBackend(f, max_context=args.max_context)
+        cfg = f.config
+        max_context = args.max_context or default_max_context(
+            args.prompt_len, args.gen_len, cfg.max_position_embeddings
+        )
+        engine = CudaBackend(f, max_context=max_context)
         try:
             res = run_bench(engine, args.prompt_len, args.gen_len, args.warmup, args.runs)
+            if args.kernels:
+                res["kernels"] = kernel_breakdown(engine, args.prompt_len, args.kernel_reps)
         finally:
             engine.close()
     print_result(res)
+    if "kernels" in res:
+        print(format_kernels(res["kernels"]))
+    if args.plot:
+        plot_itl(res, args.plot)
+        print(f"plot: {args.plot}")
+    rc = 0
+    if args.baseline:
+        from ..baseline import bench_baseline, print_baseline
+
+        res["baseline"] = bench_baseline(
+            cfg, res, warmup=args.baseline_warmup, runs=args.baseline_runs
+        )
+        print_baseline(res["baseline"])
+        if "error" in res["baseline"]:
+            print(f"nanoqwen bench: baseline failed: {res['baseline']['error']}", file=sys.stderr)
+            rc = 1
     if args.json:
         save(res, args.json)
-    return 0
+    return rc

@@ -48,7 +48,7 @@ Before: 0.20 at 4 layers, 0.43 at 28. Distinct top-1 tokens, after: 255 of 256 (
 of 128 (7b), each the input's pointer; before: 103 of 256, 81 of 128. Dropping the middle
 layer's attention (MLP) moves the logits by up to 1.48 (1.06) std at 1.5b, 28 layers, and
 1.60 (1.01) std at 7b, 28 layers: far beyond any fp16 tolerance. On the H200 (2026-11-30,
-tools/gpu_check.py, 30 prompts) the engine against the float32 reference on this 7B: top-1
+`nanoqwen validate`, 30 prompts) the engine against the float32 reference on this 7B: top-1
 100% (decode 844/844, prefill 690/690), max|dlogit|/std 0.011 / 0.012, greedy 10/10 identical.
 Packing the 7B takes 54 s at 1.4 GB peak RSS on two cores.
 

@@ -186,6 +186,38 @@ class Gpu:
         self._arrays.append(arr)
         return arr
 
+    def set_max_dynamic_smem(self, kernel, nbytes: int) -> None:
+        """Raise a kernel's dynamic shared-memory limit (anything above 48 KiB needs this)."""
+        from cuda.bindings import driver
+
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._set_attribute(kernel, attr, nbytes, "MAX_DYNAMIC_SHARED_SIZE_BYTES")
+
+    def set_smem_carveout(self, kernel, percent: int) -> None:
+        """Prefer a shared-memory carveout of `percent` of the maximum for `kernel` (the rest
+        of the SM's 256 KB is L1). Kernels that overlap (PDL) with different carveouts make an
+        SM drain before it reconfigures; one carveout for a set of kernels keeps them
+        overlapping."""
+        from cuda.bindings import driver
+
+        attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        self._set_attribute(kernel, attr, percent, "PREFERRED_SHARED_MEMORY_CARVEOUT")
+
+    def _set_attribute(self, kernel, attr, value: int, what: str) -> None:
+        from cuda.bindings import driver
+
+        handle = kernel.handle
+        if isinstance(handle, driver.CUkernel):
+            dev = driver.CUdevice(self.device.device_id)
+            result = driver.cuKernelSetAttribute(attr, value, handle, dev)
+        else:
+            result = driver.cuFuncSetAttribute(handle, attr, value)
+        check(result, f"cuFuncSetAttribute({what}={value})")
+
+    def live_bytes(self) -> int:
+        """Bytes of this Gpu's allocations that are not freed (as rounded by alloc)."""
+        return sum(a.nbytes for a in self._arrays if a._buffer is not None)
+
     def mem_info(self) -> tuple[int, int]:
         from cuda.bindings import driver
 

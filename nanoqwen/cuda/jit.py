@@ -46,7 +46,11 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 HEADER_NAME = "nanoqwen_model.h"
 # Fixed decode-engine constants shared by Python and the kernels (one home: here).
 PAGE_TOKENS = 16  # tokens per KV page
-ATTN_SPLITS = 32  # flash-decoding splits along the sequence (grid = kv heads x splits)
+# Flash-decoding splits along the sequence: the attention grid is (kv heads, ATTN_SPLITS). 64 lets
+# the 2-kv-head models (0.5B/1.5B/3B) fill ~128 of the 132 SMs and runs 7B at ~2 CTAs per SM
+# (more bytes in flight) at long context; the kernel uses min(64, ceil(pages / 8)) of them.
+ATTN_SPLITS = 64
+ATTN_STAGES = 8  # decode attention's K/V ring: pages in flight per CTA (2 per consumer warp)
 
 
 def _nvrtc_version() -> str:
@@ -87,6 +91,7 @@ def model_header(config: ModelConfig | None) -> str:
         "#pragma once",
         f"constexpr int kPageTokens = {PAGE_TOKENS};",
         f"constexpr int kAttnSplits = {ATTN_SPLITS};",
+        f"constexpr int kAttnStages = {ATTN_STAGES};",
         f"constexpr int kGroupSize = {GROUP_SIZE};",
     ]
     if config is not None:
@@ -115,18 +120,12 @@ def decode_kernels(config: ModelConfig) -> dict[str, list[str]]:
     h, i = config.hidden_size, config.intermediate_size
     return {
         "gemv_int4.cu": [
-            # gemv_int4<K, NORM, EPILOGUE>: EPILOGUE 0 store(+bias), 1 residual add, 2 SwiGLU
-            f"gemv_int4<{h}, true, 0>",  # rmsnorm + fused q/k/v (+ bias)
+            # gemv_int4<K, NORM, EPILOGUE>: EPILOGUE 0 bias + RoPE + K/V pages, 1 residual add,
+            # 2 SwiGLU
+            f"gemv_int4<{h}, true, 0>",  # rmsnorm + fused q/k/v + bias + RoPE + K/V write
             f"gemv_int4<{h}, false, 1>",  # o_proj + residual
             f"gemv_int4<{h}, true, 2>",  # rmsnorm + fused gate/up + SiLU*mul
             f"gemv_int4<{i}, false, 1>",  # down_proj + residual
-        ],
-        "gemv_int4_tc.cu": [
-            # tensor-core variant, same arguments and epilogues (the engine's default)
-            f"gemv_int4_tc<{h}, true, 0>",
-            f"gemv_int4_tc<{h}, false, 1>",
-            f"gemv_int4_tc<{h}, true, 2>",
-            f"gemv_int4_tc<{i}, false, 1>",
         ],
         "decode_misc.cu": [
             "embed_gather",
@@ -135,7 +134,7 @@ def decode_kernels(config: ModelConfig) -> dict[str, list[str]]:
             "sample_finish",
             "rmsnorm_rows",
         ],
-        "decode_attention.cu": ["attn_decode_split", "attn_decode_combine"],
+        "decode_attention.cu": ["attn_decode"],
     }
 
 

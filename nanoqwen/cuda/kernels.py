@@ -13,7 +13,7 @@ first weight batch before the wait), so correctness does not depend on the flag.
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,15 +21,16 @@ from ..config import ModelConfig
 from . import jit
 from .device import Gpu
 
-GEMV_THREADS = 128  # kGemvWarps * 32 (gemv_int4.cu)
-GEMV_ROWS = 2  # kRows (SIMT variant; N must be even)
-TC_ROWS = 8  # kTcRows (tensor-core variant: any N); block is kTcWarps * 32 = GEMV_THREADS
-GEMV_CTAS_PER_SM = 4  # persistent grid: 4 x 47 KiB padded x fits the 228 KiB of an SM
+GEMV_THREADS = 128  # kTcThreads (gemv_int4.cu)
+GEMV_ROWS = 8  # kTcRows: output rows per tile
+SMEM_CARVEOUT = 71  # percent of 228 KB -> the 164 KB configuration (-1: the driver's choice)
+CTAS_PER_SM = 4  # persistent grids (GEMVs, lm_head): at most this many CTAs per SM
 MISC_THREADS = 256  # kMiscThreads (decode_misc.cu)
 LM_THREADS = 128  # kLmWarps * 32
 LM_ROWS = 2  # kLmRows
 SAMPLE_THREADS = 1024  # kSampleThreads
-ATTN_THREADS = 128  # kAttnWarps * 32 (decode_attention.cu)
+ATTN_THREADS = 160  # kAttnThreads: 4 consumer warps + 1 producer warp (decode_attention.cu)
+ATTN_CTAS = 256  # attention grid target at long context: ~2 CTAs per SM (bytes in flight)
 
 # Decode state words (decode_misc.cu: enum StateWord).
 S_TOKEN, S_POS, S_STEP, S_MAX_NEW, S_DONE = 0, 1, 2, 3, 4
@@ -40,25 +41,35 @@ STATE_WORDS = S_EOS0 + MAX_EOS
 _I32 = np.int32
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One recorded kernel launch: `label` names the op ("gemv gate_up", "attention split"),
+    `nbytes` is what it must read from memory at minimum (0 where that depends on device state,
+    e.g. attention over the current context)."""
+
+    label: str
+    kernel: object
+    grid: tuple
+    block: int
+    args: tuple
+    nbytes: int
+    smem: int = 0  # dynamic shared memory bytes
+
+
 class DecodeKernels:
-    def __init__(
-        self, gpu: Gpu, config: ModelConfig, pdl: bool = True, gemv: str | None = None
-    ) -> None:
-        """gemv: "tc" (tensor-core mma, default) or "simt"; $NANOQWEN_GEMV overrides."""
+    def __init__(self, gpu: Gpu, config: ModelConfig, pdl: bool = True) -> None:
         self.gpu, self.config, self.pdl = gpu, config, pdl
-        self.gemv_variant = os.environ.get("NANOQWEN_GEMV") or gemv or "tc"
-        if self.gemv_variant not in ("tc", "simt"):
-            raise ValueError(f"gemv variant must be 'tc' or 'simt', got {self.gemv_variant!r}")
         h, i = config.hidden_size, config.intermediate_size
         mods = jit.compile_decode(config)
-        tc = self.gemv_variant == "tc"
-        g = mods["gemv_int4_tc.cu" if tc else "gemv_int4.cu"]
-        name = "gemv_int4_tc" if tc else "gemv_int4"
-        self._gemv = {
-            "qkv": (g.kernel(f"{name}<{h}, true, 0>"), False),
-            "o": (g.kernel(f"{name}<{h}, false, 1>"), False),
-            "gate_up": (g.kernel(f"{name}<{h}, true, 2>"), True),
-            "down": (g.kernel(f"{name}<{i}, false, 1>"), False),
+        g = mods["gemv_int4.cu"]
+        self._gemv = {  # kind -> (kernel, K, weight rows per output feature, max CTAs)
+            kind: (kern, k, per, self._resident(kern, GEMV_THREADS))
+            for kind, kern, k, per in (
+                ("qkv", g.kernel(f"gemv_int4<{h}, true, 0>"), h, 1),
+                ("o", g.kernel(f"gemv_int4<{h}, false, 1>"), h, 1),
+                ("gate_up", g.kernel(f"gemv_int4<{h}, true, 2>"), h, 2),
+                ("down", g.kernel(f"gemv_int4<{i}, false, 1>"), i, 1),
+            )
         }
         m = mods["decode_misc.cu"]
         self._embed = m.kernel("embed_gather")
@@ -67,38 +78,85 @@ class DecodeKernels:
         self._lm = m.kernel("lm_head_argmax")
         self._sample = m.kernel("sample_finish")
         a = mods["decode_attention.cu"]
-        self._attn_split = a.kernel("attn_decode_split")
-        self._attn_combine = a.kernel("attn_decode_combine")
-        self.max_ctas = gpu.num_sms * GEMV_CTAS_PER_SM
+        self._attn = a.kernel("attn_decode")
+        d = config.head_dim  # the K/V ring: stages x (16 K + 16 V rows of D + 8 halves)
+        self._attn_smem = jit.ATTN_STAGES * 2 * jit.PAGE_TOKENS * (d + 8) * 2
+        gpu.set_max_dynamic_smem(self._attn, self._attn_smem)
+        if SMEM_CARVEOUT >= 0:  # one carveout for the step's kernels: no SM drains between them
+            for kern in [k for k, *_ in self._gemv.values()] + [
+                self._embed,
+                self._lm,
+                self._sample,
+                self._attn,
+            ]:
+                gpu.set_smem_carveout(kern, SMEM_CARVEOUT)
+        self._lm_ctas = self._resident(self._lm, LM_THREADS)
+        self.trace: list[Launch] | None = None  # set to a list to record every launch
 
-    def _go(self, kernel, grid, block, *args, stream=None):
-        self.gpu.launch(kernel, grid, block, *args, pdl=self.pdl, stream=stream)
+    def _resident(self, kernel, threads: int) -> int:
+        """CTAs of `kernel` that are resident at once (at most CTAS_PER_SM per SM): the size of
+        its persistent grid, so that no CTA waits for a second wave."""
+        per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
+        return max(1, min(per_sm, CTAS_PER_SM)) * self.gpu.num_sms
+
+    def _go(self, kernel, grid, block, *args, stream=None, label="", nbytes=0, smem=0) -> None:
+        if self.trace is not None:
+            self.trace.append(Launch(label or "?", kernel, grid, block, args, nbytes, smem))
+        self.gpu.launch(kernel, grid, block, *args, smem=smem, pdl=self.pdl, stream=stream)
+
+    def replay(self, launch: Launch, stream=None) -> None:
+        """Launch a recorded `Launch` again (bench --kernels times each one alone)."""
+        self.gpu.launch(launch.kernel, launch.grid, launch.block, *launch.args, smem=launch.smem,
+                        pdl=self.pdl, stream=stream)  # fmt: skip
 
     def embed(self, ids: int, embed: int, x: int, T: int, stream=None) -> None:
         """ids int32 [T] (device); embed fp16 [V, H]; x fp16 [T, H] = embed[ids]."""
-        self._go(self._embed, (T, 1, 1), MISC_THREADS, ids, embed, x, stream=stream)
+        self._go(
+            self._embed,
+            (T, 1, 1),
+            MISC_THREADS,
+            ids,
+            embed,
+            x,
+            stream=stream,
+            label="embed",
+            nbytes=T * self.config.hidden_size * 2,
+        )
 
     def rmsnorm(self, x: int, w: int, y: int, T: int, stream=None) -> None:
         """x fp16 [T, H]; w fp16 [H]; y fp16 [T, H] = x * rsqrt(mean(x^2) + eps) * w."""
-        self._go(self._rmsnorm, (T, 1, 1), MISC_THREADS, x, w, y, stream=stream)
+        self._go(self._rmsnorm, (T, 1, 1), MISC_THREADS, x, w, y, stream=stream, label="rmsnorm")
 
-    def gemv(self, kind, x, norm_w, qweight, scales, bias, out, n, stream=None) -> None:
+    def gemv(self, kind, x, norm_w, qweight, scales, out, n, stream=None) -> None:
         """One INT4 GEMV (batch 1), fp32 accumulate.
 
-        kind     "qkv" (RMSNorm + store + bias), "o" / "down" (out += W x, in place),
+        kind     "o" / "down" (out += W x, in place: the residual stream),
                  "gate_up" (RMSNorm + SwiGLU over the stacked [gate; up] weight)
-        x        fp16 [K]; norm_w fp16 [K] (qkv, gate_up) or 0
+        x        fp16 [K]; norm_w fp16 [K] (gate_up) or 0
         qweight  uint32 [R, K/8] ValueShuffle rows; scales fp16 [R, K/128]; R = n (gate_up: 2n)
-        bias     fp16 [n] or 0; out fp16 [n]
+        out      fp16 [n]
         """
-        kernel, swiglu = self._gemv[kind]
-        if self.gemv_variant == "tc":
-            ctas = min(-(-n // TC_ROWS), self.max_ctas)  # one CTA per 8 output rows
-        else:
-            tiles = n if swiglu else n // GEMV_ROWS
-            ctas = min(-(-tiles // (GEMV_THREADS // 32)), self.max_ctas)
-        self._go(kernel, (ctas, 1, 1), GEMV_THREADS, x, norm_w, qweight, scales, bias, out,
-                 _I32(n), stream=stream)  # fmt: skip
+        self._gemv_launch(kind, n, stream, x, norm_w, qweight, scales, 0, out, _I32(n), 0, 0, 0,
+                          0, 0)  # fmt: skip
+
+    def qkv_rope(self, x, norm_w, qweight, scales, bias, pos, rope, pages, kc, vc, q,
+                 stream=None) -> None:  # fmt: skip
+        """RMSNorm + fused q/k/v INT4 GEMV + bias + RoPE + K/V page write (decode, one token).
+
+        x fp16 [H]; norm_w fp16 [H]; qweight uint32 [q+2kv, H/8]; scales fp16 [q+2kv, H/128];
+        bias fp16 [q+2kv]; pos int32* (device); rope float32 [max_pos, D/2, 2] (cos, sin);
+        pages int32 [max_pages]; kc, vc fp16 [pages, 16, n_kv, D]; q fp16 [n_heads, D].
+        """
+        n = self.config.q_size + 2 * self.config.kv_size
+        self._gemv_launch("qkv", n, stream, x, norm_w, qweight, scales, bias, q, _I32(n), pos,
+                          rope, pages, kc, vc)  # fmt: skip
+
+    def _gemv_launch(self, kind, n, stream, *args) -> None:
+        kernel, k, per, max_ctas = self._gemv[kind]
+        ctas = min(-(-n // GEMV_ROWS), max_ctas)  # persistent; one tile = 8 output rows
+        rows = per * n
+        self._go(kernel, (ctas, 1, 1), GEMV_THREADS, *args, stream=stream, label=f"gemv {kind}",
+                 nbytes=rows * k // 2 + rows * (k // 128) * 2)  # fmt: skip
 
     def rope_kv(self, qkv, pos, rope, pages, kc, vc, q, k_out, v_out, T, stream=None) -> None:
         """RoPE + paged K/V write for T tokens at positions *pos .. *pos + T - 1.
@@ -108,28 +166,32 @@ class DecodeKernels:
         q fp16 [T, n_heads, D]; k_out, v_out fp16 [T, n_kv, D] or 0.
         """
         self._go(self._rope, (T, 1, 1), MISC_THREADS, qkv, pos, rope, pages, kc, vc, q, k_out,
-                 v_out, stream=stream)  # fmt: skip
+                 v_out, stream=stream, label="rope_kv_write")  # fmt: skip
 
-    def attention(self, q, kc, vc, pages, pos, part_ml, part_acc, out, stream=None) -> None:
-        """Decode attention of one token over L = *pos + 1 cached tokens.
+    def attention(self, q, kc, vc, pages, pos, part_ml, part_acc, counters, out,
+                  stream=None) -> None:  # fmt: skip
+        """Decode attention of one token over L = *pos + 1 cached tokens, split along the
+        sequence with the split-combine folded in (one launch).
 
         q fp16 [n_heads, D]; kc, vc fp16 [pages, 16, n_kv, D]; pages int32 [max_pages];
         part_ml fp32 [n_heads, S, 2]; part_acc fp32 [n_heads, S, D] (scratch, S = ATTN_SPLITS);
-        out fp16 [n_heads, D].
+        counters int32 [n_kv] (zeroed once; every launch leaves it zero); out fp16 [n_heads, D].
         """
         c = self.config
-        self._go(self._attn_split, (c.num_kv_heads, jit.ATTN_SPLITS, 1), ATTN_THREADS, q, kc,
-                 vc, pages, pos, part_ml, part_acc, stream=stream)  # fmt: skip
-        self._go(self._attn_combine, (c.num_heads, 1, 1), c.head_dim, part_ml, part_acc, out,
-                 stream=stream)  # fmt: skip
+        splits = max(1, min(jit.ATTN_SPLITS, ATTN_CTAS // c.num_kv_heads))  # fixed per model
+        self._go(self._attn, (c.num_kv_heads, splits, 1), ATTN_THREADS, q, kc, vc, pages, pos,
+                 part_ml, part_acc, counters, out, stream=stream, label="attention",
+                 smem=self._attn_smem)  # fmt: skip
 
-    def lm_head(self, x, norm_w, w, logits, key, stream=None) -> None:
+    def lm_head(self, x, norm_w, w, logits, key, stream=None, rows: int | None = None) -> None:
         """x fp16 [H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H]; logits fp32 [V];
-        key uint64* (atomicMax of the (logit, -id) key; zero before first use)."""
-        v = self.config.vocab_size
-        ctas = min(-(-(v // LM_ROWS) // (LM_THREADS // 32)), self.max_ctas)
+        key uint64* (atomicMax of the (logit, -id) key; zero before first use).
+        rows: only the first `rows` (even) rows of w (the unit tests' small vocabularies)."""
+        v = self.config.vocab_size if rows is None else rows
+        ctas = min(-(-(v // LM_ROWS) // (LM_THREADS // 32)), self._lm_ctas)
         self._go(self._lm, (ctas, 1, 1), LM_THREADS, x, norm_w, w, logits, key, _I32(v),
-                 stream=stream)  # fmt: skip
+                 stream=stream, label="lm_head",
+                 nbytes=v * self.config.hidden_size * 2)  # fmt: skip
 
     def sample(self, logits, key, state, ring, host_ring, cancel, cond, stream=None) -> None:
         """Pick the next token, advance state (int32 [STATE_WORDS]), write ring[step] (device
@@ -137,4 +199,5 @@ class DecodeKernels:
         mapped cancel flag (or 0), set the while-loop condition `cond` (GraphCondition or 0)."""
         cond_arg = cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
         self._go(self._sample, (1, 1, 1), SAMPLE_THREADS, logits, key, state, ring, host_ring,
-                 cancel, cond_arg, _I32(self.config.vocab_size), stream=stream)  # fmt: skip
+                 cancel, cond_arg, _I32(self.config.vocab_size), stream=stream,
+                 label="sample", nbytes=self.config.vocab_size * 4)  # fmt: skip

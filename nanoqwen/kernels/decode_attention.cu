@@ -1,142 +1,434 @@
-// decode_attention.cu: paged GQA decode attention, split along the sequence (flash-decoding).
+// decode_attention.cu: paged GQA decode attention (flash-decoding), warp-specialized: one
+// producer warp streams K/V pages into shared memory with Hopper's bulk async copy
+// (cp.async.bulk ... mbarrier::complete_tx), four consumer warps run QK^T and PV on mma.sync
+// with an fp32 online softmax, and the split-combine is folded in (last-CTA semaphore).
 //
-// attn_decode_split: grid (kKVHeads, kAttnSplits), block kAttnWarps warps. The L = pos + 1
-//   cached tokens are cut into kAttnSplits ranges of whole pages (the split size follows L at
-//   run time, so the grid never changes shape inside the captured graph). A CTA serves the
-//   kGroupRatio query heads of one KV head, so each K/V row is read once for all of them.
-//   Warp w takes tokens start + w, start + w + kAttnWarps, ...; lane l holds head dims
-//   [kDL*l, kDL*l + kDL). Scores: per-lane partial dots + warp_sum; fp32 online softmax (base 2,
-//   scale folded into q). The CTA merges its warps in shared memory and writes unnormalized
-//   partials (m, l, acc[kHeadDim]) per query head and split.
-// attn_decode_combine: grid kHeads, block kHeadDim: merges the splits, writes fp16 out.
+// attn_decode: grid (kKVHeads, S) with S <= kAttnSplits fixed per model (kernels.py: S =
+// min(kAttnSplits, 256 / kKVHeads)), block kAttnThreads = 5 warps, static smem only (34.9 KB at
+// D = 128, 18.5 KB at D = 64), <= 136 registers so 3 CTAs fit an SM.
 //
-// Not yet the issue's design (a TMA producer warp feeding cp.async.bulk stages on mbarriers):
-// this is the plain-load version, validated first; see the engine notes.
+// Arguments (device pointers; fp16 = IEEE half bits):
+//   q         fp16  [kHeads, kHeadDim]             query of the current token, RoPE applied
+//   kc, vc    fp16  [num_pages, kPageTokens, kKVHeads, kHeadDim]   this layer's caches; one
+//             (token, kv head) row is kHeadDim * 2 bytes (16-byte aligned), rows of one head in
+//             a page are kKVHeads * kHeadDim * 2 bytes apart. Pages are fully allocated.
+//   pages     int32 [max_pages]                     logical page -> physical page
+//   pos       int32 *                               current position; L = *pos + 1 tokens valid
+//   part_ml   fp32  [kHeads, kAttnSplits, 2]        scratch: per split (max m in log2 units, l)
+//   part_acc  fp32  [kHeads, kAttnSplits, kHeadDim] scratch: per split unnormalized sum p * v
+//   counters  int32 [kKVHeads]                      zero before the first launch; every launch
+//             leaves them zero again (so a captured graph replays)
+//   out       fp16  [kHeads, kHeadDim] = softmax(q k^T / sqrt(D)) v; query head h reads kv head
+//             h / kGroupRatio
+//
+// Splits. P = ceil(L / 16) pages are cut into nsplit = min(S, ceil(P / 8)) ranges of
+// whole pages, balanced (split s owns pages [s * P / nsplit, (s + 1) * P / nsplit)), so the
+// split size follows L at run time while the grid keeps its shape (it is captured in a graph).
+// CTAs with split >= nsplit exit at once (no partials, no counter traffic); at least 8 pages per
+// split keeps the merge (which reads nsplit partials) small at short contexts. nsplit == 1
+// writes `out` directly. Otherwise each CTA writes its partial per query head, fences, and
+// bumps counters[kv head]; the CTA that arrives last merges the nsplit partials of its
+// kGroupRatio query heads, writes `out`, and resets the counter to 0.
+//
+// Pipeline. One stage = one page of one kv head: 16 K rows + 16 V rows, one 1-D bulk copy per
+// producer lane (kHeadDim * 2 bytes each, 8 KB per stage at D = 128), all completing on the
+// stage's "full" mbarrier armed with arrive.expect_tx(8 KB). kAttnStages = 8 stages (a dynamic
+// shared ring of 68 KB at D = 128 with the 16-byte row padding): each consumer warp owns two
+// slots, so its next page is in flight while it computes the current one (with 4 stages each
+// consumer waited out a full load latency per page: 1.4 TB/s at 32k context on the H200). One
+// page per stage because (a) a 16-token page is exactly one m16n8k16 key tile, so a consumer
+// warp owns whole stages and never synchronizes with the other consumers inside the loop, and
+// (b) small stages refill at a finer grain than big ones for the same bytes. The pages before
+// the current token's are copied before griddepcontrol.wait, so the first ring fill overlaps
+// the q/k/v GEMV. At long context 7B (4 kv heads x 64 splits) and 14B/32B (8 x 32) run 256
+// CTAs, about 2 per SM and ~128 KB in flight per SM; the 2-kv-head models 128 CTAs (2 x 64).
+// At 32k context a CTA streams 256 KB (64 splits) or 512 KB (14B/32B: 32 splits); the last
+// CTA's merge then reads nsplit x kGroupRatio x (kHeadDim + 2) fp32 from L2 (233 KB for 7B).
+//
+// Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
+// barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
+// one arrival per consumed page); the producer waits on "empty" with parity
+// ((page / kAttnStages) - 1) & 1 before it reuses a slot. Per page: S = Q K^T with Q as the A
+// operand (rows = the kGroupRatio <= 8 query heads of this kv head; rows 8..15 are zero) and K
+// rows as B (a plain ldmatrix), 2 key tiles x kHeadDim / 16 k-steps; the scale
+// log2(e) / sqrt(D) is applied to the fp32 scores (not folded into the fp16 q: that would add
+// one fp16 rounding for nothing); base-2 online softmax in fp32; tokens >= L masked to -inf;
+// then O += P V with the score accumulators reused as the A fragment (P rounded to fp16) and
+// V rows as B (a transposed ldmatrix). Row sums stay per lane until the end. Shared rows are
+// padded by 16 bytes (kHeadDim + 8 halves): the 8 row addresses of one ldmatrix then fall 4
+// banks apart, conflict-free without a swizzle (the bulk copy writes each row wherever we
+// point it, 16-byte aligned).
+//
+// Epilogue. __syncthreads (all 5 warps: the ring is drained), the consumers park (m, l, o) in
+// shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps, then the
+// split logic above. Every thread of a CTA reaches every __syncthreads: the only early exits
+// (empty split, nsplit == 1 done, not the last CTA) are uniform over the CTA.
 #include "decode_common.cuh"
 
-constexpr int kAttnWarps = 4;
-constexpr int kDL = kHeadDim / kWarp;  // head dims per lane
-static_assert(kHeadDim % (2 * kWarp) == 0, "a lane loads its dims as half2 pairs");
+constexpr int kAttnConsumers = 4;                 // consumer warps 0..3; warp 4 produces
+constexpr int kAttnWarps = kAttnConsumers + 1;
+constexpr int kAttnThreads = kAttnWarps * kWarp;  // 160 (kernels.py ATTN_THREADS)
+// kAttnStages (ring depth, one page per stage) comes from the generated header: the launch
+// passes the ring as dynamic shared memory (kernels.py computes the same size).
+constexpr int kAttnEarly = 1;  // 1: copy pages before griddepcontrol.wait; 0: wait first
+constexpr int kAttnMinPages = 8;                  // a split owns at least this many pages
+constexpr int kAttnRowH = kHeadDim + 8;           // padded shared row, in halves
+constexpr int kAttnTileH = kPageTokens * kAttnRowH;  // one page of K (or V) in shared memory
+constexpr int kAttnStageH = 2 * kAttnTileH;          // K tile then V tile
+constexpr int kAttnRingBytes = kAttnStages * kAttnStageH * 2;
+constexpr unsigned kAttnRowBytes = kHeadDim * 2;                    // one bulk copy
+constexpr unsigned kAttnStageTx = 2 * kPageTokens * kAttnRowBytes;  // bytes landing per stage
+constexpr int kAttnDK = kHeadDim / 16;      // mma k-steps over the head dim (QK^T)
+constexpr int kAttnDN = kHeadDim / 8;       // n8 tiles over the head dim (PV)
+constexpr int kAttnScrRow = kHeadDim + 8;   // padded fp32 row of the epilogue scratch
+
 static_assert(kHeads % kKVHeads == 0, "GQA groups must divide evenly");
+static_assert(kGroupRatio >= 1 && kGroupRatio <= 8, "query heads of a group fill mma rows 0..7");
+static_assert(kHeadDim % 32 == 0, "head dim: whole ldmatrix x4 groups of 32 columns");
+static_assert(kAttnRowBytes % 16 == 0 && kAttnRowH * 2 % 16 == 0, "bulk copies: 16-byte units");
+static_assert(kPageTokens == 16, "one page = one m16n8k16 key tile; 32 rows = 32 producer lanes");
+static_assert(kAttnStageTx < (1u << 20), "mbarrier tx-count range");
+// Warp w consumes pages w, w + 4, ...: with kAttnStages a multiple of the consumer count each
+// slot is only ever read by one warp, so a warp's full-barrier wait for round r finds the
+// barrier in phase r (it consumed round r - 1 itself) and the parity test cannot alias an
+// older phase.
+static_assert(kAttnStages % kAttnConsumers == 0, "one consumer warp per ring slot");
+static_assert(kAttnStages >= 2 * kAttnConsumers, "each consumer keeps its next page in flight");
+static_assert(kAttnSplits <= 32 * 4, "merge weights: 4 splits per lane at most");
+// Epilogue scratch (aliases the drained ring): per consumer warp o[G][kAttnScrRow], m[G], l[G];
+// then the split weights w[G][kAttnSplits].
+constexpr int kAttnScrO = kAttnConsumers * kGroupRatio * kAttnScrRow;
+constexpr int kAttnScrFloats =
+    kAttnScrO + 2 * kAttnConsumers * kGroupRatio + kGroupRatio * kAttnSplits;
+static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
 
-// q        fp16 [kHeads, kHeadDim]            RoPE applied
-// kc, vc   fp16 [num_pages, kPageTokens, kKVHeads, kHeadDim]   this layer's caches
-// pages    int32 [max_pages]                  page table
-// pos      int32 *                            position of the current token (L = *pos + 1)
-// part_ml  fp32 [kHeads, kAttnSplits, 2]      (running max m in log2 units, sum l)
-// part_acc fp32 [kHeads, kAttnSplits, kHeadDim]  unnormalized sum p * v
-extern "C" __global__ void __launch_bounds__(kAttnWarps * kWarp)
-attn_decode_split(const half* __restrict__ q, const half* __restrict__ kc,
-                  const half* __restrict__ vc, const int* __restrict__ pages, const int* pos,
-                  float* __restrict__ part_ml, float* __restrict__ part_acc) {
-  constexpr int G = kGroupRatio;
-  __shared__ float sm_m[kAttnWarps][G], sm_l[kAttnWarps][G];
-  __shared__ float sm_acc[kAttnWarps][G][kHeadDim];
+namespace attn {  // helpers local to this file (decode_common.cuh is shared)
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Blocks until the phase with the given parity has completed (try_wait may time out: loop).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// 1-D bulk copy global -> shared, completing `bytes` of transactions on mbarrier `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// m16n8k16 (fp16 in, fp32 accumulate) with A rows 8..15 zero: only the row-(lane / 4)
+// accumulators c0, c1 are kept; a = {a0, a2} (row lane / 4, k = 2 (lane % 4) + {0, 1} and + 8).
+__device__ __forceinline__ void mma_top(float& c0, float& c1, uint32_t a0, uint32_t a2,
+                                        uint32_t b0, uint32_t b1) {
+  float x2, x3;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%11,%12,%13};"
+      : "=f"(c0), "=f"(c1), "=f"(x2), "=f"(x3)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
+        "f"(0.f));
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  uint32_t d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+// 2^x; ex2.approx(-inf) = +0, which the masking and empty-state logic rely on.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+}  // namespace attn
+
+extern "C" __global__ void __launch_bounds__(kAttnThreads, 3)
+attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,
+            const int* __restrict__ pages, const int* pos, float* part_ml, float* part_acc,
+            int* counters, half* __restrict__ out) {
+  constexpr int G = kGroupRatio, D = kHeadDim;
+  extern __shared__ __align__(128) unsigned char ring[];  // kAttnRingBytes (dynamic)
+  __shared__ __align__(8) unsigned long long full_bar[kAttnStages], empty_bar[kAttnStages];
+  __shared__ int sm_last;
+
   const int kvh = blockIdx.x, split = blockIdx.y;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  pdl_wait();
-  pdl_trigger();
-  const int L = *pos + 1;
-  const int pages_total = (L + kPageTokens - 1) / kPageTokens;
-  const int pages_per = (pages_total + kAttnSplits - 1) / kAttnSplits;
-  const int t0 = split * pages_per * kPageTokens;
-  const int t1 = min(L, t0 + pages_per * kPageTokens);
-
-  const float qscale = rsqrtf((float)kHeadDim) * kLog2e;
-  float qf[G][kDL], acc[G][kDL], m[G], l[G];
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  const uint32_t ring_s = attn::smem_u32(ring);
+  if (tid == 0) {
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const half2* q2 = reinterpret_cast<const half2*>(q + (kvh * G + g) * kHeadDim + lane * kDL);
-#pragma unroll
-    for (int i = 0; i < kDL / 2; ++i) {
-      const float2 f = __half22float2(q2[i]);
-      qf[g][2 * i] = f.x * qscale;
-      qf[g][2 * i + 1] = f.y * qscale;
+    for (int s = 0; s < kAttnStages; ++s) {
+      attn::mbar_init(attn::smem_u32(&full_bar[s]), 1);   // the producer's arrive.expect_tx
+      attn::mbar_init(attn::smem_u32(&empty_bar[s]), 1);  // the consuming warp's one arrive
     }
-#pragma unroll
-    for (int i = 0; i < kDL; ++i) acc[g][i] = 0.f;
-    m[g] = neg_inf();
-    l[g] = 0.f;
-  }
-
-  for (int t = t0 + warp; t < t1; t += kAttnWarps) {
-    const size_t slot = (size_t)pages[t / kPageTokens] * kPageTokens + t % kPageTokens;
-    const size_t off = (slot * kKVHeads + kvh) * kHeadDim + lane * kDL;
-    float kf[kDL], vf[kDL];
-    const half2* k2 = reinterpret_cast<const half2*>(kc + off);
-    const half2* v2 = reinterpret_cast<const half2*>(vc + off);
-#pragma unroll
-    for (int i = 0; i < kDL / 2; ++i) {
-      const float2 a = __half22float2(k2[i]), b = __half22float2(v2[i]);
-      kf[2 * i] = a.x;
-      kf[2 * i + 1] = a.y;
-      vf[2 * i] = b.x;
-      vf[2 * i + 1] = b.y;
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < kDL; ++i) s = fmaf(qf[g][i], kf[i], s);
-      s = warp_sum(s);
-      const float mn = fmaxf(m[g], s);
-      const float corr = exp2f(m[g] - mn), p = exp2f(s - mn);
-      l[g] = l[g] * corr + p;
-#pragma unroll
-      for (int i = 0; i < kDL; ++i) acc[g][i] = fmaf(acc[g][i], corr, p * vf[i]);
-      m[g] = mn;
-    }
-  }
-
-  // Merge the warps of this CTA.
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      sm_m[warp][g] = m[g];
-      sm_l[warp][g] = l[g];
-    }
-#pragma unroll
-    for (int i = 0; i < kDL; ++i) sm_acc[warp][g][lane * kDL + i] = acc[g][i];
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < G * kHeadDim; i += blockDim.x) {
-    const int g = i / kHeadDim, d = i % kHeadDim;
+
+  // Before griddepcontrol.wait: pos (written by the sampler, a step ago) and the page table are
+  // not written by the preceding kernel, nor are the K/V pages before the current token's; q
+  // and the current token's K/V row are (the q/k/v GEMV), so they are read after the wait.
+  if (!kAttnEarly) pdl_wait();
+  pdl_trigger();
+  const int L = *pos + 1;
+  const int P = (L + kPageTokens - 1) / kPageTokens;
+  const int max_splits = min((int)gridDim.y, kAttnSplits);  // grid y: the launch's split cap
+  const int nsplit = min(max_splits, (P + kAttnMinPages - 1) / kAttnMinPages);
+  if (split >= nsplit) return;  // uniform over the CTA: an empty split
+  const int pb = split * P / nsplit, pe = (split + 1) * P / nsplit;  // >= 1 page (nsplit <= P)
+  const int npages = pe - pb;
+
+  // Consumer state (warps 0..3): row r = lane / 4 of the mma tiles is query head kvh * G + r.
+  const int r = lane >> 2, c = lane & 3;
+  float m_run = neg_inf(), l_run = 0.f;
+  float o[kAttnDN][2];
+#pragma unroll
+  for (int n = 0; n < kAttnDN; ++n) o[n][0] = o[n][1] = 0.f;
+
+  if (warp == kAttnConsumers) {
+    // ---- producer warp: lane l < 16 copies K row l of the page, lane l >= 16 V row l - 16.
+    const half* src_base = (lane < 16 ? kc : vc) + (size_t)(lane & 15) * kKVHeads * D + kvh * D;
+    const uint32_t dst_base = ring_s + ((lane >> 4) * kAttnTileH + (lane & 15) * kAttnRowH) * 2;
+    // Page ids 32 at a time, one batch ahead, so no page-table load sits on the issue path.
+    int cur = pb + lane < pe ? pages[pb + lane] : 0;
+    int nxt = pb + 32 + lane < pe ? pages[pb + 32 + lane] : 0;
+    bool waited = !kAttnEarly;
+    for (int i = 0; i < npages; ++i) {
+      // Pages of earlier tokens fill the ring before the wait (they overlap the q/k/v GEMV's
+      // tail); the page holding token L - 1, and anything needing a freed slot, after it.
+      if (!waited && (pb + i == P - 1 || i >= kAttnStages)) {
+        pdl_wait();
+        // The current token's K/V row came through the generic proxy; the bulk copy reads
+        // through the async proxy.
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        waited = true;
+      }
+      if (i > 0 && i % 32 == 0) {
+        cur = nxt;
+        nxt = pb + i + 32 + lane < pe ? pages[pb + i + 32 + lane] : 0;
+      }
+      const int phys = __shfl_sync(0xffffffffu, cur, i % 32);
+      const int slot = i % kAttnStages, round = i / kAttnStages;
+      if (round > 0) attn::mbar_wait(attn::smem_u32(&empty_bar[slot]), (round - 1) & 1);
+      const uint32_t full = attn::smem_u32(&full_bar[slot]);
+      if (lane == 0) attn::mbar_arrive_expect_tx(full, kAttnStageTx);
+      __syncwarp();
+      attn::bulk_g2s(dst_base + slot * kAttnStageH * 2,
+                     src_base + (size_t)phys * kPageTokens * kKVHeads * D, kAttnRowBytes, full);
+    }
+  } else {
+    // ---- consumer warps.
+    if (kAttnEarly) pdl_wait();  // q comes from the q/k/v GEMV
+    const float scale = kLog2e * rsqrtf((float)D);
+    uint32_t qa[kAttnDK][2];  // A fragment {a0, a2} per k-step; a1 = a3 = 0 (rows 8..15)
+    {
+      const uint32_t* qrow = reinterpret_cast<const uint32_t*>(q + (size_t)(kvh * G + r) * D);
+#pragma unroll
+      for (int s = 0; s < kAttnDK; ++s) {
+        qa[s][0] = r < G ? qrow[8 * s + c] : 0u;
+        qa[s][1] = r < G ? qrow[8 * s + 4 + c] : 0u;
+      }
+    }
+    // ldmatrix lane addresses (bytes, relative to a K or V tile).
+    const uint32_t k_off = ((lane & 7) * kAttnRowH + (lane >> 3) * 8) * 2;  // + 8j rows, 32p cols
+    const uint32_t v_off = ((lane & 15) * kAttnRowH + (lane >> 4) * 8) * 2;  // + 16dp cols
+    for (int i = warp; i < npages; i += kAttnConsumers) {
+      const int slot = i % kAttnStages;
+      attn::mbar_wait(attn::smem_u32(&full_bar[slot]), (i / kAttnStages) & 1);
+      const uint32_t k_s = ring_s + slot * kAttnStageH * 2, v_s = k_s + kAttnTileH * 2;
+
+      // S = Q K^T for keys j * 8 + 2c + e (j = key tile 0/1), row r.
+      float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+#pragma unroll
+      for (int p = 0; p < kAttnDK / 2; ++p) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint32_t b[4];
+          attn::ldsm_x4(b, k_s + k_off + (j * 8 * kAttnRowH + p * 32) * 2);
+          attn::mma_top(s[j][0], s[j][1], qa[2 * p][0], qa[2 * p][1], b[0], b[1]);
+          attn::mma_top(s[j][0], s[j][1], qa[2 * p + 1][0], qa[2 * p + 1][1], b[2], b[3]);
+        }
+      }
+      // Online softmax (log2 domain). Only the page holding token L - 1 needs the mask; it
+      // has at least one valid token, so mx is finite.
+      const int tok0 = (pb + i) * kPageTokens;
+      const bool tail = tok0 + kPageTokens > L;
+      float mx = m_run;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = s[j][e] * scale;
+          s[j][e] = tail && tok0 + j * 8 + 2 * c + e >= L ? neg_inf() : v;
+          mx = fmaxf(mx, s[j][e]);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the quad shares row r
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float alpha = attn::fast_exp2(m_run - mx);  // 0 on the first page (m_run = -inf)
+      m_run = mx;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[j][0] = attn::fast_exp2(s[j][0] - mx);
+        s[j][1] = attn::fast_exp2(s[j][1] - mx);
+      }
+      l_run = l_run * alpha + (s[0][0] + s[0][1] + s[1][0] + s[1][1]);
+#pragma unroll
+      for (int n = 0; n < kAttnDN; ++n) {
+        o[n][0] *= alpha;
+        o[n][1] *= alpha;
+      }
+      // O += P V: the score accumulators of key tiles 0, 1 are the A fragment {a0, a2} of the
+      // single k-step over the page's 16 keys.
+      const uint32_t pa0 = attn::pack_half2(s[0][0], s[0][1]);
+      const uint32_t pa2 = attn::pack_half2(s[1][0], s[1][1]);
+#pragma unroll
+      for (int dp = 0; dp < kAttnDK; ++dp) {
+        uint32_t b[4];
+        attn::ldsm_x4_trans(b, v_s + v_off + dp * 16 * 2);
+        attn::mma_top(o[2 * dp][0], o[2 * dp][1], pa0, pa2, b[0], b[1]);
+        attn::mma_top(o[2 * dp + 1][0], o[2 * dp + 1][1], pa0, pa2, b[2], b[3]);
+      }
+      __syncwarp();  // every lane's ldmatrix of this slot is done
+      if (lane == 0) attn::mbar_arrive(attn::smem_u32(&empty_bar[slot]));
+    }
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  }
+
+  // ---- epilogue: merge the consumer warps (scratch aliases the drained ring).
+  float* scr_o = reinterpret_cast<float*>(ring);  // [kAttnConsumers][G][kAttnScrRow]
+  float* scr_m = scr_o + kAttnScrO;               // [kAttnConsumers][G]
+  float* scr_l = scr_m + kAttnConsumers * G;      // [kAttnConsumers][G]
+  float* scr_w = scr_l + kAttnConsumers * G;      // [G][kAttnSplits]
+  __syncthreads();  // every page consumed: no bulk copy or ldmatrix touches the ring any more
+  if (warp < kAttnConsumers && r < G) {
+    float* row = scr_o + (warp * G + r) * kAttnScrRow + 2 * c;
+#pragma unroll
+    for (int n = 0; n < kAttnDN; ++n)
+      *reinterpret_cast<float2*>(row + n * 8) = make_float2(o[n][0], o[n][1]);
+    if (c == 0) {
+      scr_m[warp * G + r] = m_run;  // -inf, l = 0, o = 0 for a warp that had no page
+      scr_l[warp * G + r] = l_run;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < G * D; idx += kAttnThreads) {
+    const int g = idx / D, d = idx % D;
     float mx = neg_inf();
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    for (int w = 0; w < kAttnConsumers; ++w) mx = fmaxf(mx, scr_m[w * G + g]);
     float lsum = 0.f, a = 0.f;
 #pragma unroll
-    for (int w = 0; w < kAttnWarps; ++w) {
-      const float c = sm_m[w][g] == neg_inf() ? 0.f : exp2f(sm_m[w][g] - mx);
-      lsum += sm_l[w][g] * c;
-      a += sm_acc[w][g][d] * c;
+    for (int w = 0; w < kAttnConsumers; ++w) {
+      const float cw = attn::fast_exp2(scr_m[w * G + g] - mx);  // mx finite: the CTA had tokens
+      lsum = fmaf(scr_l[w * G + g], cw, lsum);
+      a = fmaf(scr_o[(w * G + g) * kAttnScrRow + d], cw, a);
     }
     const int hq = kvh * G + g;
-    part_acc[((size_t)hq * kAttnSplits + split) * kHeadDim + d] = a;
-    if (d == 0) {
-      part_ml[(hq * kAttnSplits + split) * 2] = mx;
-      part_ml[(hq * kAttnSplits + split) * 2 + 1] = lsum;
+    if (nsplit == 1) {
+      out[hq * D + d] = __float2half_rn(a / lsum);
+    } else {
+      part_acc[((size_t)hq * kAttnSplits + split) * D + d] = a;
+      if (d == 0)
+        *reinterpret_cast<float2*>(part_ml + (hq * kAttnSplits + split) * 2) =
+            make_float2(mx, lsum);
     }
   }
-}
+  if (nsplit == 1) return;
 
-// part_ml, part_acc as above; out fp16 [kHeads, kHeadDim] = softmax(q k^T / sqrt(d)) v.
-// Grid kHeads, block kHeadDim (thread d owns dim d). Empty splits carry m = -inf, l = 0.
-extern "C" __global__ void __launch_bounds__(kHeadDim)
-attn_decode_combine(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
-                    half* __restrict__ out) {
-  pdl_wait();
-  pdl_trigger();
-  const int hq = blockIdx.x, d = threadIdx.x;
-  const float* ml = part_ml + hq * kAttnSplits * 2;
-  float mx = neg_inf();
-  for (int s = 0; s < kAttnSplits; ++s) mx = fmaxf(mx, ml[2 * s]);
-  float lsum = 0.f, a = 0.f;
-  for (int s = 0; s < kAttnSplits; ++s) {
-    if (ml[2 * s] == neg_inf()) continue;
-    const float c = exp2f(ml[2 * s] - mx);
-    lsum += ml[2 * s + 1] * c;
-    a += part_acc[((size_t)hq * kAttnSplits + s) * kHeadDim + d] * c;
+  // ---- split-K semaphore: the last CTA of this kv head merges the nsplit partials.
+  __threadfence();  // this thread's partials are visible device-wide before the count
+  __syncthreads();
+  if (tid == 0) sm_last = atomicAdd(&counters[kvh], 1) == nsplit - 1;
+  __syncthreads();
+  if (!sm_last) return;  // uniform
+  __threadfence();  // acquire side: read the other CTAs' partials after their increments
+  // Weights w[g][s] = 2^(m_s - M) / sum_s' l_s' 2^(m_s' - M); warp w handles g = w, w + 5, ...
+  for (int g = warp; g < G; g += kAttnWarps) {
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + (kvh * G + g) * kAttnSplits;
+    float2 v[4];
+    float mx = neg_inf();
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int s = lane + 32 * u;
+      v[u] = s < nsplit ? __ldcg(ml + s) : make_float2(neg_inf(), 0.f);
+      mx = fmaxf(mx, v[u].x);
+    }
+    mx = warp_max(mx);
+    float lsum = 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      v[u].x = attn::fast_exp2(v[u].x - mx);
+      lsum = fmaf(v[u].y, v[u].x, lsum);
+    }
+    const float inv = 1.f / warp_sum(lsum);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int s = lane + 32 * u;
+      if (s < nsplit) scr_w[g * kAttnSplits + s] = v[u].x * inv;
+    }
   }
-  out[hq * kHeadDim + d] = __float2half_rn(a / lsum);
+  __syncthreads();
+  constexpr int kD4 = D / 4;
+  for (int idx = tid; idx < G * kD4; idx += kAttnThreads) {
+    const int g = idx / kD4, d4 = idx % kD4, hq = kvh * G + g;
+    const float4* src = reinterpret_cast<const float4*>(part_acc) +
+                        (size_t)hq * kAttnSplits * kD4 + d4;
+    const float* w = scr_w + g * kAttnSplits;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    int s = 0;
+    for (; s + 8 <= nsplit; s += 8) {  // 8 independent L2 loads in flight per thread
+      float4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = __ldcg(src + (size_t)(s + u) * kD4);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        a.x = fmaf(w[s + u], v[u].x, a.x);
+        a.y = fmaf(w[s + u], v[u].y, a.y);
+        a.z = fmaf(w[s + u], v[u].z, a.z);
+        a.w = fmaf(w[s + u], v[u].w, a.w);
+      }
+    }
+    for (; s < nsplit; ++s) {
+      const float4 v = __ldcg(src + (size_t)s * kD4);
+      a.x = fmaf(w[s], v.x, a.x);
+      a.y = fmaf(w[s], v.y, a.y);
+      a.z = fmaf(w[s], v.z, a.z);
+      a.w = fmaf(w[s], v.w, a.w);
+    }
+    half2* dst = reinterpret_cast<half2*>(out + hq * D + 4 * d4);
+    dst[0] = __floats2half2_rn(a.x, a.y);
+    dst[1] = __floats2half2_rn(a.z, a.w);
+  }
+  if (tid == 0) counters[kvh] = 0;  // every CTA of this launch has counted: re-arm for replay
 }

@@ -129,7 +129,14 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
 
 // logits fp32 [V] = W fp16 [V, kHidden] @ rmsnorm(x) * norm_w, and *key = max over rows of
 // argmax_key(logit, row) (the caller zeroes *key before the first use; sample_finish re-zeroes).
-// x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows (V % kLmRows == 0). Persistent grid.
+// x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows (V % kLmRows == 0). Persistent grid: a
+// warp walks a flat sequence of batches (kLmRows rows x kLmUnroll 16-byte vectors per lane)
+// over its tiles and keeps the next batch in flight while it computes the current one; the
+// first batch is loaded before griddepcontrol.wait (the weights do not depend on x).
+struct LmBatch {
+  uint4 w[kLmRows][kLmUnroll];
+};
+
 extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp)
 lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
                const uint4* __restrict__ w, float* __restrict__ logits,
@@ -140,61 +147,92 @@ lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
   __shared__ float red[kLmWarps];
   __shared__ unsigned long long best_s[kLmWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  pdl_wait();
-  pdl_trigger();
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < kHidden; i += blockDim.x) {
-    const float f = __half2float(x[i]);
-    ss += f * f;
-  }
-  const float rstd = rsqrtf(block_sum<kLmWarps>(ss, red) / kHidden + kRmsEps);
-  half* xh = reinterpret_cast<half*>(xs);
-  for (int i = threadIdx.x; i < kHidden; i += blockDim.x)
-    xh[i] = __float2half_rn(__half2float(x[i]) * rstd * __half2float(norm_w[i]));
-  __syncthreads();
+  const int tiles = V / kLmRows, tile_step = gridDim.x * kLmWarps;
 
-  unsigned long long best = 0;
-  const int tiles = V / kLmRows;
-  for (int tile = blockIdx.x * kLmWarps + warp; tile < tiles; tile += gridDim.x * kLmWarps) {
-    float acc[kLmRows] = {};
-#pragma unroll 1
-    for (int j0 = 0; j0 < kIters; j0 += kLmUnroll) {
-      uint4 wv[kLmRows][kLmUnroll];
+  auto load = [&](LmBatch& b, int tile, int j0) {
 #pragma unroll
-      for (int r = 0; r < kLmRows; ++r)
-#pragma unroll
-        for (int u = 0; u < kLmUnroll; ++u) {
-          const int c = (j0 + u) * kWarp + lane;
-          wv[r][u] = (j0 + u < kIters && c < kVecs)
-                         ? __ldg(w + (size_t)(tile * kLmRows + r) * kVecs + c)
-                         : make_uint4(0, 0, 0, 0);
-        }
+    for (int r = 0; r < kLmRows; ++r)
 #pragma unroll
       for (int u = 0; u < kLmUnroll; ++u) {
         const int c = (j0 + u) * kWarp + lane;
-        if (j0 + u < kIters && c < kVecs) {
-          const uint4 xv = xs[c];
-          const half2* x2 = reinterpret_cast<const half2*>(&xv);
+        b.w[r][u] = (j0 + u < kIters && c < kVecs)
+                        ? __ldg(w + (size_t)(tile * kLmRows + r) * kVecs + c)
+                        : make_uint4(0, 0, 0, 0);
+      }
+  };
+  int tile = blockIdx.x * kLmWarps + warp, j0 = 0;
+  LmBatch cur, nxt;
+  if (tile < tiles) load(cur, tile, 0);
+  pdl_wait();
+  pdl_trigger();
+  // x -> shared memory (all copies in flight), then RMSNorm in place.
+  for (int v = threadIdx.x; v < kVecs; v += blockDim.x) cp_async16(xs + v, x + 8 * v);
+  cp_async_wait_all();
+  __syncthreads();
+  float ss = 0.f;
+  for (int v = threadIdx.x; v < kVecs; v += blockDim.x) {
+    const half2* h = reinterpret_cast<const half2*>(xs + v);
 #pragma unroll
-          for (int r = 0; r < kLmRows; ++r) {
-            const half2* w2 = reinterpret_cast<const half2*>(&wv[r][u]);
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(h[j]);
+      ss += f.x * f.x + f.y * f.y;
+    }
+  }
+  const float rstd = rsqrtf(block_sum<kLmWarps>(ss, red) / kHidden + kRmsEps);
+  for (int v = threadIdx.x; v < kVecs; v += blockDim.x) {
+    uint4 xv = xs[v];
+    const uint4 wn = reinterpret_cast<const uint4*>(norm_w)[v];
+    half2* h = reinterpret_cast<half2*>(&xv);
+    const half2* gw = reinterpret_cast<const half2*>(&wn);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float2 a = __half22float2(w2[i]), b = __half22float2(x2[i]);
-              acc[r] = fmaf(a.x, b.x, fmaf(a.y, b.y, acc[r]));
-            }
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(h[j]), gf = __half22float2(gw[j]);
+      h[j] = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
+    }
+    xs[v] = xv;
+  }
+  __syncthreads();
+
+  unsigned long long best = 0;
+  float acc[kLmRows] = {};
+  while (tile < tiles) {  // warp-uniform
+    int ntile = tile, nj0 = j0 + kLmUnroll;
+    if (nj0 >= kIters) {
+      ntile += tile_step;
+      nj0 = 0;
+    }
+    if (ntile < tiles) load(nxt, ntile, nj0);
+#pragma unroll
+    for (int u = 0; u < kLmUnroll; ++u) {
+      const int c = (j0 + u) * kWarp + lane;
+      if (j0 + u < kIters && c < kVecs) {
+        const uint4 xv = xs[c];
+        const half2* x2 = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+        for (int r = 0; r < kLmRows; ++r) {
+          const half2* w2 = reinterpret_cast<const half2*>(&cur.w[r][u]);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 a = __half22float2(w2[i]), b = __half22float2(x2[i]);
+            acc[r] = fmaf(a.x, b.x, fmaf(a.y, b.y, acc[r]));
           }
         }
       }
     }
+    if (ntile != tile) {
 #pragma unroll
-    for (int r = 0; r < kLmRows; ++r) {
-      const float v = warp_sum(acc[r]);
-      const int n = tile * kLmRows + r;
-      if (lane == 0) logits[n] = v;
-      const unsigned long long k = argmax_key(v, n);
-      best = k > best ? k : best;
+      for (int r = 0; r < kLmRows; ++r) {
+        const float v = warp_sum(acc[r]);
+        acc[r] = 0.f;
+        const int n = tile * kLmRows + r;
+        if (lane == 0) logits[n] = v;
+        const unsigned long long k = argmax_key(v, n);
+        best = k > best ? k : best;
+      }
     }
+    cur = nxt;
+    tile = ntile;
+    j0 = nj0;
   }
   if (lane == 0) best_s[warp] = best;
   __syncthreads();

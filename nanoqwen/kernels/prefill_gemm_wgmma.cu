@@ -1,0 +1,509 @@
+// prefill_gemm_wgmma.cu — INT4 (ValueShuffle, g128) x fp16 GEMM for prefill on Hopper wgmma.
+//
+//   out[M, N] fp16 = A[M, K] fp16 @ dequant(W)^T  (+ bias[N]) (+ residual[M, N])
+//   or, SWIGLU:  out[M, N/2] = silu(A @ Wgate^T) * (A @ Wup^T)   with W = [Wgate; Wup]
+//
+// Same contract as prefill_gemm.cu (the mma.sync kernel, which stays the fallback); this one
+// computes the transposed product out^T = W x A^T so that the dequantized weight is the wgmma
+// A operand *from registers* and the activations are the B operand from shared memory:
+//
+//   wgmma.mma_async m64nBTk16: D[64 weight rows][BT tokens] += Wfrag[64][16] x Atile[BT][16]^T
+//
+// CTA: 3 warpgroups (384 threads), one CTA per SM.
+//   WG 0     producer: setmaxnreg.dec to 40; its 128 threads cp.async the k-tiles (64 K wide)
+//            into a STAGES-deep ring and signal a per-stage "full" mbarrier with
+//            cp.async.mbarrier.arrive.noinc (count 128). Rows past M are zero-filled.
+//   WG 1, 2  consumers: setmaxnreg.inc to 232; consumer c owns CTA weight rows 64c..64c+63
+//            and all BT tokens: fp32 accumulators m64nBT = BT/2 registers per thread.
+//            Per k-tile: wait "full", read its 64 rows x 32 bytes of INT4 from shared memory,
+//            dequantize straight into the wgmma A fragments (times the group scale, rounded
+//            once to fp16 like the reference), 4 wgmma k-steps, commit; wait_group 1 then
+//            release the *previous* stage on its "empty" mbarrier (count 8: lane 0 of each
+//            consumer warp). A fragments are double-buffered (the k-loop is unrolled by two)
+//            so the next tile's dequantization overlaps the in-flight wgmma.
+// CTA tile: 128 weight rows (= 128 output columns, or 64 SwiGLU outputs) x BT tokens x 64 K.
+// Shared memory per stage: activations BT rows x 128 B in the 128-byte swizzle that the
+// wgmma descriptor names (16-byte chunk c of row r sits at chunk c ^ (r & 7); each stage is
+// 1024-byte aligned) + weights 128 rows x 32 B (plain; consumers read it with 16-byte loads).
+//
+// Register A fragment (PTX ISA "wgmma .m64nNk16 register fragment layout for matrix A": per
+// warp the same as mma.m16n8k16's A; warp w of the warpgroup holds rows 16w..16w+15). Lane
+// (g = lane/4, t = lane%4) holds, per k-step s (16 K), K = 16s + {2t, 2t+1} (+8) of rows g and
+// g+8: a0 = (g, 2t..), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..). In ValueShuffle,
+// K = 8j + 2i, 8j + 2i + 1 is nibble pair i of word j, read as (w >> 4i) & 0x000F000F: so a0 is
+// pair t of word 2s of row g, a2 pair t of word 2s+1, a1/a3 the same for row g+8. Each word
+// is read by the 4 lanes of a quad, each extracting its own pair: no dequantization is done
+// twice, only the (cheap, broadcast) shared loads repeat.
+// Accumulator D (same section): d[4j + e] = (row g, token 8j + 2t + e), d[4j + 2 + e] =
+// (row g + 8, same token), j = 0..BT/8-1, e = 0..1.
+//
+// SWIGLU: CTA-local weight row r = 16 b + 8 h + g (b = r/16, h = 0/1, g = r%8) holds
+// gate (h = 0) or up (h = 1) row of output column 64 * blockIdx.y + 8 b + g, so the thread
+// holding accumulator row g (gate) also holds row g + 8 (up) of the same column and token.
+//
+// Epilogue: bias / SwiGLU in registers, then the tile goes through shared memory (fp32,
+// [BT][cols + 4], reusing the ring) so that each thread stores 16 contiguous bytes of one
+// token row and adds the residual there in fp32 (out may alias residual: each element is
+// read and then written by one thread).
+//
+// Arguments: as prefill_gemm.cu. M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an
+// even count); all pointers 16-byte aligned. nanoqwen/prefill.py checks every condition.
+
+#ifndef NANOQWEN_PREFILL_GEMM_WGMMA_CU
+#define NANOQWEN_PREFILL_GEMM_WGMMA_CU
+
+namespace nanoqwen_wgmma {
+
+typedef unsigned short half_t;
+
+constexpr int kBK = 64;             // K per k-tile: one 128-byte swizzle row of fp16
+constexpr int kGroup = 128;         // INT4 group along K: two k-tiles share a scale
+constexpr int kRows = 128;          // weight rows per CTA (two consumer warpgroups x 64)
+constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
+constexpr int kProducerRegs = 40;   // setmaxnreg budgets: 40 * 128 + 232 * 256 <= 65536
+constexpr int kConsumerRegs = 232;
+constexpr int kEpilogueBarrier = 1; // named barrier id of the 256 consumer threads
+// fence.proxy.async after each "full" wait (cp.async writes, generic proxy -> wgmma reads,
+// async proxy). CUTLASS's cp.async + GMMA pipelines do without it; kept on until a GPU run
+// shows it costs something and that results stay exact without it.
+constexpr bool kProxyFence = true;
+static_assert(kGroup == 2 * kBK, "the k-loop is unrolled by two: one scale per pair");
+
+constexpr unsigned kLoMask = 0x000F000Fu;   // nibble pair (after the lane's shift by 4t)
+constexpr unsigned kMagic = 0x64086408u;    // fp16 1032 | nibble: XOR with the nibble's sign bit
+                                            // gives 1024 + (v + 8); minus 1032 = v, exact
+
+template <int BT, int STAGES>
+struct Layout {
+  static constexpr int kActBytes = BT * kBK * 2;   // BT rows x 128 B
+  static constexpr int kWBytes = kRows * kBK / 2;  // 128 rows x 32 B
+  static constexpr int kStageBytes = kActBytes + kWBytes;
+  static constexpr int kRingBytes = STAGES * kStageBytes;
+  static_assert(kStageBytes % 1024 == 0, "stages must stay 1024-byte aligned (128B swizzle)");
+};
+
+template <int BT, bool SWIGLU>
+struct Staging {
+  static constexpr int kCols = SWIGLU ? kRows / 2 : kRows;  // output columns per CTA
+  static constexpr int kStride = kCols + 4;                 // floats; +4 spreads the banks
+  static constexpr int kBytes = BT * kStride * 4;
+};
+
+// Dynamic shared memory the launcher must pass (nanoqwen/prefill.py repeats this formula):
+// 1024 bytes of alignment slack + max(ring, epilogue staging) + 2 * STAGES mbarriers.
+template <int BT, int STAGES, bool SWIGLU>
+constexpr int smem_bytes() {
+  return 1024 +
+         (Layout<BT, STAGES>::kRingBytes > Staging<BT, SWIGLU>::kBytes
+              ? Layout<BT, STAGES>::kRingBytes
+              : Staging<BT, SWIGLU>::kBytes) +
+         2 * STAGES * 8;
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ unsigned hsub2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) {
+  unsigned d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ float half_to_float(half_t h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+  unsigned d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+// Nibble pair (shift = 4i) of a ValueShuffle word -> fp16x2 (v(2i), v(2i+1)) * scale, one
+// rounding (the subtraction is exact), as prefill_gemm.cu and the reference.
+__device__ __forceinline__ unsigned dequant_pair(unsigned w, unsigned shift, unsigned scale2) {
+  const unsigned p = ((w >> shift) & kLoMask) ^ kMagic;
+  return hmul2(hsub2(p, kMagic), scale2);
+}
+
+// -- mbarrier / cp.async / wgmma / setmaxnreg ----------------------------------------------------
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// 16-byte async copy; src_bytes = 0 zero-fills the destination (token rows past M).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued before it has landed.
+__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Pins the accumulators in place around wgmma issue/wait so the compiler neither moves
+// nor copies them while a wgmma that owns them is in flight.
+template <int NACC>
+__device__ __forceinline__ void fence_acc(float (&d)[NACC]) {
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"): start address >> 4
+// in bits 0-13, leading-dimension byte offset >> 4 in 16-29 (unused by swizzled K-major
+// layouts, 1 by convention), stride-dimension byte offset >> 4 in 32-45 (1024 B: from one
+// 8-row group of 128-byte rows to the next), base offset 0 (stages are 1024-byte aligned),
+// swizzle mode in 62-63 (1 = 128-byte swizzle). Adding 32 B to the start address steps one
+// k16 slice along the row; the hardware applies the XOR on the final address bits.
+__device__ __forceinline__ unsigned long long make_desc_sw128(unsigned addr) {
+  return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+  __device__ __forceinline__ static void mma(float (&d)[32], const unsigned (&a)[4],
+                                             unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  __device__ __forceinline__ static void mma(float (&d)[64], const unsigned (&a)[4],
+                                             unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+template <>
+struct Wgmma<256> {
+  __device__ __forceinline__ static void mma(float (&d)[128], const unsigned (&a)[4],
+                                             unsigned long long desc) {
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+        "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+        "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+        "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),
+        "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+        "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+        "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+
+// CTA-local weight row r -> global weight row (see SWIGLU above).
+template <bool SWIGLU>
+__device__ __forceinline__ int weight_row(int tile_n, int r, int N) {
+  if (!SWIGLU) return tile_n * kRows + r;
+  const int col = tile_n * (kRows / 2) + 8 * (r >> 4) + (r & 7);
+  return (r & 8) ? N / 2 + col : col;
+}
+
+}  // namespace nanoqwen_wgmma
+
+// BT tokens per CTA (the wgmma N: 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
+template <int BT, int STAGES, bool SWIGLU>
+__global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
+    prefill_gemm_wgmma(const unsigned short* __restrict__ A, const unsigned* __restrict__ qweight,
+                       const unsigned short* __restrict__ scales,
+                       const unsigned short* __restrict__ bias, const unsigned short* residual,
+                       unsigned short* out, int M, int N, int K) {
+  using namespace nanoqwen_wgmma;
+  using L = Layout<BT, STAGES>;
+  using St = Staging<BT, SWIGLU>;
+  constexpr int kAcc = BT / 2;
+  static_assert(BT == 64 || BT == 128 || BT == 256, "BT: 64, 128 or 256 tokens");
+  static_assert(STAGES >= 2, "the ring needs two stages");
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // Align the ring to 1024 bytes (the 128-byte swizzle repeats every 8 rows of 128 bytes).
+  const unsigned raw = smem_u32(smem_raw);
+  const unsigned base = (raw + 1023u) & ~1023u;
+  unsigned char* const base_ptr = smem_raw + (base - raw);
+  constexpr int kMain = L::kRingBytes > St::kBytes ? L::kRingBytes : St::kBytes;
+  const unsigned full_bar = base + kMain;         // STAGES x 8 bytes
+  const unsigned empty_bar = full_bar + 8 * STAGES;  // STAGES x 8 bytes
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;
+  const int tile_m = blockIdx.x, tile_n = blockIdx.y;
+  const int k_tiles = K / kBK;
+
+  if (tid == 0) {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < static_cast<unsigned>(smem_bytes<BT, STAGES, SWIGLU>())) __trap();
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, 128);  // one cp.async arrival per producer thread
+      mbar_init(empty_bar + 8 * s, 8);   // lane 0 of each of the 8 consumer warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------------------------------------------------------- producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    // Per-thread invariants: activation chunk c = tid % 8 of rows tid / 8 + 16 i (every row
+    // of a pass has the same r % 8, hence the same swizzle); weight chunk tid % 2 of rows
+    // tid / 2 + 64 i. Kept in few registers: this warpgroup runs on 40 of them.
+    const int c = tid & 7, row0 = tid >> 3;
+    const unsigned act_off = row0 * 128 + ((c ^ (row0 & 7)) << 4);
+    const int tok0 = tile_m * BT + row0;
+    const unsigned short* a_src = A + (long)tok0 * K + c * 8;
+    const long a_pass = 16l * K;  // elements between passes (16 rows)
+    const int wc = tid & 1, wr0 = tid >> 1;
+    const unsigned* w_src0 = qweight + (long)weight_row<SWIGLU>(tile_n, wr0, N) * (K / 8) + wc * 4;
+    const unsigned* w_src1 =
+        qweight + (long)weight_row<SWIGLU>(tile_n, wr0 + 64, N) * (K / 8) + wc * 4;
+    const unsigned w_off = wr0 * 32 + wc * 16;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int st = kt % STAGES;
+      if (kt >= STAGES) mbar_wait(empty_bar + 8 * st, ((kt / STAGES) - 1) & 1);
+      const unsigned act_s = base + st * L::kStageBytes;
+      const unsigned w_s = act_s + L::kActBytes;
+      // Activations: BT rows x 8 chunks of 16 B, chunk c of row r at chunk c ^ (r & 7);
+      // rows past M are zero-filled from a clamped (valid) address.
+#pragma unroll 4
+      for (int i = 0; i < BT / 16; ++i) {
+        const bool valid = tok0 + 16 * i < M;
+        const unsigned short* src = valid ? a_src + i * a_pass + kt * kBK : A;
+        cp_async16(act_s + act_off + i * 2048, src, valid ? 16 : 0);
+      }
+      // Weights: 128 rows x 2 chunks of 16 B (8 ValueShuffle words = 64 K per row).
+      cp_async16(w_s + w_off, w_src0 + kt * 8, 16);
+      cp_async16(w_s + w_off + 64 * 32, w_src1 + kt * 8, 16);
+      cp_async_arrive(full_bar + 8 * st);
+    }
+    // Outlive this thread's own copies (their mbarrier arrivals are still pending), then leave:
+    // the consumers never wait on the producer again.
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumer warpgroups
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+  const int cw = wg - 1;                // consumer warpgroup 0/1: CTA weight rows 64cw..
+  const int wtid = tid & 127;
+  const int warp = wtid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int r0 = 64 * cw + 16 * warp + g, r1 = r0 + 8;  // this thread's two weight rows
+  const unsigned shift = 4 * t;                          // its nibble pair in every word
+  const int groups = K / kGroup;
+  const unsigned short* s0_ptr = scales + (long)weight_row<SWIGLU>(tile_n, r0, N) * groups;
+  const unsigned short* s1_ptr = scales + (long)weight_row<SWIGLU>(tile_n, r1, N) * groups;
+
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+
+  // One k-tile: wait for its stage, dequantize 4 k-steps of A fragments into `a`, issue the
+  // 4 wgmma, then retire the previous tile (its A buffer and its stage).
+  auto tile = [&](int kt, unsigned (&a)[4][4], unsigned sc0, unsigned sc1) {
+    const int st = kt % STAGES;
+    mbar_wait(full_bar + 8 * st, (kt / STAGES) & 1);
+    const unsigned act_s = base + st * L::kStageBytes;
+    const unsigned char* w_s = base_ptr + st * L::kStageBytes + L::kActBytes;
+    const uint4 x0 = *reinterpret_cast<const uint4*>(w_s + r0 * 32);
+    const uint4 x1 = *reinterpret_cast<const uint4*>(w_s + r0 * 32 + 16);
+    const uint4 y0 = *reinterpret_cast<const uint4*>(w_s + r1 * 32);
+    const uint4 y1 = *reinterpret_cast<const uint4*>(w_s + r1 * 32 + 16);
+    const unsigned wr0[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};  // row g
+    const unsigned wr1[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};  // row g + 8
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      a[s][0] = dequant_pair(wr0[2 * s], shift, sc0);
+      a[s][1] = dequant_pair(wr1[2 * s], shift, sc1);
+      a[s][2] = dequant_pair(wr0[2 * s + 1], shift, sc0);
+      a[s][3] = dequant_pair(wr1[2 * s + 1], shift, sc1);
+    }
+    if (kProxyFence) fence_proxy_async();  // see kProxyFence
+    fence_acc(acc);
+    wgmma_fence();
+    const unsigned long long desc = make_desc_sw128(act_s);
+#pragma unroll
+    for (int s = 0; s < 4; ++s) Wgmma<BT>::mma(acc, a[s], desc + 2 * s);  // +32 B per k16
+    wgmma_commit();
+    fence_acc(acc);
+    wgmma_wait<1>();  // tile kt - 1 is done: its A buffer and its stage are free
+    fence_acc(acc);
+    if (kt > 0) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_bar + 8 * ((kt - 1) % STAGES));
+    }
+  };
+
+  unsigned a0[4][4], a1[4][4];
+  unsigned short s0_next = __ldg(s0_ptr), s1_next = __ldg(s1_ptr);
+  for (int kt = 0; kt < k_tiles; kt += 2) {  // k_tiles is even: one scale group per pair
+    const unsigned sc0 = s0_next | (static_cast<unsigned>(s0_next) << 16);
+    const unsigned sc1 = s1_next | (static_cast<unsigned>(s1_next) << 16);
+    const int next_group = kt / 2 + 1 < groups ? kt / 2 + 1 : 0;
+    s0_next = __ldg(s0_ptr + next_group);
+    s1_next = __ldg(s1_ptr + next_group);
+    tile(kt, a0, sc0, sc1);
+    tile(kt + 1, a1, sc0, sc1);
+  }
+  wgmma_wait<0>();
+  fence_acc(acc);
+
+  // ------------------------------------------------------------------------------ epilogue
+  // Both consumer warpgroups must be done reading the ring before it becomes staging.
+  named_barrier_sync(kEpilogueBarrier, 256);
+  float* stg = reinterpret_cast<float*>(base_ptr);
+  if (SWIGLU) {
+    const int col = 32 * cw + 8 * warp + g;  // output column (CTA-local) of rows r0 / r1
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float gate = acc[4 * j + e], up = acc[4 * j + 2 + e];
+        stg[(8 * j + 2 * t + e) * St::kStride + col] = gate / (1.f + __expf(-gate)) * up;
+      }
+    }
+  } else {
+    float b0 = 0.f, b1 = 0.f;
+    if (bias) {
+      b0 = half_to_float(bias[tile_n * kRows + r0]);
+      b1 = half_to_float(bias[tile_n * kRows + r1]);
+    }
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = 8 * j + 2 * t + e;
+        stg[row * St::kStride + r0] = acc[4 * j + e] + b0;
+        stg[row * St::kStride + r1] = acc[4 * j + 2 + e] + b1;
+      }
+    }
+  }
+  named_barrier_sync(kEpilogueBarrier, 256);
+
+  // Each thread stores 8 consecutive columns (16 bytes) of one token row per pass.
+  constexpr int kThrPerRow = St::kCols / 8;
+  constexpr int kRowsPerPass = 256 / kThrPerRow;
+  const int ctid = tid - 128;
+  const int c8 = (ctid % kThrPerRow) * 8, rsub = ctid / kThrPerRow;
+  const int ld_out = SWIGLU ? N / 2 : N;
+  const int col0 = tile_n * St::kCols + c8;
+#pragma unroll 4
+  for (int row = rsub; row < BT; row += kRowsPerPass) {
+    const int tok = tile_m * BT + row;
+    if (tok >= M) break;
+    const float4 u = *reinterpret_cast<const float4*>(stg + row * St::kStride + c8);
+    const float4 w = *reinterpret_cast<const float4*>(stg + row * St::kStride + c8 + 4);
+    float v[8] = {u.x, u.y, u.z, u.w, w.x, w.y, w.z, w.w};
+    const long idx = (long)tok * ld_out + col0;
+    if (!SWIGLU && residual) {
+      const uint4 r = *reinterpret_cast<const uint4*>(residual + idx);
+      const unsigned rw[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[2 * i] += half_to_float(static_cast<half_t>(rw[i] & 0xFFFF));
+        v[2 * i + 1] += half_to_float(static_cast<half_t>(rw[i] >> 16));
+      }
+    }
+    uint4 o;
+    o.x = pack_half2(v[0], v[1]);
+    o.y = pack_half2(v[2], v[3]);
+    o.z = pack_half2(v[4], v[5]);
+    o.w = pack_half2(v[6], v[7]);
+    *reinterpret_cast<uint4*>(out + idx) = o;
+  }
+}
+
+#endif  // NANOQWEN_PREFILL_GEMM_WGMMA_CU

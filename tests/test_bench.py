@@ -1,0 +1,274 @@
+"""`nanoqwen bench`: the pure parts on the CPU (max-context default, flags, the per-kernel table
+from a fake trace, per-position ITL, the plot, the transformers baseline's timing streamer and
+its skip path, the baseline itself on the CPU with the tiny shapes); one GPU test runs the
+whole command with --kernels on the tiny synthetic model."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from nanoqwen import bench
+from nanoqwen.baseline import TokenTimer, bench_baseline, compare, print_baseline, run_baseline
+from nanoqwen.cli import build_parser, main
+from nanoqwen.config import preset
+from nanoqwen.cuda.device import sm90_available
+from nanoqwen.errors import NanoqwenError
+
+
+# -- max context and flags ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompt, gen, want",
+    [(512, 128, 640), (8192, 128, 8320), (32704, 64, 32768), (500, 10, 512), (1, 2, 16)],
+)
+def test_default_max_context_is_whole_pages(prompt, gen, want):
+    assert bench.default_max_context(prompt, gen) == want
+    assert bench.default_max_context(prompt, gen, limit=32768) == min(want, 32768)
+
+
+def test_default_max_context_capped_at_the_model_limit():
+    assert bench.default_max_context(32760, 64, limit=32768) == 32768
+
+
+def test_bench_defaults():
+    a = build_parser().parse_args(["bench", "m.nanoqwen"])
+    assert a.max_context is None  # -> prompt + gen rounded to a page, at run time
+    assert (a.prompt_len, a.gen_len, a.warmup, a.runs) == (512, 128, 3, 10)
+    assert not a.kernels and a.plot is None and a.baseline is None and a.json is None
+    assert (a.baseline_warmup, a.baseline_runs, a.kernel_reps) == (1, 3, 20)
+
+
+def test_bench_flags():
+    a = build_parser().parse_args(
+        ["bench", "m.nanoqwen", "--prompt-len", "32704", "--gen-len", "64", "--kernels",
+         "--plot", "itl.png", "--baseline", "transformers", "--baseline-runs", "2",
+         "--max-context", "40000"]
+    )  # fmt: skip
+    assert (a.prompt_len, a.gen_len, a.max_context) == (32704, 64, 40000)
+    assert a.kernels and a.plot == "itl.png" and a.baseline == "transformers"
+    assert a.baseline_runs == 2
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--gen-len", "1"], ["--runs", "0"], ["--baseline", "vllm"], ["--prompt-len", "0"]],
+)
+def test_bench_rejects_bad_flags(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "m.nanoqwen", *argv])
+
+
+def test_bench_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--kernels", "--plot", "--baseline", "--baseline-runs", "--max-context"):
+        assert flag in out
+
+
+# -- --kernels: aggregation of a fake trace ---------------------------------------------------
+def fake_step():
+    """Two layers of a made-up step: (label, seconds, bytes; 0 = unknown)."""
+    layer = [
+        ("gemv qkv", 10e-6, 30_000_000),
+        ("attention split", 4e-6, 0),
+        ("attention combine", 1e-6, 0),
+        ("gemv o", 6e-6, 20_000_000),
+    ]
+    return [("embed", 1e-6, 7168), *layer, *layer, ("lm_head", 25e-6, 40_000_000),
+            ("sample", 2e-6, 600_000)]  # fmt: skip
+
+
+def test_context_bytes_go_to_the_first_attention_launch_of_each_layer():
+    labels = [label for label, _, _ in fake_step()]
+    nbytes = bench.context_bytes(labels, [b for _, _, b in fake_step()], 1234)
+    got = dict(zip(range(len(labels)), nbytes, strict=True))
+    assert [got[i] for i, lb in enumerate(labels) if lb == "attention split"] == [1234, 1234]
+    assert [got[i] for i, lb in enumerate(labels) if lb == "attention combine"] == [0, 0]
+    assert nbytes[0] == 7168 and nbytes[-1] == 600_000
+    # A fused single attention kernel; one that already knows its bytes keeps them.
+    assert bench.context_bytes(["gemv o", "attention", "gemv o", "attention"], [5, 0, 5, 0], 9) == [
+        5,
+        9,
+        5,
+        9,
+    ]
+    assert bench.context_bytes(["attention a", "attention b"], [0, 77], 9) == [0, 77]
+
+
+def test_aggregate_kernels_by_label():
+    timed = fake_step()
+    labels = [label for label, _, _ in timed]
+    nbytes = bench.context_bytes(labels, [b for _, _, b in timed], 1_000_000)
+    timed = [(lb, s, b) for (lb, s, _), b in zip(timed, nbytes, strict=True)]
+    step_s = 100e-6
+    k = bench.aggregate_kernels(timed, step_s)
+    rows = {r["label"]: r for r in k["rows"]}
+    assert set(rows) == {"embed", "gemv qkv", "attention split", "attention combine", "gemv o",
+                         "lm_head", "sample"}  # fmt: skip
+    assert rows["gemv qkv"]["count"] == 2 and rows["embed"]["count"] == 1
+    assert rows["gemv qkv"]["us"] == pytest.approx(20.0)
+    assert rows["gemv qkv"]["bytes"] == 60_000_000
+    assert rows["gemv qkv"]["tb_s"] == pytest.approx(60e6 / 20e-6 / 1e12)
+    assert rows["gemv qkv"]["share_pct"] == pytest.approx(20.0)
+    assert rows["attention split"]["bytes"] == 2_000_000
+    assert rows["attention combine"]["bytes"] is None and rows["attention combine"]["tb_s"] is None
+    assert k["unknown_bytes"] == ["attention combine"]
+    # Slowest first.
+    us = [r["us"] for r in k["rows"]]
+    assert us == sorted(us, reverse=True) and k["rows"][0]["label"] == "lm_head"
+    total = sum(s for _, s, _ in timed)
+    s = k["sum_of_kernels"]
+    assert s["count"] == len(timed) == 11
+    assert s["us"] == pytest.approx(1e6 * total)
+    assert s["share_pct"] == pytest.approx(sum(r["share_pct"] for r in k["rows"]))
+    assert s["bytes"] == sum(nbytes)
+    w = k["whole_step"]
+    assert w["us"] == pytest.approx(100.0) and w["share_pct"] == pytest.approx(100.0)
+    assert k["overhead_us"] == pytest.approx(100.0 - 1e6 * total)
+    json.dumps(k)  # goes into --json as is
+
+
+def test_format_kernels_table():
+    k = bench.aggregate_kernels(fake_step(), 100e-6)
+    k.update(pos=512, context=513, reps=20, timed=5)
+    text = bench.format_kernels(k)
+    lines = text.splitlines()
+    assert "position 512" in lines[0] and "context 513" in lines[0]
+    for label in ("gemv qkv", "attention combine", "lm_head", "sum of kernels", "whole step"):
+        assert any(line.strip().startswith(label) for line in lines), label
+    combine = next(line for line in lines if line.strip().startswith("attention split"))
+    assert " - " in combine  # unknown bytes and TB/s print as "-"
+    assert "100.0%" in next(line for line in lines if "whole step" in line)
+    assert "overhead" in text
+
+
+# -- --plot: inter-token latency by position ---------------------------------------------------
+def test_itl_by_position_is_the_median_over_runs():
+    runs = [[0.001, 0.004, 0.003], [0.003, 0.002, 0.001], [0.002, 0.002, 0.002]]
+    assert bench.itl_by_position(runs) == pytest.approx([2.0, 2.0, 2.0])
+    assert bench.itl_by_position([np.array([0.001, 0.002])]) == pytest.approx([1.0, 2.0])
+    assert bench.itl_by_position([]) == []
+    with pytest.raises(ValueError):
+        bench.itl_by_position([[0.001], [0.001, 0.002]])
+
+
+def fake_result(n=127):
+    rng = np.random.default_rng(0)
+    itl = list(2.7 + 0.01 * rng.standard_normal(n))
+    return {"gpu": "NVIDIA H200", "model": "7b", "prompt_len": 512, "gen_len": n + 1,
+            "runs": 10, "itl_ms": float(np.median(itl)), "ttft_ms": 30.0,
+            "itl_by_position_ms": itl}  # fmt: skip
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "itl.png"
+    bench.plot_itl(fake_result(), str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_without_matplotlib_fails_before_the_benchmark(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    with pytest.raises(NanoqwenError, match="matplotlib"):
+        bench.require_matplotlib()
+    # The CLI refuses before opening the (missing) model file: a clear error, exit 2.
+    rc = main(["bench", str(tmp_path / "missing.nanoqwen"), "--plot", str(tmp_path / "a.png")])
+    assert rc == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+# -- --baseline transformers ------------------------------------------------------------------
+def test_token_timer_stamps_generated_tokens_only():
+    clock = iter([0.5, 1.0, 1.25, 1.75, 2.0])
+    t = TokenTimer(clock=lambda: next(clock))
+    t.put(np.arange(16)[None, :])  # the prompt
+    for tok in (7, 8, 9):
+        t.put(np.array([tok]))
+    t.end()
+    assert t.prompt_at == 0.5 and t.stamps == [1.0, 1.25, 1.75] and t.ended_at == 2.0
+    assert t.ttft(0.0) == pytest.approx(1.0)
+    assert list(t.gaps()) == pytest.approx([0.25, 0.5])
+    with pytest.raises(RuntimeError):
+        TokenTimer().ttft(0.0)
+
+
+def test_token_timer_is_a_transformers_streamer():
+    pytest.importorskip("transformers")
+    from transformers.generation.streamers import BaseStreamer
+
+    from nanoqwen.baseline import _streamer_class
+
+    assert issubclass(_streamer_class(), BaseStreamer)
+
+
+def test_baseline_skips_without_transformers(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    b = bench_baseline(preset("tiny"), {"prompt_len": 8, "gen_len": 4})
+    assert set(b) == {"name", "skipped"} and "not importable" in b["skipped"]
+    json.dumps(b)
+
+
+def test_baseline_skips_without_cuda(capsys):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    b = bench_baseline(preset("tiny"), {"prompt_len": 8, "gen_len": 4})
+    assert "no CUDA device" in b["skipped"]
+    print_baseline(b)
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_compare_is_theirs_over_ours():
+    got = compare({"itl_ms": 2.0, "ttft_ms": 30.0}, {"itl_ms": 10.0, "ttft_ms": 45.0})
+    assert got == {"speedup_itl": 5.0, "speedup_ttft": 1.5}
+
+
+def test_baseline_runs_on_the_cpu_with_tiny_shapes(capsys):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from nanoqwen.baseline import build_model
+
+    cfg = preset("tiny")
+    m = build_model(cfg, device="cpu", dtype="bfloat16")
+    p = next(m.parameters())
+    assert p.dtype == torch.bfloat16 and p.device.type == "cpu"
+    assert m.config.vocab_size == cfg.vocab_size and m.config.num_hidden_layers == cfg.num_layers
+    del m
+    b = run_baseline(cfg, prompt_len=8, gen_len=5, warmup=1, runs=2, device="cpu",
+                     dtype="float32")  # fmt: skip
+    assert (b["prompt_len"], b["gen_len"], b["runs"]) == (8, 5, 2)
+    assert 0 < b["itl_ms"] < b["ttft_ms"] + 1e3 and b["tokens_per_s"] > 0
+    b = bench_baseline(cfg, {"prompt_len": 8, "gen_len": 3, "itl_ms": 1.0, "ttft_ms": 1.0},
+                       warmup=0, runs=1, device="cpu", dtype="float32")  # fmt: skip
+    assert b["speedup_itl"] == pytest.approx(b["itl_ms"])
+    print_baseline(b)
+    assert "faster" in capsys.readouterr().out
+
+
+# -- on the GPU: the whole command on the tiny synthetic model ----------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not sm90_available(), reason="needs an sm_90 GPU")
+def test_bench_kernels_on_tiny(tmp_path, capsys):
+    from nanoqwen.convert import pack_synthetic
+
+    path = tmp_path / "tiny.nanoqwen"
+    pack_synthetic("tiny", path, progress=False)
+    out = tmp_path / "b.json"
+    rc = main(["bench", str(path), "--prompt-len", "40", "--gen-len", "9", "--warmup", "1",
+               "--runs", "2", "--kernels", "--kernel-reps", "5", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "sum of kernels" in text and "whole step (graph)" in text
+    res = json.loads(out.read_text())
+    assert res["max_context"] == 64  # 40 + 9 -> 4 pages
+    assert len(res["itl_by_position_ms"]) == 8
+    k = res["kernels"]
+    assert k["pos"] == 40 and k["context"] == 41
+    assert k["rows"] and all(r["us"] > 0 and r["count"] >= 1 for r in k["rows"])
+    assert sum(r["count"] for r in k["rows"]) == k["sum_of_kernels"]["count"]
+    assert k["whole_step"]["us"] > 0
+    assert any("attention" in r["label"] and r["bytes"] for r in k["rows"])
