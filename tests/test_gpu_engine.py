@@ -57,17 +57,33 @@ def test_cancel_frees_pages(tiny):
     assert e.kv_pages_in_use == 0
 
 
-def test_generate_on_another_thread(tiny):
-    """The server builds the engine on its main thread and generates on a worker thread."""
+def test_generate_on_another_thread(tmp_path):
+    """The server builds the engine on its main thread and generates on a worker thread: the
+    first generation there allocates prefill scratch and captures the decode graph."""
     import threading
 
+    from nanoqwen.convert import pack_synthetic
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
     from nanoqwen.sampling import SamplingParams
 
-    e, _ = tiny
-    out: list = []
-    worker = threading.Thread(
-        target=lambda: out.extend(e.generate([1, 2, 3], SamplingParams(max_tokens=8), frozenset()))
-    )
-    worker.start()
-    worker.join()
-    assert len(out) == 8 and e.kv_pages_in_use == 0
+    pack_synthetic("tiny", tmp_path / "t.nanoqwen", progress=False)
+    with NanoqwenFile(tmp_path / "t.nanoqwen") as f:
+        e = CudaBackend(f, max_context=1024)
+        out: list = []
+        errors: list = []
+
+        def work() -> None:
+            try:
+                out.extend(e.generate(list(range(1, 300)), SamplingParams(max_tokens=8), set()))
+            except Exception as exc:  # surfaced below with its message
+                errors.append(exc)
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+        try:
+            assert not errors, errors
+            assert len(out) == 8 and e.kv_pages_in_use == 0
+        finally:
+            e.close()

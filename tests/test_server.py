@@ -22,7 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-openai = pytest.importorskip("openai")  # the serve extra; a GPU image may lack it
+pytest.importorskip("fastapi")  # the serve extra; a GPU image may lack it
+openai = pytest.importorskip("openai")
 
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

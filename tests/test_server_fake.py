@@ -15,11 +15,13 @@ import time
 import httpx
 import pytest
 
-from nanoqwen.errors import ContextError, DeviceError
-from nanoqwen.llm import Delta
-from nanoqwen.sampling import SamplingParams
-from nanoqwen.server import Worker, create_app
-from nanoqwen.server.worker import DONE, EngineDown, Job, QueueFull
+pytest.importorskip("fastapi")  # the serve extra; a GPU image may lack it
+
+from nanoqwen.errors import ContextError, DeviceError  # noqa: E402
+from nanoqwen.llm import Delta  # noqa: E402
+from nanoqwen.sampling import SamplingParams  # noqa: E402
+from nanoqwen.server import Worker, create_app  # noqa: E402
+from nanoqwen.server.worker import DONE, EngineDown, Job, QueueFull  # noqa: E402
 
 
 class FakeLLM:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +142,8 @@ class Gpu:
         self.stream = self.device.create_stream()
         self.broken: str | None = None
         self._arrays: list[DeviceArray] = []
+        self._thread = threading.local()  # .bound: cuda.core's device state set on this thread
+        self._thread.bound = True
         self._staging_ptr = 0
         self._configs: dict = {}
 
@@ -153,6 +156,14 @@ class Gpu:
             raise DeviceError(
                 f"the GPU hit a sticky error earlier ({self.broken}); restart the process"
             )
+        if not getattr(self._thread, "bound", False):
+            # cuda.core keeps per-thread device state (launch, graph capture); a thread that
+            # never made the device current would initialize it mid-capture, which the driver
+            # refuses (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED).
+            from cuda.core import Device
+
+            Device(self.device.device_id).set_current()
+            self._thread.bound = True
         check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
     @contextlib.contextmanager

@@ -23,7 +23,13 @@ from .device import Gpu
 
 GEMV_THREADS = 128  # kTcThreads (gemv_int4.cu)
 GEMV_ROWS = 8  # kTcRows: output rows per tile
-SMEM_CARVEOUT = 71  # percent of 228 KB -> the 164 KB configuration (-1: the driver's choice)
+# One shared-memory carveout for every kernel of the decode step, so no SM drains to reconfigure
+# between overlapping (PDL) kernels: percent of 228 KB; 71 -> the 164 KB configuration (down's
+# 4 x 38 KB, attention's 2 x 68 KB) and 92 KB of L1 left for the GEMVs' scale loads. Whole
+# step on the H200 at 513 (8193) tokens of context, tools/kernel_tune.py step: the driver's
+# per-kernel choice (-1) 2.35 (2.69) ms, 25%: 2.71, 50%: 2.25 (2.77), 71%: 2.12 (2.34),
+# 86% and 100%: 2.52 (2.71; the GEMVs slow down with little L1).
+SMEM_CARVEOUT = 71
 CTAS_PER_SM = 4  # persistent grids (GEMVs, lm_head): at most this many CTAs per SM
 MISC_THREADS = 256  # kMiscThreads (decode_misc.cu)
 LM_THREADS = 128  # kLmWarps * 32

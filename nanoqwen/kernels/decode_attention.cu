@@ -4,8 +4,9 @@
 // with an fp32 online softmax, and the split-combine is folded in (last-CTA semaphore).
 //
 // attn_decode: grid (kKVHeads, S) with S <= kAttnSplits fixed per model (kernels.py: S =
-// min(kAttnSplits, 256 / kKVHeads)), block kAttnThreads = 5 warps, static smem only (34.9 KB at
-// D = 128, 18.5 KB at D = 64), <= 136 registers so 3 CTAs fit an SM.
+// min(kAttnSplits, 256 / kKVHeads)), block kAttnThreads = 5 warps, the K/V ring in dynamic
+// shared memory (kAttnStages pages: 68 KB at D = 128, 36 KB at D = 64), <= 136 registers so
+// 3 CTAs fit an SM.
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [kHeads, kHeadDim]             query of the current token, RoPE applied
@@ -35,15 +36,19 @@
 // stage's "full" mbarrier armed with arrive.expect_tx(8 KB). kAttnStages = 8 stages (a dynamic
 // shared ring of 68 KB at D = 128 with the 16-byte row padding): each consumer warp owns two
 // slots, so its next page is in flight while it computes the current one (with 4 stages each
-// consumer waited out a full load latency per page: 1.4 TB/s at 32k context on the H200). One
-// page per stage because (a) a 16-token page is exactly one m16n8k16 key tile, so a consumer
-// warp owns whole stages and never synchronizes with the other consumers inside the loop, and
-// (b) small stages refill at a finer grain than big ones for the same bytes. The pages before
-// the current token's are copied before griddepcontrol.wait, so the first ring fill overlaps
-// the q/k/v GEMV. At long context 7B (4 kv heads x 64 splits) and 14B/32B (8 x 32) run 256
-// CTAs, about 2 per SM and ~128 KB in flight per SM; the 2-kv-head models 128 CTAs (2 x 64).
-// At 32k context a CTA streams 256 KB (64 splits) or 512 KB (14B/32B: 32 splits); the last
-// CTA's merge then reads nsplit x kGroupRatio x (kHeadDim + 2) fp32 from L2 (233 KB for 7B).
+// consumer waited out a full load latency per page: 1.42 TB/s at 32k context on the H200; 8
+// stages: 1.65-1.70 TB/s). One page per stage because (a) a 16-token page is exactly one
+// m16n8k16 key tile, so a consumer warp owns whole stages and never synchronizes with the
+// other consumers inside the loop, and (b) small stages refill at a finer grain than big ones
+// for the same bytes. The pages before the current token's are copied before
+// griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV (whole decode step on the
+// H200, against waiting first: 2.44 -> 2.42 ms at 513 tokens of context, 2.86 -> 2.79 ms at
+// 8193; tools/kernel_tune.py step). At long context 7B (4 kv heads x 64 splits) and 14B/32B
+// (8 x 32) run 256 CTAs, about 2 per SM and ~128 KB in flight per SM; the 2-kv-head models 128
+// CTAs (2 x 64). At 32k context a CTA streams 256 KB (64 splits) or 512 KB (14B/32B: 32
+// splits); the last CTA's merge then reads nsplit x kGroupRatio x (kHeadDim + 2) fp32 from L2
+// (233 KB for 7B). Still short of the bus at 32k (1.7 TB/s): the consumers' per-page work
+// (16 + 16 mma.sync, ldmatrix, online softmax) is the suspect, not yet profiled.
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
@@ -70,7 +75,6 @@ constexpr int kAttnWarps = kAttnConsumers + 1;
 constexpr int kAttnThreads = kAttnWarps * kWarp;  // 160 (kernels.py ATTN_THREADS)
 // kAttnStages (ring depth, one page per stage) comes from the generated header: the launch
 // passes the ring as dynamic shared memory (kernels.py computes the same size).
-constexpr int kAttnEarly = 1;  // 1: copy pages before griddepcontrol.wait; 0: wait first
 constexpr int kAttnMinPages = 8;                  // a split owns at least this many pages
 constexpr int kAttnRowH = kHeadDim + 8;           // padded shared row, in halves
 constexpr int kAttnTileH = kPageTokens * kAttnRowH;  // one page of K (or V) in shared memory
@@ -197,7 +201,6 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   // Before griddepcontrol.wait: pos (written by the sampler, a step ago) and the page table are
   // not written by the preceding kernel, nor are the K/V pages before the current token's; q
   // and the current token's K/V row are (the q/k/v GEMV), so they are read after the wait.
-  if (!kAttnEarly) pdl_wait();
   pdl_trigger();
   const int L = *pos + 1;
   const int P = (L + kPageTokens - 1) / kPageTokens;
@@ -221,7 +224,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     // Page ids 32 at a time, one batch ahead, so no page-table load sits on the issue path.
     int cur = pb + lane < pe ? pages[pb + lane] : 0;
     int nxt = pb + 32 + lane < pe ? pages[pb + 32 + lane] : 0;
-    bool waited = !kAttnEarly;
+    bool waited = false;
     for (int i = 0; i < npages; ++i) {
       // Pages of earlier tokens fill the ring before the wait (they overlap the q/k/v GEMV's
       // tail); the page holding token L - 1, and anything needing a freed slot, after it.
@@ -247,7 +250,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     }
   } else {
     // ---- consumer warps.
-    if (kAttnEarly) pdl_wait();  // q comes from the q/k/v GEMV
+    pdl_wait();  // q comes from the q/k/v GEMV
     const float scale = kLog2e * rsqrtf((float)D);
     uint32_t qa[kAttnDK][2];  // A fragment {a0, a2} per k-step; a1 = a3 = 0 (rows 8..15)
     {
