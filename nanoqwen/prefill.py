@@ -120,11 +120,14 @@ def wgmma_variant(bt: int, stages: int, swiglu: bool, tflops: float) -> GemmVari
 # 128 rows, 6 stages (121 KiB): qkv 154, o 176, gate_up 370, down 314; 256 tokens, 4 stages
 # (145 KiB; half the dequantization per flop, but SMs idle at M = 512): qkv 180, o 137,
 # gate_up 404, down 219 (cuBLAS fp16 on the same shapes: 307, 269, 592, 548). The rates
-# below are those measurements (down's for the plain kind, gate_up's for SwiGLU); the picker
-# then takes 128 tokens for qkv/o/down and 256 for gate_up: 18.5 ms TTFT at 512 tokens.
-MMA_VARIANTS = (
-    GemmVariant(64, 128, 64, 32, 4, 1, False),
-    GemmVariant(64, 128, 64, 32, 4, 1, True),
+# below are those measurements (down's for the plain kind, gate_up's for SwiGLU). With them
+# the picker takes 128 tokens for every 7B shape at M = 512 (TTFT 19.0 ms, `nanoqwen bench`);
+# alone, 256 is faster on qkv and gate_up (above: ~1.3 ms of the 19 over 28 layers), which
+# the rates do not capture (one rate per variant, wave count from the occupancy) - a pick by
+# measured time per (shape, M) is the next step.
+MMA_VARIANTS = (  # rates: the measured middle of qkv/o/down (154-217) and gate_up (247-256)
+    GemmVariant(64, 128, 64, 32, 4, 1, False, tflops=180.0),
+    GemmVariant(64, 128, 64, 32, 4, 1, True, tflops=250.0),
 )
 WGMMA_VARIANTS = (
     wgmma_variant(128, 6, False, 314.0),

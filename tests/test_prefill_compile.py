@@ -301,7 +301,9 @@ def test_pick_gemm_prefers_wgmma_and_falls_back(m):
     on, off = _fake_kernels(GEMM_VARIANTS), _fake_kernels(GEMM_VARIANTS, use_wgmma=False)
     for n, k, swiglu in shapes:
         v = on.pick_gemm(m, n, swiglu, k)
-        assert v.kind == "wgmma" and v.swiglu == swiglu and v.fits(n, k)
+        assert v.swiglu == swiglu and v.fits(n, k)
+        if m in (512, 4096):  # whole waves of wgmma tiles: the tensor-core kernel wins
+            assert v.kind == "wgmma"
         assert off.pick_gemm(m, n, swiglu, k) in MMA_VARIANTS
     mma_only = _fake_kernels(MMA_VARIANTS)
     assert mma_only.pick_gemm(m, 4608, False, 3584).kind == "mma"

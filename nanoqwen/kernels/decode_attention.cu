@@ -68,7 +68,7 @@
 // shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps, then the
 // split logic above. Every thread of a CTA reaches every __syncthreads: the only early exits
 // (empty split, nsplit == 1 done, not the last CTA) are uniform over the CTA.
-#include "decode_common.cuh"
+#include "common.cuh"
 
 constexpr int kAttnConsumers = 4;                 // consumer warps 0..3; warp 4 produces
 constexpr int kAttnWarps = kAttnConsumers + 1;
@@ -106,10 +106,7 @@ constexpr int kAttnScrFloats =
     kAttnScrO + 2 * kAttnConsumers * kGroupRatio + kGroupRatio * kAttnSplits;
 static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
 
-namespace attn {  // helpers local to this file (decode_common.cuh is shared)
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -163,11 +160,6 @@ __device__ __forceinline__ void mma_top(float& c0, float& c1, uint32_t a0, uint3
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
         "f"(0.f));
 }
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  uint32_t d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
 // 2^x; ex2.approx(-inf) = +0, which the masking and empty-state logic rely on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -187,12 +179,12 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
 
   const int kvh = blockIdx.x, split = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
-  const uint32_t ring_s = attn::smem_u32(ring);
+  const uint32_t ring_s = smem_addr(ring);
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kAttnStages; ++s) {
-      attn::mbar_init(attn::smem_u32(&full_bar[s]), 1);   // the producer's arrive.expect_tx
-      attn::mbar_init(attn::smem_u32(&empty_bar[s]), 1);  // the consuming warp's one arrive
+      attn::mbar_init(smem_addr(&full_bar[s]), 1);   // the producer's arrive.expect_tx
+      attn::mbar_init(smem_addr(&empty_bar[s]), 1);  // the consuming warp's one arrive
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -241,8 +233,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       }
       const int phys = __shfl_sync(0xffffffffu, cur, i % 32);
       const int slot = i % kAttnStages, round = i / kAttnStages;
-      if (round > 0) attn::mbar_wait(attn::smem_u32(&empty_bar[slot]), (round - 1) & 1);
-      const uint32_t full = attn::smem_u32(&full_bar[slot]);
+      if (round > 0) attn::mbar_wait(smem_addr(&empty_bar[slot]), (round - 1) & 1);
+      const uint32_t full = smem_addr(&full_bar[slot]);
       if (lane == 0) attn::mbar_arrive_expect_tx(full, kAttnStageTx);
       __syncwarp();
       attn::bulk_g2s(dst_base + slot * kAttnStageH * 2,
@@ -266,7 +258,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     const uint32_t v_off = ((lane & 15) * kAttnRowH + (lane >> 4) * 8) * 2;  // + 16dp cols
     for (int i = warp; i < npages; i += kAttnConsumers) {
       const int slot = i % kAttnStages;
-      attn::mbar_wait(attn::smem_u32(&full_bar[slot]), (i / kAttnStages) & 1);
+      attn::mbar_wait(smem_addr(&full_bar[slot]), (i / kAttnStages) & 1);
       const uint32_t k_s = ring_s + slot * kAttnStageH * 2, v_s = k_s + kAttnTileH * 2;
 
       // S = Q K^T for keys j * 8 + 2c + e (j = key tile 0/1), row r.
@@ -312,8 +304,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       }
       // O += P V: the score accumulators of key tiles 0, 1 are the A fragment {a0, a2} of the
       // single k-step over the page's 16 keys.
-      const uint32_t pa0 = attn::pack_half2(s[0][0], s[0][1]);
-      const uint32_t pa2 = attn::pack_half2(s[1][0], s[1][1]);
+      const uint32_t pa0 = pack_half2(s[0][0], s[0][1]);
+      const uint32_t pa2 = pack_half2(s[1][0], s[1][1]);
 #pragma unroll
       for (int dp = 0; dp < kAttnDK; ++dp) {
         uint32_t b[4];
@@ -322,7 +314,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
         attn::mma_top(o[2 * dp + 1][0], o[2 * dp + 1][1], pa0, pa2, b[2], b[3]);
       }
       __syncwarp();  // every lane's ldmatrix of this slot is done
-      if (lane == 0) attn::mbar_arrive(attn::smem_u32(&empty_bar[slot]));
+      if (lane == 0) attn::mbar_arrive(smem_addr(&empty_bar[slot]));
     }
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);

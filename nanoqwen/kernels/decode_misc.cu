@@ -6,7 +6,7 @@
 // lm_head_argmax logits = W_lm @ rmsnorm(x) (fp32) and a 64-bit atomicMax of (logit, -id)
 // sample_finish  picks the token (greedy or temperature/top-k/top-p), advances the decode
 //                state on the device, writes the ring buffers, sets the while-loop condition
-#include "decode_common.cuh"
+#include "common.cuh"
 // From cuda_device_runtime_api.h (declared here: that header drags in host-only internals
 // under NVRTC). Sets a graph conditional node's value from device code.
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);

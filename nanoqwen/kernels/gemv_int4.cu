@@ -47,7 +47,7 @@
 //             only the row each thread loads changes). v rows keep their order.
 //   kResidual (o_proj, down_proj)  out[n] += dot (in place: the residual stream)
 //   kSwiGLU   (fused gate/up)      out[n] = silu(dot_gate) * dot_up
-#include "decode_common.cuh"
+#include "common.cuh"
 
 constexpr int kTcWarps = 4;
 constexpr int kTcThreads = kTcWarps * kWarp;
@@ -66,14 +66,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
@@ -217,8 +209,8 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         // mma 2q: pairs 0 (k 2t..) and 1 (k 2t+8..); mma 2q+1: pairs 2 and 3.
         const uint32_t a0[4] = {h2u(pa[0]), h2u(pb[0]), h2u(pa[1]), h2u(pb[1])};
         const uint32_t a1[4] = {h2u(pa[2]), h2u(pb[2]), h2u(pa[3]), h2u(pb[3])};
-        mma16816(d, a0, xv.x, xv.y);
-        mma16816(d, a1, xv.z, xv.w);
+        mma_16816(d, a0, xv.x, xv.y);
+        mma_16816(d, a1, xv.z, xv.w);
       }
       accA = fmaf(cur.sa[u], d[0], accA);  // D[g][0]: meaningful in threads t == 0
       accB = fmaf(cur.sb[u], d[3], accB);  // D[g+8][1]

@@ -25,6 +25,7 @@
 
 #ifndef NANOQWEN_PREFILL_ATTENTION_CU
 #define NANOQWEN_PREFILL_ATTENTION_CU
+#include "common.cuh"
 
 namespace nanoqwen_prefill_attention {
 
@@ -33,7 +34,6 @@ constexpr int kTileK = 64;   // keys per K/V tile
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kPad = 8;      // halves of padding per shared row (16 bytes; see above)
-constexpr float kLog2e = 1.4426950408889634f;
 static_assert(kTileQ == kWarps * 16, "each warp owns one m16 slice of the query tile");
 
 template <int D>
@@ -45,43 +45,7 @@ struct Layout {
   static constexpr int kUnitsPerRow = D / 8;          // 16-byte units per row
 };
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }  // no math.h
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void mma_16816(float c[4], const unsigned a[4], unsigned b0,
-                                          unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  unsigned d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
 
 // Copy 64 token rows of one head (row stride `stride` halves) into a padded shared tile;
 // tokens >= T are zero-filled (masked later, never stored).

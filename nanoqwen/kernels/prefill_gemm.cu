@@ -44,10 +44,9 @@
 
 #ifndef NANOQWEN_PREFILL_GEMM_CU
 #define NANOQWEN_PREFILL_GEMM_CU
+#include "common.cuh"
 
 namespace nanoqwen_prefill_gemm {
-
-typedef unsigned short half_t;  // fp16 bits; no cuda_fp16.h (NVRTC has no headers here)
 
 constexpr int kGroup = 128;          // INT4 group along K = the k-tile (one scale per tile)
 constexpr int kBK = kGroup;          // K elements per k-tile
@@ -66,31 +65,6 @@ constexpr unsigned kLoBias = 0x64086408u;   // fp16 1032: (1024 + v + 8) - 1032 
 constexpr unsigned kSixteenth = 0x2C002C00u;  // fp16 1/16
 constexpr unsigned kHiBias = 0xD480D480u;     // fp16 -72: (1024 + 16 (v + 8)) / 16 - 72 = v
 
-__device__ __forceinline__ unsigned hsub2(unsigned a, unsigned b) {
-  unsigned d;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) {
-  unsigned d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ unsigned hfma2(unsigned a, unsigned b, unsigned c) {
-  unsigned d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-__device__ __forceinline__ float half_to_float(half_t h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  unsigned d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
 
 // One ValueShuffle word (8 int4 lanes) times its row's scale -> 4 fp16x2 B-fragment registers:
 // out[i] = (v(2i), v(2i+1)) * scale, rounded once to fp16 (the reference rounds the same way).
@@ -106,28 +80,8 @@ __device__ __forceinline__ void dequant_word(unsigned w, unsigned scale2, unsign
   out[3] = hmul2(hfma2(p3, kSixteenth, kHiBias), scale2);
 }
 
-__device__ __forceinline__ void mma_16816(float c[4], const unsigned a[4], unsigned b0,
-                                          unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 // 16-byte async copy; src_bytes = 0 zero-fills the destination (rows past M).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 
 // A tiles are stored as BM rows x 16 units of 16 bytes. A warp's 16-byte fragment load reads,
 // per 8-lane phase, rows r and r+1 (r even) at units 4t + w, t = 0..3: without a swizzle units

@@ -51,10 +51,9 @@
 
 #ifndef NANOQWEN_PREFILL_GEMM_WGMMA_CU
 #define NANOQWEN_PREFILL_GEMM_WGMMA_CU
+#include "common.cuh"
 
 namespace nanoqwen_wgmma {
-
-typedef unsigned short half_t;
 
 constexpr int kBK = 64;             // K per k-tile: one 128-byte swizzle row of fp16
 constexpr int kGroup = 128;         // INT4 group along K: two k-tiles share a scale
@@ -100,29 +99,6 @@ constexpr int smem_bytes() {
          2 * STAGES * 8;
 }
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ unsigned hsub2(unsigned a, unsigned b) {
-  unsigned d;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ unsigned hmul2(unsigned a, unsigned b) {
-  unsigned d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ float half_to_float(half_t h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  unsigned d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
 // Nibble pair (shift = 4i) of a ValueShuffle word -> fp16x2 (v(2i), v(2i+1)) * scale, one
 // rounding (the subtraction is exact), as prefill_gemm.cu and the reference.
 __device__ __forceinline__ unsigned dequant_pair(unsigned w, unsigned shift, unsigned scale2) {
@@ -310,7 +286,7 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Align the ring to 1024 bytes (the 128-byte swizzle repeats every 8 rows of 128 bytes).
-  const unsigned raw = smem_u32(smem_raw);
+  const unsigned raw = smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;
   unsigned char* const base_ptr = smem_raw + (base - raw);
   constexpr int kMain = L::kRingBytes > St::kBytes ? L::kRingBytes : St::kBytes;
