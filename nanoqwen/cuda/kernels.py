@@ -49,7 +49,7 @@ _I32 = np.int32
 
 @dataclass(frozen=True)
 class Launch:
-    """One recorded kernel launch: `label` names the op ("gemv gate_up", "attention split"),
+    """One recorded kernel launch: `label` names the op ("gemv gate_up", "attention"),
     `nbytes` is what it must read from memory at minimum (0 where that depends on device state,
     e.g. attention over the current context)."""
 
@@ -89,12 +89,8 @@ class DecodeKernels:
         self._attn_smem = jit.ATTN_STAGES * 2 * jit.PAGE_TOKENS * (d + 8) * 2
         gpu.set_max_dynamic_smem(self._attn, self._attn_smem)
         if SMEM_CARVEOUT >= 0:  # one carveout for the step's kernels: no SM drains between them
-            for kern in [k for k, *_ in self._gemv.values()] + [
-                self._embed,
-                self._lm,
-                self._sample,
-                self._attn,
-            ]:
+            step = [k for k, *_ in self._gemv.values()]
+            for kern in step + [self._embed, self._lm, self._sample, self._attn]:
                 gpu.set_smem_carveout(kern, SMEM_CARVEOUT)
         self._lm_ctas = self._resident(self._lm, LM_THREADS)
         self.trace: list[Launch] | None = None  # set to a list to record every launch
@@ -111,23 +107,14 @@ class DecodeKernels:
         self.gpu.launch(kernel, grid, block, *args, smem=smem, pdl=self.pdl, stream=stream)
 
     def replay(self, launch: Launch, stream=None) -> None:
-        """Launch a recorded `Launch` again (bench --kernels times each one alone)."""
+        """Launch a recorded `Launch` again (bench --kernels times the step's launches)."""
         self.gpu.launch(launch.kernel, launch.grid, launch.block, *launch.args, smem=launch.smem,
                         pdl=self.pdl, stream=stream)  # fmt: skip
 
     def embed(self, ids: int, embed: int, x: int, T: int, stream=None) -> None:
         """ids int32 [T] (device); embed fp16 [V, H]; x fp16 [T, H] = embed[ids]."""
-        self._go(
-            self._embed,
-            (T, 1, 1),
-            MISC_THREADS,
-            ids,
-            embed,
-            x,
-            stream=stream,
-            label="embed",
-            nbytes=T * self.config.hidden_size * 2,
-        )
+        self._go(self._embed, (T, 1, 1), MISC_THREADS, ids, embed, x, stream=stream,
+                 label="embed", nbytes=T * self.config.hidden_size * 2)  # fmt: skip
 
     def rmsnorm(self, x: int, w: int, y: int, T: int, stream=None) -> None:
         """x fp16 [T, H]; w fp16 [H]; y fp16 [T, H] = x * rsqrt(mean(x^2) + eps) * w."""
