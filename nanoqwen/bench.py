@@ -146,27 +146,6 @@ def save(res: dict, path: str) -> None:
 
 
 # -- bench --kernels ----------------------------------------------------------------------------
-def context_bytes(labels, nbytes, per_layer: int) -> list[int]:
-    """Fill in the K/V bytes of attention launches. A launch whose bytes depend on the context
-    records 0; each maximal run of consecutive launches labelled "*attention*" is one layer's
-    attention, which reads the layer's K and V over the context once: its first launch gets
-    `per_layer` bytes (L * kv_size * 2 tensors * 2 bytes), unless the run already has bytes.
-    Other launches keep theirs (0 = unknown)."""
-    out = [int(n) for n in nbytes]
-    i = 0
-    while i < len(out):
-        if "attention" not in labels[i]:
-            i += 1
-            continue
-        j = i
-        while j < len(out) and "attention" in labels[j]:
-            j += 1
-        if not any(out[i:j]):
-            out[i] = per_layer
-        i = j
-    return out
-
-
 def _row(label, count, seconds, nbytes, step_s) -> dict:
     return {
         "label": label,
@@ -292,7 +271,7 @@ def kernel_breakdown(engine, pos: int, reps: int = 20, timed: int = 5) -> dict:
     """
     from .cuda.kernels import S_MAX_NEW, S_POS, S_TOKEN, STATE_WORDS
 
-    cfg, k, gpu = engine.config, engine.k, engine.gpu
+    k, gpu = engine.k, engine.gpu
     reps = max(1, min(reps, engine.max_context - 1))
     pos = max(0, min(pos, engine.max_context - 1 - reps))
     st = np.zeros(STATE_WORDS, np.int32)
@@ -327,9 +306,9 @@ def kernel_breakdown(engine, pos: int, reps: int = 20, timed: int = 5) -> dict:
     step_s = time_graph(gpu, lambda s: engine._step(s), reps, timed, reset)
     reset()
     gpu.sync("bench --kernels")
-    labels = [ln.label for ln in trace]
-    nbytes = context_bytes(labels, [ln.nbytes for ln in trace], (pos + 1) * cfg.kv_size * 2 * 2)
-    res = aggregate_kernels(list(zip(labels, seconds, nbytes, strict=True)), step_s)
+    timed = [(ln.label, t, ln.nbytes + ln.per_token * (pos + 1))
+             for ln, t in zip(trace, seconds, strict=True)]  # fmt: skip
+    res = aggregate_kernels(timed, step_s)
     res.update(pos=pos, context=pos + 1, reps=reps, timed=timed, pdl=bool(k.pdl))
     return res
 

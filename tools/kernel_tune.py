@@ -15,7 +15,7 @@ Each variant is the shipped source with `constexpr int NAME = V;` lines replaced
 through nanoqwen.cuda.jit. It is first checked against the shipped kernel on layer 0 (max
 relative difference of the outputs, printed as err), then timed: one CUDA graph runs the kernel
 over every layer's own weights or KV cache (nothing is served from L2, as in the decode step),
-`--reps` times; the median of 3 graph launches / launches is microseconds per launch.
+`--reps` times; the median of 5 graph launches / launches is microseconds per launch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import sys
 
 import numpy as np
 
+from nanoqwen.bench import time_graph
 from nanoqwen.cuda import jit
 from nanoqwen.cuda.kernels import ATTN_THREADS, GEMV_THREADS, S_POS, STATE_WORDS
 from nanoqwen.engine import CudaBackend
@@ -45,14 +46,13 @@ def variant_source(path, values: dict[str, int]) -> str:
 
 def graph_us(gpu, kernel, grid, threads, arg_sets, reps: int, smem: int = 0) -> float:
     """Microseconds per launch of `kernel` over `arg_sets` (one launch each, PDL), in one
-    graph repeated `reps` times."""
-    gb = gpu.stream.create_graph_builder().begin_building()
-    for _ in range(reps):
+    graph repeated `reps` times (bench.time_graph: events, median of its timed launches)."""
+
+    def body(stream) -> None:
         for a in arg_sets:
-            gpu.launch(kernel, grid, threads, *a, smem=smem, pdl=True, stream=gb)
-    graph = gb.end_building().complete()
-    graph.upload(gpu.stream)
-    return graph_us_of(gpu, graph) / (reps * len(arg_sets))
+            gpu.launch(kernel, grid, threads, *a, smem=smem, pdl=True, stream=stream)
+
+    return 1e6 * time_graph(gpu, body, reps) / len(arg_sets)
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -198,30 +198,10 @@ def tune_step(e, variants, args) -> list[dict]:
                 jit.KERNEL_DIR, kmod.SMEM_CARVEOUT = shipped, shipped_carveout
         for ctx in args.context:
             set_pos(e, ctx - 1)
-            gb = e.gpu.stream.create_graph_builder().begin_building()
-            for _ in range(args.reps):
-                e._step(gb, sample=False)
-            graph = gb.end_building().complete()
-            graph.upload(e.gpu.stream)
-            us = graph_us_of(e.gpu, graph) / args.reps
+            us = 1e6 * time_graph(e.gpu, lambda stream: e._step(stream, sample=False), args.reps)
             rows.append(dict(kernel="step", **values, context=ctx, us=us))
             print(f"step {values or 'shipped'} ctx {ctx:6}  {us:8.1f} us", flush=True)
     return rows
-
-
-def graph_us_of(gpu, graph) -> float:
-    """Median microseconds of 3 launches of `graph` after one warm-up."""
-    from cuda.core import EventOptions
-
-    graph.launch(gpu.stream)
-    opts, times = EventOptions(timing_enabled=True), []
-    for _ in range(3):
-        e0 = gpu.stream.record(options=opts)
-        graph.launch(gpu.stream)
-        e1 = gpu.stream.record(options=opts)
-        e1.sync()
-        times.append((e1 - e0) * 1e3)
-    return float(np.median(times))
 
 
 def main() -> int:

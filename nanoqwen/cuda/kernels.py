@@ -49,9 +49,9 @@ _I32 = np.int32
 
 @dataclass(frozen=True)
 class Launch:
-    """One recorded kernel launch: `label` names the op ("gemv gate_up", "attention"),
-    `nbytes` is what it must read from memory at minimum (0 where that depends on device state,
-    e.g. attention over the current context)."""
+    """One recorded kernel launch: `label` names the op ("gemv gate_up", "attention"); what it
+    must read from memory at minimum is `nbytes` + `per_token` x the context length (attention
+    reads every cached token's K and V; the length lives on the device)."""
 
     label: str
     kernel: object
@@ -59,6 +59,7 @@ class Launch:
     block: int
     args: tuple
     nbytes: int
+    per_token: int = 0  # bytes per token of context
     smem: int = 0  # dynamic shared memory bytes
 
 
@@ -101,9 +102,11 @@ class DecodeKernels:
         per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
         return max(1, min(per_sm, CTAS_PER_SM)) * self.gpu.num_sms
 
-    def _go(self, kernel, grid, block, *args, stream=None, label="", nbytes=0, smem=0) -> None:
+    def _go(self, kernel, grid, block, *args, stream=None, label="", nbytes=0, per_token=0,
+            smem=0) -> None:  # fmt: skip
         if self.trace is not None:
-            self.trace.append(Launch(label or "?", kernel, grid, block, args, nbytes, smem))
+            self.trace.append(Launch(label or "?", kernel, grid, block, args, nbytes, per_token,
+                                     smem))  # fmt: skip
         self.gpu.launch(kernel, grid, block, *args, smem=smem, pdl=self.pdl, stream=stream)
 
     def replay(self, launch: Launch, stream=None) -> None:
@@ -174,7 +177,7 @@ class DecodeKernels:
         splits = max(1, min(jit.ATTN_SPLITS, ATTN_CTAS // c.num_kv_heads))  # fixed per model
         self._go(self._attn, (c.num_kv_heads, splits, 1), ATTN_THREADS, q, kc, vc, pages, pos,
                  part_ml, part_acc, counters, out, stream=stream, label="attention",
-                 smem=self._attn_smem)  # fmt: skip
+                 per_token=c.kv_size * 2 * 2, smem=self._attn_smem)  # fmt: skip
 
     def lm_head(self, x, norm_w, w, logits, key, stream=None, rows: int | None = None) -> None:
         """x fp16 [H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H]; logits fp32 [V];

@@ -171,26 +171,6 @@ template <int N>
 struct Wgmma;
 
 template <>
-struct Wgmma<64> {
-  __device__ __forceinline__ static void mma(float (&d)[32], const unsigned (&a)[4],
-                                             unsigned long long desc) {
-    asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-  }
-};
-
-template <>
 struct Wgmma<128> {
   __device__ __forceinline__ static void mma(float (&d)[64], const unsigned (&a)[4],
                                              unsigned long long desc) {
@@ -281,7 +261,7 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
   constexpr int kAcc = BT / 2;
-  static_assert(BT == 64 || BT == 128 || BT == 256, "BT: 64, 128 or 256 tokens");
+  static_assert(BT == 128 || BT == 256, "BT: 128 or 256 tokens (the timed and checked tiles)");
   static_assert(STAGES >= 2, "the ring needs two stages");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
