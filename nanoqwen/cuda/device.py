@@ -36,6 +36,7 @@ from ..errors import DeviceError
 
 SM90 = (9, 0)
 STAGING_BYTES = 64 << 20  # pinned host buffer for uploads: 64 MiB chunks keep PCIe busy
+ALLOC_SLACK = 16  # readable bytes every allocation keeps past its end (Gpu.alloc)
 # Errors after which the CUDA context is unusable (the driver's "sticky" errors).
 STICKY_ERRORS = (
     "ILLEGAL_ADDRESS",
@@ -183,9 +184,11 @@ class Gpu:
 
     # -- memory -------------------------------------------------------------------------------
     def alloc(self, nbytes: int, what: str) -> DeviceArray:
-        """Device memory of `nbytes` (rounded up to 256 bytes), owned by this Gpu."""
+        """Device memory of `nbytes`, owned by this Gpu: rounded up to 256 bytes with at least
+        ALLOC_SLACK bytes past `nbytes` (a bulk copy of 16-byte units may read up to 14 bytes
+        past a tensor's end: gemv_int4.cu's scale copies)."""
         self.ensure_ok()
-        size = max(256, (int(nbytes) + 255) // 256 * 256)
+        size = (int(nbytes) + ALLOC_SLACK + 255) // 256 * 256
         try:
             buf = self.device.allocate(size, stream=self.stream)
         except Exception as exc:

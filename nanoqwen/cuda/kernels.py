@@ -21,16 +21,19 @@ from ..config import ModelConfig
 from . import jit
 from .device import Gpu
 
-GEMV_THREADS = 128  # kTcThreads (gemv_int4.cu)
-GEMV_ROWS = 8  # kTcRows: output rows per tile
+GEMV_THREADS = 288  # kGvThreads (gemv_int4.cu): 8 consumer warps + 1 producer warp
+# Dynamic shared memory per GEMV CTA: the bulk-copy ring takes what x and the per-pair sums
+# leave (7B: 8 stages of 7.4 KB for q/k/v and o, 6 of 14.5 KB for gate/up, 3 of 19 KB for
+# down); two CTAs per SM (GEMV_CTAS_PER_SM). Whole step on the H200 at 513 tokens
+# (tools/kernel_tune.py step): one CTA per SM, leaving room for the next kernel's CTA to stream
+# its first weights early, 2.68 ms; two: 2.05 ms.
+GEMV_SMEM = 110 * 1024
+GEMV_CTAS_PER_SM = 2
 # One shared-memory carveout for every kernel of the decode step, so no SM drains to reconfigure
-# between overlapping (PDL) kernels: percent of 228 KB; 71 -> the 164 KB configuration (down's
-# 4 x 38 KB, attention's 2 x 68 KB) and 92 KB of L1 left for the GEMVs' scale loads. Whole
-# step on the H200 at 513 (8193) tokens of context, tools/kernel_tune.py step: the driver's
-# per-kernel choice (-1) 2.35 (2.69) ms, 25%: 2.71, 50%: 2.25 (2.77), 71%: 2.12 (2.34),
-# 86% and 100%: 2.52 (2.71; the GEMVs slow down with little L1).
-SMEM_CARVEOUT = 71
-CTAS_PER_SM = 4  # persistent grids (GEMVs, lm_head): at most this many CTAs per SM
+# between overlapping (PDL) kernels: percent of 228 KB; 100 -> two GEMV CTAs per SM (the
+# register-fed GEMV before them preferred 71: it needed L1 for its scale loads).
+SMEM_CARVEOUT = 100
+CTAS_PER_SM = 4  # lm_head's persistent grid: at most this many CTAs per SM
 MISC_THREADS = 256  # kMiscThreads (decode_misc.cu)
 LM_THREADS = 128  # kLmWarps * 32
 LM_ROWS = 2  # kLmRows
@@ -69,15 +72,17 @@ class DecodeKernels:
         h, i = config.hidden_size, config.intermediate_size
         mods = jit.compile_decode(config)
         g = mods["gemv_int4.cu"]
-        self._gemv = {  # kind -> (kernel, K, weight rows per output feature, max CTAs)
-            kind: (kern, k, per, self._resident(kern, GEMV_THREADS))
-            for kind, kern, k, per in (
-                ("qkv", g.kernel(f"gemv_int4<{h}, true, 0>"), h, 1),
-                ("o", g.kernel(f"gemv_int4<{h}, false, 1>"), h, 1),
-                ("gate_up", g.kernel(f"gemv_int4<{h}, true, 2>"), h, 2),
-                ("down", g.kernel(f"gemv_int4<{i}, false, 1>"), i, 1),
-            )
-        }
+        self._gemv = {}  # kind -> (kernel, K, weight rows per output feature, max CTAs)
+        for kind, name, k, per in (
+            ("qkv", f"gemv_int4<{h}, true, 0>", h, 1),
+            ("o", f"gemv_int4<{h}, false, 1>", h, 1),
+            ("gate_up", f"gemv_int4<{h}, true, 2>", h, 2),
+            ("down", f"gemv_int4<{i}, false, 1>", i, 1),
+        ):
+            kern = g.kernel(name)
+            gpu.set_max_dynamic_smem(kern, GEMV_SMEM)
+            ctas = min(GEMV_CTAS_PER_SM, self._per_sm(kern, GEMV_THREADS, GEMV_SMEM)) * gpu.num_sms
+            self._gemv[kind] = (kern, k, per, ctas)
         m = mods["decode_misc.cu"]
         self._embed = m.kernel("embed_gather")
         self._rmsnorm = m.kernel("rmsnorm_rows")
@@ -90,17 +95,20 @@ class DecodeKernels:
         self._attn_smem = jit.ATTN_STAGES * 2 * jit.PAGE_TOKENS * (d + 8) * 2
         gpu.set_max_dynamic_smem(self._attn, self._attn_smem)
         if SMEM_CARVEOUT >= 0:  # one carveout for the step's kernels: no SM drains between them
-            step = [k for k, *_ in self._gemv.values()]
+            step = [v[0] for v in self._gemv.values()]
             for kern in step + [self._embed, self._lm, self._sample, self._attn]:
                 gpu.set_smem_carveout(kern, SMEM_CARVEOUT)
         self._lm_ctas = self._resident(self._lm, LM_THREADS)
         self.trace: list[Launch] | None = None  # set to a list to record every launch
 
+    @staticmethod
+    def _per_sm(kernel, threads: int, smem: int = 0) -> int:
+        return max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem))
+
     def _resident(self, kernel, threads: int) -> int:
         """CTAs of `kernel` that are resident at once (at most CTAS_PER_SM per SM): the size of
         its persistent grid, so that no CTA waits for a second wave."""
-        per_sm = kernel.occupancy.max_active_blocks_per_multiprocessor(threads, 0)
-        return max(1, min(per_sm, CTAS_PER_SM)) * self.gpu.num_sms
+        return min(self._per_sm(kernel, threads), CTAS_PER_SM) * self.gpu.num_sms
 
     def _go(self, kernel, grid, block, *args, stream=None, label="", nbytes=0, per_token=0,
             smem=0) -> None:  # fmt: skip
@@ -149,10 +157,11 @@ class DecodeKernels:
 
     def _gemv_launch(self, kind, n, stream, *args) -> None:
         kernel, k, per, max_ctas = self._gemv[kind]
-        ctas = min(-(-n // GEMV_ROWS), max_ctas)  # persistent; one tile = 8 output rows
+        pairs = n if per == 2 else -(-n // 2)  # output rows are taken two at a time
         rows = per * n
-        self._go(kernel, (ctas, 1, 1), GEMV_THREADS, *args, stream=stream, label=f"gemv {kind}",
-                 nbytes=rows * k // 2 + rows * (k // 128) * 2)  # fmt: skip
+        self._go(kernel, (min(max_ctas, pairs), 1, 1), GEMV_THREADS, *args, stream=stream,
+                 label=f"gemv {kind}", nbytes=rows * k // 2 + rows * (k // 128) * 2,
+                 smem=GEMV_SMEM)  # fmt: skip
 
     def rope_kv(self, qkv, pos, rope, pages, kc, vc, q, k_out, v_out, T, stream=None) -> None:
         """RoPE + paged K/V write for T tokens at positions *pos .. *pos + T - 1.

@@ -45,6 +45,43 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
+// mbarriers (shared::cta) and Hopper's 1-D bulk async copy (the producer/consumer rings).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Blocks until the phase with the given parity has completed (try_wait may time out: loop).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// 1-D bulk copy global -> shared, completing `bytes` of transactions on mbarrier `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                         uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+// An arrive on `bar` once every cp.async this thread issued so far has landed (.noinc: the
+// barrier's count must include it).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -122,16 +159,21 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 
 // ValueShuffle word -> four half2 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7), exact signed values.
 // Pair i sits in bits (w >> 4i) & 0x000F000F (one nibble per 16-bit half). XOR with 0x0008
-// turns the two's-complement nibble v into v + 8 (0..15); OR-ing exponent 0x6400 makes the half
-// 1024 + (v + 8) exactly; subtracting 1032 leaves v. `lop3` does the mask and both ORs/XORs in
-// one instruction: (x & 0x000F000F) ^ 0x64086408.
+// turns the two's-complement nibble v into u = v + 8 (0..15); OR-ing exponent 0x6400 makes the
+// half 1024 + u exactly; subtracting 1032 leaves v. Pairs 1 and 3 are taken in place (mask
+// 0x00F0 and XOR 0x0080: the half 1024 + 16u) and brought back with one fma (x / 16 - 72), so
+// one shift serves all four pairs. `lop3` does each mask and XOR in one instruction.
 __device__ __forceinline__ void dequant_word(uint32_t w, half2 (&out)[4]) {
-  const half2 bias = __half2half2(__ushort_as_half(0x6408));  // 1032.0
+  const half2 bias = __half2half2(__ushort_as_half(0x6408));   // 1032
+  const half2 inv16 = __half2half2(__ushort_as_half(0x2C00));  // 1/16
+  const half2 bias16 = __half2half2(__ushort_as_half(0xD480)); // -72
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    uint32_t x = w >> (4 * i), r;
-    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(r) : "r"(x), "r"(0x000F000Fu), "r"(0x64086408u));
-    // 0x6a = (a & b) ^ c
-    out[i] = __hsub2(*reinterpret_cast<half2*>(&r), bias);
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t x = i ? w >> 8 : w;
+    uint32_t lo, hi;  // 0x6a = (a & b) ^ c
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(lo) : "r"(x), "r"(0x000F000Fu), "r"(0x64086408u));
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(hi) : "r"(x), "r"(0x00F000F0u), "r"(0x64806480u));
+    out[2 * i] = __hsub2(*reinterpret_cast<half2*>(&lo), bias);
+    out[2 * i + 1] = __hfma2(*reinterpret_cast<half2*>(&hi), inv16, bias16);
   }
 }

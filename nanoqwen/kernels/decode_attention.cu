@@ -107,36 +107,6 @@ constexpr int kAttnScrFloats =
 static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-// Blocks until the phase with the given parity has completed (try_wait may time out: loop).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// 1-D bulk copy global -> shared, completing `bytes` of transactions on mbarrier `bar`.
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
-                                         uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
 __device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -183,8 +153,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < kAttnStages; ++s) {
-      attn::mbar_init(smem_addr(&full_bar[s]), 1);   // the producer's arrive.expect_tx
-      attn::mbar_init(smem_addr(&empty_bar[s]), 1);  // the consuming warp's one arrive
+      mbar_init(smem_addr(&full_bar[s]), 1);   // the producer's arrive.expect_tx
+      mbar_init(smem_addr(&empty_bar[s]), 1);  // the consuming warp's one arrive
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -233,11 +203,11 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       }
       const int phys = __shfl_sync(0xffffffffu, cur, i % 32);
       const int slot = i % kAttnStages, round = i / kAttnStages;
-      if (round > 0) attn::mbar_wait(smem_addr(&empty_bar[slot]), (round - 1) & 1);
+      if (round > 0) mbar_wait(smem_addr(&empty_bar[slot]), (round - 1) & 1);
       const uint32_t full = smem_addr(&full_bar[slot]);
-      if (lane == 0) attn::mbar_arrive_expect_tx(full, kAttnStageTx);
+      if (lane == 0) mbar_arrive_expect_tx(full, kAttnStageTx);
       __syncwarp();
-      attn::bulk_g2s(dst_base + slot * kAttnStageH * 2,
+      bulk_g2s(dst_base + slot * kAttnStageH * 2,
                      src_base + (size_t)phys * kPageTokens * kKVHeads * D, kAttnRowBytes, full);
     }
   } else {
@@ -258,7 +228,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     const uint32_t v_off = ((lane & 15) * kAttnRowH + (lane >> 4) * 8) * 2;  // + 16dp cols
     for (int i = warp; i < npages; i += kAttnConsumers) {
       const int slot = i % kAttnStages;
-      attn::mbar_wait(smem_addr(&full_bar[slot]), (i / kAttnStages) & 1);
+      mbar_wait(smem_addr(&full_bar[slot]), (i / kAttnStages) & 1);
       const uint32_t k_s = ring_s + slot * kAttnStageH * 2, v_s = k_s + kAttnTileH * 2;
 
       // S = Q K^T for keys j * 8 + 2c + e (j = key tile 0/1), row r.
@@ -314,7 +284,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
         attn::mma_top(o[2 * dp + 1][0], o[2 * dp + 1][1], pa0, pa2, b[2], b[3]);
       }
       __syncwarp();  // every lane's ldmatrix of this slot is done
-      if (lane == 0) attn::mbar_arrive(smem_addr(&empty_bar[slot]));
+      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
     }
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);

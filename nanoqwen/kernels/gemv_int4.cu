@@ -1,159 +1,276 @@
-// gemv_int4.cu: batch-1 decode GEMV over INT4 ValueShuffle weights on the tensor cores.
+// gemv_int4.cu: batch-1 decode GEMV over INT4 ValueShuffle weights: whole weight rows stream
+// into shared memory through a few large bulk copies, tensor cores take the dot products.
 //
 //   out = epilogue( dequant(W) @ norm(x) )      fp16 in/out, products exact, fp32 accumulation
 //
 // Why mma for a GEMV: a matrix-vector product is memory-bound, but a SIMT version spends
-// ~2.8 instructions per weight (shift, lop3, hsub2, hfma2, cvt, add) and rounds products to
-// fp16. Here the dequantized half2 pairs go straight into mma.sync.m16n8k16 as the A operand:
-// ~1.6 instructions per weight and fp32-exact products. The 8 B columns are mostly idle
-// (zeros); the tensor cores have throughput to spare. (A SIMT lop3/hfma2 kernel measured the
-// same 2.72 ms/token end to end on the H200; it was dropped to keep one GEMV.)
+// ~2.8 instructions per weight and rounds products to fp16. Here the dequantized half2 pairs go
+// straight into mma.sync.m16n8k16 as the A operand: fp32-exact products, fewer instructions.
 //
-// Mapping (one warp, one mma): the 16 A rows are two 8-row halves.
-//   A rows 0..7  ("A part"): output rows n0..n0+7, group gA of K
-//   A rows 8..15 ("B part"): kResidual / kRope: the same rows, group gB of the other K half
-//                            kSwiGLU: the up rows N+n0..N+n0+7, group gA (gB = gA)
-//   B column 0 holds x at group gA, column 1 x at group gB, columns 2..7 zero. Then
-//   D[g][0] (thread g*4, c0) is the A-part dot and D[g+8][1] (thread g*4, c3) the B-part dot.
-// K order inside a group does not matter for a dot product, so thread t (lane % 4) takes the
-// 16-byte word chunk t of the group (32 nibbles) for both rows it serves, and the logical
-// k indices of the mma fragment (2t, 2t+1, 2t+8, 2t+9) are mapped onto that chunk's pairs; the
-// B fragment supplies x in the same order. One group = 4 threads x 32 = 128 = kGroupSize,
-// so a group's scale multiplies the fresh mma result once (no scale inside the K loop).
+// Pairs. The output rows are taken two at a time: pair p = (row a(p), row b(p)), where a and b
+// each run over consecutive rows as p does (kResidual: p and p + ceil(N/2); kSwiGLU: gate row p
+// and up row N + p; kRope: rows j and j + D/2 of a head, the RoPE partners). A CTA owns a
+// contiguous range of pairs (the pairs split evenly over a persistent grid of two CTAs per SM:
+// at most one pair of imbalance, no cross-CTA reduction) and streams them in stages of up to
+// P consecutive pairs (stage_pairs): all K of rows a(p).. and of rows b(p).., two contiguous runs.
 //
-// Memory pipeline: a CTA (kTcWarps warps) owns 8 output rows at a time (a tile); its warps
-// split the tile's groups and reduce through shared memory. Each warp walks a flat sequence of
-// batches (kTcUnroll groups, 2 x 16 B per thread each) over its tiles and always has the NEXT
-// batch's loads in flight while it computes the current one, across tile boundaries too. The
-// grid is persistent. PDL: the first batch is loaded before griddepcontrol.wait, x is copied to
-// shared memory with cp.async (every copy in flight at once) after it.
+// One mma (a "diagonal" mapping): A rows 0..7 are row a at 8 consecutive groups 8o..8o+7 (one
+// group per A row), A rows 8..15 row b at the same groups, and B column n holds x at group
+// 8o + n. D[m][n] then dots group 8o + m of the weights with group 8o + n of x: only the
+// diagonal D[m][m] (row a) and D[8+m][m] (row b) are wanted, and they sit in lane 4m + m/2 (c0
+// or c1; c2 or c3). K order inside a group does not matter for a dot product, so thread t
+// (lane % 4) takes the 16-byte chunk t of its group (32 nibbles) for A and x alike, and the
+// fragment's k indices (2t, 2t+1, 2t+8, 2t+9) are mapped onto that chunk's pairs. One "item"
+// (pair, octet o) is 8 mma over 2 x 8 groups; a group's scale multiplies its diagonal once.
 //
-// Measured (H200, 2026-11-30, tools/kernel_tune.py over 28 layers' own weights; us per launch,
-// 7B): q/k/v 6.4, o 4.0, gate/up 28 (2.5 TB/s), down 15 (2.3 TB/s); ncu: 4 warps per
-// scheduler, ~0.5 instructions issued per cycle, 45-60% of cycles with no eligible warp, i.e.
-// latency-bound with 64 KB in flight per SM. Tried and dropped: a bulk L2 prefetch of the next
-// tile (slower: 6.4 -> 7.3 us on q/k/v); each warp walking a contiguous K range instead of
-// interleaved groups (same alone, 2.36 -> 2.42 ms for the whole step); dequantization without
-// the hsub2 (the 1032 offset taken off with per-group sums of x: gate/up 28.1 -> 26.7 us but
-// down and q/k/v slower by the sums, and the whole step no better); 8 warps per CTA and 2
-// groups per batch (slower); loading two batches before the wait (156 registers, spills).
-// Next: a shared-memory ring fed by cp.async/TMA so more bytes are in flight per SM.
+// Pipeline: one producer warp issues, per stage, four 1-D cp.async.bulk copies (run a, run b,
+// and their scales: the 16-byte units around them, so a stage row keeps its scales at an
+// offset of 0..7 halves and a copy may read up to 14 bytes past the tensor's end, inside the
+// slack every Gpu.alloc leaves) that land on the stage's "full" mbarrier. Few, large copies:
+// the copy engine pays per copy (32 one-row copies per 16 KB stage ran at ~1.1 TB/s), and
+// bulk copies take uniform operands, so per-lane copies issue one lane at a time. The ring
+// holds as many stages as the launch's dynamic shared memory leaves room for (at most
+// kGvMaxStages); the weights do not depend on the previous kernel, so the producer fills the
+// ring before anyone waits on it. The consumer warps wait (PDL) for x, stage it (RMSNorm-ed
+// if NORM) in shared memory and keep their lanes' x chunks in registers (a warp takes the
+// same octets of every pair), then take every stage: kGvConsumers / P warps per pair,
+// each its own octets, and release it on "empty". The diagonal lanes store their fp32 sums
+// per pair unreduced; the epilogue adds them in a fixed order (deterministic).
+//
+// Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens, through
+// tools/kernel_tune.py step; whole step 2.04 ms): gate/up 23.2 (3.0 TB/s), down 14.6 (2.4 TB/s),
+// q/k/v 6.2, o 5.0. The register-fed design before it (warps loading their own weights, two
+// batches in flight): 28 / 15 / 6.4 / 4.0, step 2.12 ms. On the way: 16 one-row copies per stage
+// (and a stream-K split over groups) 59 us for gate/up; the same fed by a warp of 16-byte
+// cp.async 100 us (one producer warp cannot issue them fast enough); whole-row bulk copies 35
+// us, the consumers then bound by shared-memory traffic (ncu: stalls on the shared-memory loads,
+// DRAM 30% busy; x was read per item, 2 KB of x for 1 KB of weights) until x moved into
+// registers. Next: fewer instructions per weight (the dequantization is half of them).
 //
 // Epilogues:
-//   kRope     (q/k/v projection) + bias, then RoPE on q and k and the K/V write into the
-//             paged cache: the decode step's whole attention prologue. The tile's 8 rows are
-//             4 RoPE pairs: logical row n of a q/k head maps to head row (n/2) + (n%2)*D/2, so
-//             rows j and j + D/2 of a head sit in neighbouring threads (no weight reordering:
-//             only the row each thread loads changes). v rows keep their order.
+//   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
+//             rotation) and the K/V write into the paged cache: the decode step's whole
+//             attention prologue.
 //   kResidual (o_proj, down_proj)  out[n] += dot (in place: the residual stream)
 //   kSwiGLU   (fused gate/up)      out[n] = silu(dot_gate) * dot_up
 #include "common.cuh"
 
-constexpr int kTcWarps = 4;
-constexpr int kTcThreads = kTcWarps * kWarp;
-constexpr int kTcRows = 8;      // output rows per CTA tile (the A part of the mma)
-constexpr int kTcUnroll = 4;    // groups per warp batch (2 x 16 B per thread each)
-constexpr int kChunkElems = 32; // nibbles in one thread's 16-byte word chunk
-static_assert(4 * kChunkElems == kGroupSize, "4 threads x 32 nibbles must cover one group");
-static_assert(kHeadDim % kTcRows == 0, "a tile must not straddle two heads");
+constexpr int kGvConsumers = 8;  // consumer warps; one producer warp more
+constexpr int kGvThreads = (kGvConsumers + 1) * kWarp;
+constexpr int kGvCtasPerSm = 2;  // = GEMV_CTAS_PER_SM: 2 x 9 warps leave 96 registers a thread
+// Weight bytes per stage to aim for (gate/up: twice). Whole-row stages of 7B's K = 3584 on the
+// H200 (us per launch, tools/kernel_tune.py step): q/k/v 6.2 at 8 KB, 7.0 at 16 KB; o 5.0, 5.4;
+// gate/up 26.7 at 8 KB, 23.2 at 16 KB, 23.8 at 32 KB (small launches want the first stage
+// early, the long one fewer, larger copies).
+constexpr int kGvStageTarget = 8192;
+constexpr int kGvMaxStages = 8;
+constexpr int kGroupBytes = kGroupSize / 2;
 
 enum TcEpilogue { kRope = 0, kResidual = 1, kSwiGLU = 2 };
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
-// kRope: weight row of logical output row n (q and k heads pair rows j, j + D/2).
-__device__ __forceinline__ int rope_row(int n) {
-  if (n >= kQSize + kKVSize) return n;
-  const int idx = n % kHeadDim;
-  return n - idx + (idx >> 1) + (idx & 1) * (kHeadDim / 2);
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(kGvConsumers * kWarp) : "memory");
 }
 
-// One warp batch: kTcUnroll groups of the A-part and B-part rows this thread serves.
-struct Batch {
-  uint4 wa[kTcUnroll], wb[kTcUnroll];
-  float sa[kTcUnroll], sb[kTcUnroll];
-};
+// Pairs per stage: a power of two dividing kGvConsumers, about `target` bytes of weights.
+template <int K>
+constexpr int stage_pairs(int target) {
+  int p = 1;
+  while (p < kGvConsumers && 2 * p * K <= target) p *= 2;
+  return p;
+}
 
-// x       fp16   [K]            activations (one token), 16-byte aligned
-// norm_w  fp16   [K]            RMSNorm weight (NORM only; else ignored)
-// qweight uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
-// scales  fp16   [R, K/128]
-// bias    fp16   [N]            kRope only (q | k | v biases)
-// out     fp16   [N]            kResidual: read and written in place (the residual stream);
-//                               kRope: q fp16 [kHeads, kHeadDim] (rotated; only kQSize used)
-// N       int                   output features (kRope: kQKVSize)
+// The dot products of NI items (octets o, o + dO, ...) of one pair, already scaled and summed
+// into accA (row a) / accB (row b) in the diagonal lanes. wa/wb: the pair's rows in the stage;
+// sa/sb: their scales; xr: this lane's x chunk of the group of the warp's first KR items
+// (registers: a warp takes the same octets of every pair), later items read xs4. Per item 8 mma
+// in two independent chains, the items' chains interleaved.
+template <int NI, int KS, int G, int KR>
+__device__ __forceinline__ void pair_items(const unsigned char* wa, const unsigned char* wb,
+                                           const half* sa, const half* sb,
+                                           const uint4 (&xr)[KR][4], const uint4* xs4, int o0,
+                                           int dO, int g, int t4, float& accA, float& accB) {
+  const int o = o0 + KS * dO;  // items KS .. KS + NI - 1 of the warp
+  uint4 a[NI], b[NI];
+  int grp[NI];
+#pragma unroll
+  for (int n = 0; n < NI; ++n) {
+    grp[n] = min(8 * (o + n * dO) + g, G - 1);  // past the row's end: any group, unused
+    a[n] = *reinterpret_cast<const uint4*>(wa + grp[n] * kGroupBytes + t4 * 16);
+    b[n] = *reinterpret_cast<const uint4*>(wb + grp[n] * kGroupBytes + t4 * 16);
+  }
+  float d[NI][2][4] = {};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // word q of the chunk: elements 8q..8q+7
+#pragma unroll
+    for (int n = 0; n < NI; ++n) {
+      const uint4 xv = KS + n < KR ? xr[min(KS + n, KR - 1)][q]
+                                    : xs4[grp[n] * (kGroupSize / 8) + t4 * 4 + q];
+      half2 pa[4], pb[4];
+      dequant_word((&a[n].x)[q], pa);
+      dequant_word((&b[n].x)[q], pb);
+      // pairs 0, 1 (k 2t.., 2t+8..) -> chain 0; pairs 2, 3 -> chain 1
+      const uint32_t a0[4] = {h2u(pa[0]), h2u(pb[0]), h2u(pa[1]), h2u(pb[1])};
+      const uint32_t a1[4] = {h2u(pa[2]), h2u(pb[2]), h2u(pa[3]), h2u(pb[3])};
+      mma_16816(d[n][0], a0, xv.x, xv.y);
+      mma_16816(d[n][1], a1, xv.z, xv.w);
+    }
+  }
+  if (t4 == g / 2) {  // the diagonal lane of group 8o + g: c0 / c2 (g even), c1 / c3 (odd)
+    const bool odd = g & 1;
+#pragma unroll
+    for (int n = 0; n < NI; ++n) {
+      if (8 * (o + n * dO) + g < G) {
+        const float va = odd ? d[n][0][1] + d[n][1][1] : d[n][0][0] + d[n][1][0];
+        const float vb = odd ? d[n][0][3] + d[n][1][3] : d[n][0][2] + d[n][1][2];
+        accA = fmaf(__half2float(sa[grp[n]]), va, accA);
+        accB = fmaf(__half2float(sb[grp[n]]), vb, accB);
+      }
+    }
+  }
+}
+
+// Items KS.. of the warp's nv (its octets o0, o0 + dO, ...), two at a time: few live registers.
+template <int KS, int G, int KX, int KR>
+__device__ __forceinline__ void warp_items(const unsigned char* wa, const unsigned char* wb,
+                                           const half* sa, const half* sb,
+                                           const uint4 (&xr)[KR][4], const uint4* xs4, int nv,
+                                           int o0, int dO, int g, int t4, float& accA,
+                                           float& accB) {
+  if constexpr (KS < KX) {
+    if constexpr (KS + 1 < KX) {
+      if (nv >= KS + 2) {
+        pair_items<2, KS, G, KR>(wa, wb, sa, sb, xr, xs4, o0, dO, g, t4, accA, accB);
+      } else if (nv == KS + 1) {
+        pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, o0, dO, g, t4, accA, accB);
+      }
+    } else if (nv > KS) {
+      pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, o0, dO, g, t4, accA, accB);
+    }
+    warp_items<KS + 2, G, KX, KR>(wa, wb, sa, sb, xr, xs4, nv, o0, dO, g, t4, accA, accB);
+  }
+}
+
+// x        fp16   [K]            activations (one token), 16-byte aligned
+// norm_w   fp16   [K]            RMSNorm weight (NORM only; else ignored)
+// qweight  uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
+// scales   fp16   [R, K/128]
+// bias     fp16   [N]            kRope only (q | k | v biases)
+// out      fp16   [N]            kResidual: read and written in place (the residual stream);
+//                                kRope: q fp16 [kHeads, kHeadDim] (rotated; only kQSize used)
+// N        int                   output features (kRope: kQKVSize)
 // kRope only: pos int32* (the token's position; device memory), rope float2 [max_pos,
 //   kHeadDim/2] (cos, sin), pages int32 [max_pages], kc/vc fp16 [pages, kPageTokens,
 //   kKVHeads, kHeadDim] (this layer's caches). Other epilogues ignore them (pass 0).
+// Grid: at most one CTA per pair (ceil(N/2) pairs; kSwiGLU: N). Dynamic shared memory: the
+// ring, x (K halves) and the per-pair sums; at least two stages must fit.
 template <int K, bool NORM, int EPI>
-__global__ void __launch_bounds__(kTcThreads)
+__global__ void __launch_bounds__(kGvThreads, kGvCtasPerSm)
 gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
-          const uint4* __restrict__ qweight, const half* __restrict__ scales,
+          const unsigned char* __restrict__ qweight, const half* __restrict__ scales,
           const half* __restrict__ bias, half* out, int N, const int* pos,
           const float2* __restrict__ rope, const int* __restrict__ pages, half* kc, half* vc) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
-  constexpr int G = K / kGroupSize;                   // groups per row
-  constexpr int GA = (EPI == kSwiGLU) ? G : (G + 1) / 2;  // iterations (A-part groups)
-  constexpr int GB0 = (EPI == kSwiGLU) ? 0 : GA;      // B part: group = GB0 + i
-  constexpr int kVecs = K / kChunkElems;              // uint4 per row
-  constexpr int kStep = kTcUnroll * kTcWarps;         // iterations a CTA consumes per batch
-  static_assert(K * 2 <= 40 * 1024, "x must fit static shared memory beside the reduction");
-  __shared__ __align__(16) half xs[K];
-  __shared__ float red[kTcWarps][kTcRows][2];
-  __shared__ float nred[kTcWarps];
+  constexpr int G = K / kGroupSize;          // groups per row
+  constexpr int O = (G + 7) / 8;             // octets per row
+  constexpr int P = stage_pairs<K>(EPI == kSwiGLU ? 2 * kGvStageTarget : kGvStageTarget);
+  constexpr int WP = kGvConsumers / P;       // warps per pair
+  constexpr int kRunBytes = P * K / 2;       // one run of P rows
+  constexpr int kScaleBytes = (P * G * 2 + 28 + 15) / 16 * 16;  // + 16-byte alignment
+  constexpr int kStageBytes = (2 * kRunBytes + 2 * kScaleBytes + 127) / 128 * 128;
+  static_assert(EPI != kRope || (kHeadDim / 2) % P == 0, "a stage must not straddle two heads");
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long full_bar[kGvMaxStages], empty_bar[kGvMaxStages];
+  __shared__ float nred[kGvConsumers];
 
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int g = lane / 4, t = lane % 4;
-  const int tiles = (N + kTcRows - 1) / kTcRows;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
+  const int half_n = (N + 1) / 2;  // kResidual: row b(p) = p + half_n
+  const int p0 = (int)((long long)blockIdx.x * pairs / gridDim.x);
+  const int p1 = (int)((long long)(blockIdx.x + 1) * pairs / gridDim.x);
+  const int npairs = p1 - p0;
 
-  // Rows this thread loads for `tile`: A part row n0+g; B part the same row (SwiGLU: N+n0+g).
-  auto load = [&](Batch& b, int tile, int i0) {
-    int n = tile * kTcRows + g;
-    const bool row_ok = n < N;
-    if (EPI == kRope) n = rope_row(n);
-    const int rowA = n, rowB = (EPI == kSwiGLU) ? n + N : n;
-#pragma unroll
-    for (int u = 0; u < kTcUnroll; ++u) {
-      const int i = i0 + u * kTcWarps;  // this warp's u-th iteration of the batch
-      const int gb = GB0 + i;
-      const bool okA = row_ok && i < GA;
-      const bool okB = okA && gb < G;
-      b.wa[u] = okA ? ld_stream(qweight + (size_t)rowA * kVecs + i * 4 + t) : make_uint4(0, 0, 0, 0);
-      b.wb[u] = okB ? ld_stream(qweight + (size_t)rowB * kVecs + gb * 4 + t) : make_uint4(0, 0, 0, 0);
-      b.sa[u] = (okA && t == 0) ? __half2float(scales[(size_t)rowA * G + i]) : 0.f;
-      b.sb[u] = (okB && t == 0) ? __half2float(scales[(size_t)rowB * G + gb]) : 0.f;
-    }
+  unsigned dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  const int red_bytes = npairs * WP * 8 * 2 * 4;
+  const int stages = min(kGvMaxStages, ((int)dyn - K * 2 - red_bytes) / kStageBytes);
+  if (stages < 2) __trap();  // a launch the host must not make
+  half* xs = reinterpret_cast<half*>(smem + stages * kStageBytes);
+  float* red = reinterpret_cast<float*>(xs + K);  // [npairs][WP][8 diagonal lanes][2]
+  const uint32_t ring = smem_addr(smem);
+
+  // Weight rows a(p), b(p); rows past the matrix (kResidual, odd N) are never copied.
+  auto row_a = [&](int p) -> int {
+    if (EPI == kRope) return p / (kHeadDim / 2) * kHeadDim + p % (kHeadDim / 2);
+    return p;
+  };
+  auto row_b = [&](int p) -> int {
+    if (EPI == kRope) return row_a(p) + kHeadDim / 2;
+    return p + (EPI == kSwiGLU ? N : half_n);
+  };
+  // Pairs in the stage starting at pair p.
+  auto stage_len = [&](int p) -> int {
+    const int n = min(P, p1 - p);
+    return EPI == kRope ? min(n, kHeadDim / 2 - p % (kHeadDim / 2)) : n;
   };
 
-  int tile = blockIdx.x, i0 = warp;
-  Batch cur, nxt;
-  if (tile < tiles) load(cur, tile, i0);
-  pdl_wait();
-  pdl_trigger();
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(smem_addr(&full_bar[s]), 1);  // the producer's arrive.expect_tx
+      mbar_init(smem_addr(&empty_bar[s]), kGvConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_trigger();  // the whole grid is resident: the next kernel may launch (and wait)
 
-  // Prologue: x -> shared memory (all copies in flight at once), RMSNorm-ed in place if NORM.
-  {
+  if (warp == kGvConsumers) {
+    // ---- producer warp: weights and scales are constant, nothing to wait for. Lanes 0, 1
+    // copy run a and run b, lanes 2, 3 their scales.
+    int slot = 0, phase = 0;
+    for (int p = p0, i = 0; p < p1; ++i) {
+      const int np = stage_len(p);
+      const int r0 = lane & 1 ? row_b(p) : row_a(p);
+      const int rows = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - r0));
+      const uint32_t st = ring + slot * kStageBytes;
+      const void* src = nullptr;
+      uint32_t dst = 0, bytes = 0;
+      if (lane < 2) {
+        src = qweight + (size_t)r0 * (K / 2);
+        dst = st + lane * kRunBytes;
+        bytes = rows * (K / 2);
+      } else if (lane < 4) {
+        const size_t e0 = ((size_t)r0 * G) & ~(size_t)7;  // 16-byte units
+        src = scales + e0;
+        dst = st + 2 * kRunBytes + (lane - 2) * kScaleBytes;
+        bytes = rows ? (uint32_t)((((size_t)(r0 + rows) * G + 7) & ~(size_t)7) - e0) * 2 : 0;
+      }
+      const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+      if (i >= stages) mbar_wait(smem_addr(&empty_bar[slot]), phase ^ 1);
+      const uint32_t full = smem_addr(&full_bar[slot]);
+      if (lane == 0) mbar_arrive_expect_tx(full, total);
+      __syncwarp();
+      if (bytes) bulk_g2s(dst, src, bytes, full);
+      if (++slot == stages) {
+        slot = 0;
+        phase ^= 1;
+      }
+      p += np;
+    }
+  } else {
+    // ---- consumer warps: x -> shared memory (RMSNorm-ed in place if NORM).
+    pdl_wait();
+    constexpr int kXVecs = K / 8, kCThreads = kGvConsumers * kWarp;
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
     uint4* xs4 = reinterpret_cast<uint4*>(xs);
-    constexpr int kXVecs = K / 8;
-#pragma unroll
-    for (int j = 0; j < (kXVecs + kTcThreads - 1) / kTcThreads; ++j) {
-      const int v = threadIdx.x + j * kTcThreads;
-      if (v < kXVecs) cp_async16(xs4 + v, x4 + v);
-    }
+    for (int v = tid; v < kXVecs; v += kCThreads) cp_async16(xs4 + v, x4 + v);
     cp_async_wait_all();
-    __syncthreads();
+    consumer_sync();
     if (NORM) {
       float ss = 0.f;
-      for (int v = threadIdx.x; v < kXVecs; v += kTcThreads) {
+      for (int v = tid; v < kXVecs; v += kCThreads) {
         const uint4 xv = xs4[v];
         const half2* h = reinterpret_cast<const half2*>(&xv);
 #pragma unroll
@@ -162,9 +279,15 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
           ss += f.x * f.x + f.y * f.y;
         }
       }
-      const float rstd = rsqrtf(block_sum<kTcWarps>(ss, nred) / K + kRmsEps);
+      ss = warp_sum(ss);
+      if (lane == 0) nred[warp] = ss;
+      consumer_sync();
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kGvConsumers; ++w) total += nred[w];
+      const float rstd = rsqrtf(total / K + kRmsEps);
       const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
-      for (int v = threadIdx.x; v < kXVecs; v += kTcThreads) {
+      for (int v = tid; v < kXVecs; v += kCThreads) {
         uint4 xv = xs4[v];
         const uint4 wn = w4[v];
         half2* h = reinterpret_cast<half2*>(&xv);
@@ -176,92 +299,87 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         }
         xs4[v] = xv;
       }
-      __syncthreads();
+      consumer_sync();
+    }
+
+    const int g = lane / 4, t4 = lane % 4;
+    const int pp = warp / WP, o0 = warp % WP;  // this warp's pair in a stage, first octet
+    // x of this lane's group in the warp's first KR octets o0, o0 + WP (of KX at most): 32
+    // registers; with two CTAs of 9 warps per SM a thread has 96.
+    constexpr int KX = (O + WP - 1) / WP, KR = KX < 2 ? KX : 2;
+    const int nv = (O - o0 + WP - 1) / WP;  // the warp's octets (KX or KX - 1)
+    uint4 xr[KR][4];
+#pragma unroll
+    for (int k = 0; k < KR; ++k) {
+      const int grp = min(8 * (o0 + k * WP) + g, G - 1);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) xr[k][q] = xs4[grp * (kGroupSize / 8) + t4 * 4 + q];
+    }
+    int slot = 0, phase = 0;
+    for (int p = p0; p < p1;) {
+      const int np = stage_len(p);
+      mbar_wait(smem_addr(&full_bar[slot]), phase);
+      if (pp < np) {
+        const unsigned char* st = smem + slot * kStageBytes;
+        const half* sc = reinterpret_cast<const half*>(st + 2 * kRunBytes);
+        const half* sa = sc + (((size_t)row_a(p) * G) & 7) + pp * G;
+        const half* sb = sc + kScaleBytes / 2 + (((size_t)row_b(p) * G) & 7) + pp * G;
+        const unsigned char* wa = st + pp * (K / 2);
+        const unsigned char* wb = st + kRunBytes + pp * (K / 2);
+        float accA = 0.f, accB = 0.f;
+        warp_items<0, G, KX, KR>(wa, wb, sa, sb, xr, xs4, nv, o0, WP, g, t4, accA, accB);
+        if (t4 == g / 2)  // the diagonal lanes' sums, unreduced (no shuffles on the way)
+          *reinterpret_cast<float2*>(red + (((p + pp - p0) * WP + o0) * 8 + g) * 2) =
+              make_float2(accA, accB);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
+      if (++slot == stages) {
+        slot = 0;
+        phase ^= 1;
+      }
+      p += np;
     }
   }
-  const uint4* xs4 = reinterpret_cast<const uint4*>(xs);
-  float accA = 0.f, accB = 0.f;
-  while (tile < tiles) {  // CTA-uniform: every warp walks the same tiles
-    int ntile = tile, ni0 = i0 + kStep;
-    if (ni0 >= GA) {
-      ntile += gridDim.x;
-      ni0 = warp;
-    }
-    if (ntile < tiles) load(nxt, ntile, ni0);  // in flight while `cur` is computed
+  __syncthreads();
 
-#pragma unroll
-    for (int u = 0; u < kTcUnroll; ++u) {
-      const int i = i0 + u * kTcWarps;
-      if (i >= GA) break;  // warp-uniform
-      // B fragment: column g = 0 takes x of group gA = i, column 1 x of group GB0 + i.
-      const int gx = (g == 0) ? i : GB0 + i;
-      const bool has_x = g < 2 && gx < G;
-      const uint32_t wA[4] = {cur.wa[u].x, cur.wa[u].y, cur.wa[u].z, cur.wa[u].w};
-      const uint32_t wB[4] = {cur.wb[u].x, cur.wb[u].y, cur.wb[u].z, cur.wb[u].w};
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {  // word q of the chunk: elements 8q..8q+7
-        const uint4 xv = has_x ? xs4[(gx * kGroupSize + t * kChunkElems) / 8 + q]
-                               : make_uint4(0, 0, 0, 0);
-        half2 pa[4], pb[4];
-        dequant_word(wA[q], pa);
-        dequant_word(wB[q], pb);
-        // mma 2q: pairs 0 (k 2t..) and 1 (k 2t+8..); mma 2q+1: pairs 2 and 3.
-        const uint32_t a0[4] = {h2u(pa[0]), h2u(pb[0]), h2u(pa[1]), h2u(pb[1])};
-        const uint32_t a1[4] = {h2u(pa[2]), h2u(pb[2]), h2u(pa[3]), h2u(pb[3])};
-        mma_16816(d, a0, xv.x, xv.y);
-        mma_16816(d, a1, xv.z, xv.w);
-      }
-      accA = fmaf(cur.sa[u], d[0], accA);  // D[g][0]: meaningful in threads t == 0
-      accB = fmaf(cur.sb[u], d[3], accB);  // D[g+8][1]
+  // ---- epilogue, one thread per pair: the warps' sums in a fixed order.
+  for (int i = tid; i < npairs; i += kGvThreads) {
+    const int p = p0 + i;
+    float da = 0.f, db = 0.f;
+#pragma unroll 8
+    for (int j = 0; j < WP * 8; ++j) {
+      const float2 v = *reinterpret_cast<const float2*>(red + (i * WP * 8 + j) * 2);
+      da += v.x;
+      db += v.y;
     }
-
-    if (ntile != tile) {  // this warp finished its share of `tile`: reduce over the warps
-      if (t == 0) {
-        red[warp][g][0] = accA;
-        red[warp][g][1] = accB;
+    if (EPI == kRope) {
+      const int ra = row_a(p), rb = row_b(p);
+      half ha = __float2half_rn(da + __half2float(bias[ra]));
+      half hb = __float2half_rn(db + __half2float(bias[rb]));
+      const int ps = *pos;
+      if (ra < kQSize + kKVSize) {  // q and k heads: rotate (x1, x2) = (row j, row j + D/2)
+        const float x1 = __half2float(ha), x2 = __half2float(hb);
+        const float2 cs = rope[(size_t)ps * (kHeadDim / 2) + ra % kHeadDim];
+        ha = __float2half_rn(x1 * cs.x - x2 * cs.y);
+        hb = __float2half_rn(x2 * cs.x + x1 * cs.y);
       }
-      accA = accB = 0.f;
-      __syncthreads();
-      if (threadIdx.x < kTcRows) {
-        const int r = threadIdx.x, n = tile * kTcRows + r;
-        float a = 0.f, b = 0.f;
-#pragma unroll
-        for (int w = 0; w < kTcWarps; ++w) {
-          a += red[w][r][0];
-          b += red[w][r][1];
-        }
-        if (EPI == kRope) {
-          // N == kQKVSize, a multiple of 8: all 8 threads are here for the pair exchange.
-          const int row = rope_row(n);
-          half hv = __float2half_rn(a + b + __half2float(bias[row]));
-          const int p = *pos;
-          if (n < kQSize + kKVSize) {  // rotate the pair (row j, row j + D/2)
-            const float v = __half2float(hv);
-            const float other = __shfl_xor_sync(0xffu, v, 1);
-            const float2 cs = rope[(size_t)p * (kHeadDim / 2) + (n % kHeadDim) / 2];
-            hv = __float2half_rn((r & 1) ? v * cs.x + other * cs.y : v * cs.x - other * cs.y);
-          }
-          const size_t slot = (size_t)pages[p / kPageTokens] * kPageTokens + p % kPageTokens;
-          if (row < kQSize) {
-            out[row] = hv;
-          } else if (row < kQSize + kKVSize) {
-            kc[slot * kKVSize + row - kQSize] = hv;
-          } else {
-            vc[slot * kKVSize + row - kQSize - kKVSize] = hv;
-          }
-        } else if (n < N) {
-          if (EPI == kSwiGLU) {
-            out[n] = __float2half_rn(a / (1.f + __expf(-a)) * b);
-          } else {
-            out[n] = __float2half_rn(__half2float(out[n]) + a + b);
-          }
-        }
+      const size_t slot = (size_t)pages[ps / kPageTokens] * kPageTokens + ps % kPageTokens;
+      if (ra < kQSize) {
+        out[ra] = ha;
+        out[rb] = hb;
+      } else if (ra < kQSize + kKVSize) {
+        kc[slot * kKVSize + ra - kQSize] = ha;
+        kc[slot * kKVSize + rb - kQSize] = hb;
+      } else {
+        vc[slot * kKVSize + ra - kQSize - kKVSize] = ha;
+        vc[slot * kKVSize + rb - kQSize - kKVSize] = hb;
       }
-      __syncthreads();  // red is reused by the next tile
+    } else if (EPI == kSwiGLU) {
+      out[p] = __float2half_rn(da / (1.f + __expf(-da)) * db);
+    } else {
+      out[p] = __float2half_rn(__half2float(out[p]) + da);
+      if (p + half_n < N) out[p + half_n] = __float2half_rn(__half2float(out[p + half_n]) + db);
     }
-    cur = nxt;
-    tile = ntile;
-    i0 = ni0;
   }
 }

@@ -106,31 +106,12 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned w, unsigned shift, uns
   return hmul2(hsub2(p, kMagic), scale2);
 }
 
-// -- mbarrier / cp.async / wgmma / setmaxnreg ----------------------------------------------------
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
+// -- cp.async / wgmma / setmaxnreg (mbarriers: common.cuh) ----------------------------------------------------
 // 16-byte async copy; src_bytes = 0 zero-fills the destination (token rows past M).
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                "r"(src_bytes)
                : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued before it has landed.
-__device__ __forceinline__ void cp_async_arrive(unsigned bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -323,7 +304,7 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
       // Weights: 128 rows x 2 chunks of 16 B (8 ValueShuffle words = 64 K per row).
       cp_async16(w_s + w_off, w_src0 + kt * 8, 16);
       cp_async16(w_s + w_off + 64 * 32, w_src1 + kt * 8, 16);
-      cp_async_arrive(full_bar + 8 * st);
+      cp_async_mbar_arrive(full_bar + 8 * st);
     }
     // Outlive this thread's own copies (their mbarrier arrivals are still pending), then leave:
     // the consumers never wait on the producer again.
