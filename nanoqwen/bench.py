@@ -268,6 +268,8 @@ def kernel_breakdown(engine, pos: int, reps: int = 20, timed: int = 5) -> dict:
     before every timed graph launch: the sampler advances it (position, step, ring slot), so a
     graph of `reps` samplers writes ring slots 0..reps-1 and the whole-step graph (sampler
     included) runs positions pos .. pos + reps - 1. pos is clamped so that fits max_context.
+    Returns aggregate_kernels' dict plus pos, context, reps, timed (graph launches per median),
+    launches ((label, seconds, bytes) for every launch of the step, in order) and pdl.
     """
     from .cuda.kernels import S_MAX_NEW, S_POS, S_TOKEN, STATE_WORDS
 
@@ -306,10 +308,11 @@ def kernel_breakdown(engine, pos: int, reps: int = 20, timed: int = 5) -> dict:
     step_s = time_graph(gpu, lambda s: engine._step(s), reps, timed, reset)
     reset()
     gpu.sync("bench --kernels")
-    timed = [(ln.label, t, ln.nbytes + ln.per_token * (pos + 1))
-             for ln, t in zip(trace, seconds, strict=True)]  # fmt: skip
-    res = aggregate_kernels(timed, step_s)
-    res.update(pos=pos, context=pos + 1, reps=reps, timed=timed, pdl=bool(k.pdl))
+    launches = [(ln.label, t, ln.nbytes + ln.per_token * (pos + 1))
+                for ln, t in zip(trace, seconds, strict=True)]  # fmt: skip
+    res = aggregate_kernels(launches, step_s)
+    res.update(pos=pos, context=pos + 1, reps=reps, timed=timed, launches=launches,
+               pdl=bool(k.pdl))  # fmt: skip
     return res
 
 

@@ -249,6 +249,8 @@ def test_bench_kernels_on_tiny(tmp_path, capsys):
     assert len(res["itl_by_position_ms"]) == 8
     k = res["kernels"]
     assert k["pos"] == 40 and k["context"] == 41
+    assert k["timed"] == 5 and "(median of 5 launches)" in text
+    assert len(k["launches"]) == k["sum_of_kernels"]["count"]
     assert k["rows"] and all(r["us"] > 0 and r["count"] >= 1 for r in k["rows"])
     assert sum(r["count"] for r in k["rows"]) == k["sum_of_kernels"]["count"]
     assert k["whole_step"]["us"] > 0
