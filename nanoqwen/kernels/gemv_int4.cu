@@ -132,24 +132,30 @@ __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsign
   }
 }
 
-// Items KS.. of the warp's nv (its octets o0, o0 + dO, ...), two at a time: few live registers.
+// Items KS.. of the warp: its octets o0 + k * dO for k < KR (x in registers), then
+// o0r + k * dO (x from shared memory), two at a time (few live registers). o0r rotates with
+// the stage, so when the octets do not divide evenly over the warps (down: 19 over 8) every
+// warp takes its share of the extra ones: the warps run up to a ring's length apart.
 template <int KS, int G, int KX, int KR>
 __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsigned char* wb,
                                            const half* sa, const half* sb,
-                                           const uint4 (&xr)[KR][4], const uint4* xs4, int nv,
-                                           int o0, int dO, int g, int t4, float& accA,
+                                           const uint4 (&xr)[KR][4], const uint4* xs4, int o0,
+                                           int o0r, int dO, int g, int t4, float& accA,
                                            float& accB) {
   if constexpr (KS < KX) {
+    constexpr int O = (G + 7) / 8;
+    const int ob = KS < KR ? o0 : o0r;
+    const int nv = (O - ob + dO - 1) / dO;  // items k < nv have an octet on this base
     if constexpr (KS + 1 < KX) {
       if (nv >= KS + 2) {
-        pair_items<2, KS, G, KR>(wa, wb, sa, sb, xr, xs4, o0, dO, g, t4, accA, accB);
+        pair_items<2, KS, G, KR>(wa, wb, sa, sb, xr, xs4, ob, dO, g, t4, accA, accB);
       } else if (nv == KS + 1) {
-        pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, o0, dO, g, t4, accA, accB);
+        pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, ob, dO, g, t4, accA, accB);
       }
     } else if (nv > KS) {
-      pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, o0, dO, g, t4, accA, accB);
+      pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, ob, dO, g, t4, accA, accB);
     }
-    warp_items<KS + 2, G, KX, KR>(wa, wb, sa, sb, xr, xs4, nv, o0, dO, g, t4, accA, accB);
+    warp_items<KS + 2, G, KX, KR>(wa, wb, sa, sb, xr, xs4, o0, o0r, dO, g, t4, accA, accB);
   }
 }
 
@@ -307,7 +313,6 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
     // x of this lane's group in the warp's first KR octets o0, o0 + WP (of KX at most): 32
     // registers; with two CTAs of 9 warps per SM a thread has 96.
     constexpr int KX = (O + WP - 1) / WP, KR = KX < 2 ? KX : 2;
-    const int nv = (O - o0 + WP - 1) / WP;  // the warp's octets (KX or KX - 1)
     uint4 xr[KR][4];
 #pragma unroll
     for (int k = 0; k < KR; ++k) {
@@ -327,7 +332,8 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         const unsigned char* wa = st + pp * (K / 2);
         const unsigned char* wb = st + kRunBytes + pp * (K / 2);
         float accA = 0.f, accB = 0.f;
-        warp_items<0, G, KX, KR>(wa, wb, sa, sb, xr, xs4, nv, o0, WP, g, t4, accA, accB);
+        warp_items<0, G, KX, KR>(wa, wb, sa, sb, xr, xs4, o0, (o0 + p) % WP, WP, g, t4, accA,
+                                 accB);
         if (t4 == g / 2)  // the diagonal lanes' sums, unreduced (no shuffles on the way)
           *reinterpret_cast<float2*>(red + (((p + pp - p0) * WP + o0) * 8 + g) * 2) =
               make_float2(accA, accB);
