@@ -2,7 +2,7 @@
 constants of nanoqwen/cuda/kernels.py) inside the whole decode step, or decode attention alone.
 
     PYTHONPATH=. python3 tools/kernel_tune.py step FILE.nanoqwen \
-        --set kGvStageGroups=8,16 --set GEMV_SMEM=90000,112640 --context 513,8193
+        --set kGvStageTarget=8192,16384 --set GEMV_CTAS_PER_SM=1,2 --context 513,8193
     PYTHONPATH=. python3 tools/kernel_tune.py attention FILE.nanoqwen \
         --set kAttnMinPages=2,8 --grid-y 16,64 --context 513,8193,32768
 
