@@ -157,6 +157,39 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
+// RMSNorm of a vector staged in shared memory as uint4 (8 halves each), split over a CTA's
+// threads (thread `tid` of `nthreads` takes vectors tid, tid + nthreads, ...); the kernel
+// reduces the partial sums its own way between the two calls.
+__device__ __forceinline__ float sum_squares(const uint4* xs, int nvec, int tid, int nthreads) {
+  float ss = 0.f;
+  for (int v = tid; v < nvec; v += nthreads) {
+    const uint4 xv = xs[v];
+    const half2* h = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(h[j]);
+      ss += f.x * f.x + f.y * f.y;
+    }
+  }
+  return ss;
+}
+// xs = fp16(xs * rstd * w), in place (one rounding, as the reference).
+__device__ __forceinline__ void apply_rmsnorm(uint4* xs, const uint4* w, float rstd, int nvec,
+                                              int tid, int nthreads) {
+  for (int v = tid; v < nvec; v += nthreads) {
+    uint4 xv = xs[v];
+    const uint4 wn = w[v];
+    half2* h = reinterpret_cast<half2*>(&xv);
+    const half2* gw = reinterpret_cast<const half2*>(&wn);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(h[j]), gf = __half22float2(gw[j]);
+      h[j] = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
+    }
+    xs[v] = xv;
+  }
+}
+
 // ValueShuffle word -> four half2 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7), exact signed values.
 // Pair i sits in bits (w >> 4i) & 0x000F000F (one nibble per 16-bit half). XOR with 0x0008
 // turns the two's-complement nibble v into u = v + 8 (0..15); OR-ing exponent 0x6400 makes the

@@ -169,28 +169,9 @@ lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
   for (int v = threadIdx.x; v < kVecs; v += blockDim.x) cp_async16(xs + v, x + 8 * v);
   cp_async_wait_all();
   __syncthreads();
-  float ss = 0.f;
-  for (int v = threadIdx.x; v < kVecs; v += blockDim.x) {
-    const half2* h = reinterpret_cast<const half2*>(xs + v);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __half22float2(h[j]);
-      ss += f.x * f.x + f.y * f.y;
-    }
-  }
+  const float ss = sum_squares(xs, kVecs, threadIdx.x, blockDim.x);
   const float rstd = rsqrtf(block_sum<kLmWarps>(ss, red) / kHidden + kRmsEps);
-  for (int v = threadIdx.x; v < kVecs; v += blockDim.x) {
-    uint4 xv = xs[v];
-    const uint4 wn = reinterpret_cast<const uint4*>(norm_w)[v];
-    half2* h = reinterpret_cast<half2*>(&xv);
-    const half2* gw = reinterpret_cast<const half2*>(&wn);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __half22float2(h[j]), gf = __half22float2(gw[j]);
-      h[j] = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
-    }
-    xs[v] = xv;
-  }
+  apply_rmsnorm(xs, reinterpret_cast<const uint4*>(norm_w), rstd, kVecs, threadIdx.x, blockDim.x);
   __syncthreads();
 
   unsigned long long best = 0;

@@ -276,36 +276,14 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
     cp_async_wait_all();
     consumer_sync();
     if (NORM) {
-      float ss = 0.f;
-      for (int v = tid; v < kXVecs; v += kCThreads) {
-        const uint4 xv = xs4[v];
-        const half2* h = reinterpret_cast<const half2*>(&xv);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __half22float2(h[j]);
-          ss += f.x * f.x + f.y * f.y;
-        }
-      }
-      ss = warp_sum(ss);
+      const float ss = warp_sum(sum_squares(xs4, kXVecs, tid, kCThreads));
       if (lane == 0) nred[warp] = ss;
       consumer_sync();
       float total = 0.f;
 #pragma unroll
       for (int w = 0; w < kGvConsumers; ++w) total += nred[w];
       const float rstd = rsqrtf(total / K + kRmsEps);
-      const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
-      for (int v = tid; v < kXVecs; v += kCThreads) {
-        uint4 xv = xs4[v];
-        const uint4 wn = w4[v];
-        half2* h = reinterpret_cast<half2*>(&xv);
-        const half2* gw = reinterpret_cast<const half2*>(&wn);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __half22float2(h[j]), gf = __half22float2(gw[j]);
-          h[j] = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
-        }
-        xs4[v] = xv;
-      }
+      apply_rmsnorm(xs4, reinterpret_cast<const uint4*>(norm_w), rstd, kXVecs, tid, kCThreads);
       consumer_sync();
     }
 
