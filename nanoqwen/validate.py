@@ -141,6 +141,7 @@ def unit_gemv(k, dev, cfg: ModelConfig, rng, tol: dict) -> list[Check]:
 def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
     """RMSNorm + q/k/v GEMV + bias + RoPE + K/V page write against numpy, at a first-page,
     a mid-page and a page-crossing position of a scattered page table."""
+    from .cuda.kernels import kv_cache_from_device
     from .engine import PAGE
 
     out, h, npages = [], cfg.hidden_size, 40
@@ -157,13 +158,14 @@ def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
         heads = qkv[: cfg.q_size + cfg.kv_size].reshape(1, hq + hkv, d)
         rot = _rope_ref(heads, rope, np.array([pos]))[0]
         q_ptr, qh = dev.out((hq, d), np.float16)
-        kc_ptr, kc = dev.out((npages, PAGE, hkv, d), np.float16)
-        vc_ptr, vc = dev.out((npages, PAGE, hkv, d), np.float16)
+        kc_ptr, kc = dev.out((npages, hkv, PAGE, d), np.float16)  # the device layout
+        vc_ptr, vc = dev.out((npages, hkv, PAGE, d), np.float16)
         k.qkv_rope(dev.put(x), dev.put(normw), dev.put(words), dev.put(scales), dev.put(bias),
                    dev.put(np.array([pos], np.int32)), dev.put(rope), dev.put(table), kc_ptr,
                    vc_ptr, q_ptr)  # fmt: skip
         got_q = dev.get(q_ptr, qh)
-        dev.get(kc_ptr, kc), dev.get(vc_ptr, vc)
+        kc = kv_cache_from_device(dev.get(kc_ptr, kc))
+        vc = kv_cache_from_device(dev.get(vc_ptr, vc))
         slot = table[pos // PAGE], pos % PAGE
         got_k, got_v = kc[slot].copy(), vc[slot].copy()
         kc[slot], vc[slot] = np.nan, np.nan
@@ -200,6 +202,7 @@ def unit_small(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
 
 
 def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
+    from .cuda.kernels import kv_cache_from_device, kv_cache_to_device
     from .engine import PAGE
 
     out = []
@@ -209,7 +212,7 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     rptr = dev.put(rope)
     table = rng.permutation(npages).astype(np.int32)  # scattered pages
     tptr = dev.put(table)
-    cache_shape = (npages, PAGE, hkv, d)
+    cache_shape = (npages, hkv, PAGE, d)  # the device layout
     for T, pos0 in ((1, 0), (3, 14), (17, 37)):
         qkv = _f16(rng.standard_normal((T, qkv_n)))
         kc_ptr, kc = dev.out(cache_shape, np.float16)
@@ -224,7 +227,9 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
         rot = _rope_ref(heads, rope, pos)
         v_ref = qkv[:, cfg.q_size + cfg.kv_size :].reshape(T, hkv, d)
         got_q, got_k = dev.get(q_ptr, qh), dev.get(ko_ptr, ko)
-        dev.get(kc_ptr, kc), dev.get(vc_ptr, vc), dev.get(vo_ptr, vo)
+        kc = kv_cache_from_device(dev.get(kc_ptr, kc))
+        vc = kv_cache_from_device(dev.get(vc_ptr, vc))
+        dev.get(vo_ptr, vo)
         slots = table[pos // PAGE], pos % PAGE
         ok = (_rel_err(got_q, rot[:, :hq]) <= tol and _rel_err(got_k, rot[:, hq:]) <= tol
               and np.array_equal(kc[slots], got_k) and np.array_equal(vc[slots], v_ref)
@@ -235,7 +240,7 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     from .cuda import jit
 
     S = jit.ATTN_SPLITS
-    # Single-page and page-edge lengths (one split), then the multi-split merge (ceil(L / 16 / 8)
+    # Single-page and page-edge lengths (one split), then the multi-split merge (ceil(L / 16 / 2)
     # splits, capped); a last page holding a single valid token at 17, 33, 129, 4097, 8193.
     lengths = (1, 16, 17, 33, 111, 129, 1000, 4097, 8193)
     apages = -(-max(lengths) // PAGE) + 7
@@ -250,7 +255,8 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
         ml, _ = dev.out((hq, S, 2), np.float32)
         acc, _ = dev.out((hq, S, d), np.float32)
         cnt = dev.put(np.zeros(hkv, np.int32))  # last-CTA counters: zero once, re-armed by each
-        args = (dev.put(q), dev.put(kc), dev.put(vc), dev.put(atable),
+        args = (dev.put(q), dev.put(kv_cache_to_device(kc)), dev.put(kv_cache_to_device(vc)),
+                dev.put(atable),
                 dev.put(np.array([L - 1], np.int32)), ml, acc, cnt)  # fmt: skip
         k.attention(*args, optr)
         got = dev.get(optr, host).copy()

@@ -50,6 +50,27 @@ STATE_WORDS = S_EOS0 + MAX_EOS
 _I32 = np.int32
 
 
+def _kv_swizzle(d: int) -> np.ndarray:
+    """[PAGE_TOKENS, d] column gather of kv_cache.cuh's chunk swizzle (its own inverse: chunk
+    c of token row t is stored at c ^ (t % 8))."""
+    t, col = np.arange(jit.PAGE_TOKENS)[:, None], np.arange(d)[None, :]
+    return ((col // 8) ^ (t % 8)) * 8 + col % 8
+
+
+def kv_cache_to_device(kv: np.ndarray) -> np.ndarray:
+    """A K or V cache [pages, PAGE_TOKENS, n_kv, D] -> the device layout (kv_cache.cuh):
+    [pages, n_kv, PAGE_TOKENS, D], each token row's 16-byte chunks swizzled."""
+    tiles = np.ascontiguousarray(kv.transpose(0, 2, 1, 3))
+    return np.take_along_axis(tiles, _kv_swizzle(kv.shape[-1])[None, None], axis=3)
+
+
+def kv_cache_from_device(raw: np.ndarray) -> np.ndarray:
+    """The inverse of kv_cache_to_device: [pages, n_kv, PAGE_TOKENS, D] (device layout) ->
+    [pages, PAGE_TOKENS, n_kv, D]."""
+    tiles = np.take_along_axis(raw, _kv_swizzle(raw.shape[-1])[None, None], axis=3)
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
+
+
 @dataclass(frozen=True)
 class Launch:
     """One recorded kernel launch: `label` names the op ("gemv gate_up", "attention"); what it
@@ -91,8 +112,8 @@ class DecodeKernels:
         self._sample = m.kernel("sample_finish")
         a = mods["decode_attention.cu"]
         self._attn = a.kernel("attn_decode")
-        d = config.head_dim  # the K/V ring: stages x (16 K + 16 V rows of D + 8 halves)
-        self._attn_smem = jit.ATTN_STAGES * 2 * jit.PAGE_TOKENS * (d + 8) * 2
+        d = config.head_dim  # the K/V ring: stages x (16 K + 16 V rows of D halves)
+        self._attn_smem = jit.ATTN_STAGES * 2 * jit.PAGE_TOKENS * d * 2
         gpu.set_max_dynamic_smem(self._attn, self._attn_smem)
         if SMEM_CARVEOUT >= 0:  # one carveout for the step's kernels: no SM drains between them
             step = [v[0] for v in self._gemv.values()]
@@ -149,7 +170,8 @@ class DecodeKernels:
 
         x fp16 [H]; norm_w fp16 [H]; qweight uint32 [q+2kv, H/8]; scales fp16 [q+2kv, H/128];
         bias fp16 [q+2kv]; pos int32* (device); rope float32 [max_pos, D/2, 2] (cos, sin);
-        pages int32 [max_pages]; kc, vc fp16 [pages, 16, n_kv, D]; q fp16 [n_heads, D].
+        pages int32 [max_pages]; kc, vc the layer's K/V caches (kv_cache_to_device's layout);
+        q fp16 [n_heads, D].
         """
         n = self.config.q_size + 2 * self.config.kv_size
         self._gemv_launch("qkv", n, stream, x, norm_w, qweight, scales, bias, q, _I32(n), pos,
@@ -167,8 +189,8 @@ class DecodeKernels:
         """RoPE + paged K/V write for T tokens at positions *pos .. *pos + T - 1.
 
         qkv fp16 [T, q+2kv] (bias added); pos int32* (device); rope float32 [max_pos, D/2, 2]
-        (cos, sin); pages int32 [max_pages]; kc, vc fp16 [pages, 16, n_kv, D];
-        q fp16 [T, n_heads, D]; k_out, v_out fp16 [T, n_kv, D] or 0.
+        (cos, sin); pages int32 [max_pages]; kc, vc the layer's K/V caches (kv_cache_to_device's
+        layout); q fp16 [T, n_heads, D]; k_out, v_out fp16 [T, n_kv, D] or 0.
         """
         self._go(self._rope, (T, 1, 1), MISC_THREADS, qkv, pos, rope, pages, kc, vc, q, k_out,
                  v_out, stream=stream, label="rope_kv_write")  # fmt: skip
@@ -178,7 +200,8 @@ class DecodeKernels:
         """Decode attention of one token over L = *pos + 1 cached tokens, split along the
         sequence with the split-combine folded in (one launch).
 
-        q fp16 [n_heads, D]; kc, vc fp16 [pages, 16, n_kv, D]; pages int32 [max_pages];
+        q fp16 [n_heads, D]; kc, vc the layer's K/V caches (kv_cache_to_device's layout);
+        pages int32 [max_pages];
         part_ml fp32 [n_heads, S, 2]; part_acc fp32 [n_heads, S, D] (scratch, S = ATTN_SPLITS);
         counters int32 [n_kv] (zeroed once; every launch leaves it zero); out fp16 [n_heads, D].
         """

@@ -5,14 +5,13 @@
 //
 // attn_decode: grid (kKVHeads, S) with S <= kAttnSplits fixed per model (kernels.py: S =
 // min(kAttnSplits, 256 / kKVHeads)), block kAttnThreads = 5 warps, the K/V ring in dynamic
-// shared memory (kAttnStages pages: 68 KB at D = 128, 36 KB at D = 64), <= 136 registers so
+// shared memory (kAttnStages pages: 64 KB at D = 128, 32 KB at D = 64), <= 136 registers so
 // 3 CTAs fit an SM.
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [kHeads, kHeadDim]             query of the current token, RoPE applied
-//   kc, vc    fp16  [num_pages, kPageTokens, kKVHeads, kHeadDim]   this layer's caches; one
-//             (token, kv head) row is kHeadDim * 2 bytes (16-byte aligned), rows of one head in
-//             a page are kKVHeads * kHeadDim * 2 bytes apart. Pages are fully allocated.
+//   kc, vc    fp16  this layer's caches (kv_cache.cuh: one contiguous, chunk-swizzled tile of
+//             kPageTokens x kHeadDim per page and kv head). Pages are fully allocated.
 //   pages     int32 [max_pages]                     logical page -> physical page
 //   pos       int32 *                               current position; L = *pos + 1 tokens valid
 //   part_ml   fp32  [kHeads, kAttnSplits, 2]        scratch: per split (max m in log2 units, l)
@@ -22,19 +21,24 @@
 //   out       fp16  [kHeads, kHeadDim] = softmax(q k^T / sqrt(D)) v; query head h reads kv head
 //             h / kGroupRatio
 //
-// Splits. P = ceil(L / 16) pages are cut into nsplit = min(S, ceil(P / 8)) ranges of
-// whole pages, balanced (split s owns pages [s * P / nsplit, (s + 1) * P / nsplit)), so the
+// Splits. P = ceil(L / 16) pages are cut into nsplit = min(S, ceil(P / kAttnMinPages)) ranges
+// of whole pages, balanced (split s owns pages [s * P / nsplit, (s + 1) * P / nsplit)), so the
 // split size follows L at run time while the grid keeps its shape (it is captured in a graph).
-// CTAs with split >= nsplit exit at once (no partials, no counter traffic); at least 8 pages per
-// split keeps the merge (which reads nsplit partials) small at short contexts. nsplit == 1
+// CTAs with split >= nsplit exit at once (no partials, no counter traffic). Two pages per split
+// at least: after the q/k/v GEMV a CTA then has little left to do (its pages before the
+// current token's were copied before the wait), which is what the decode step waits for; with
+// 8 (fewer CTAs, a smaller merge) the whole 7B step at 513 tokens took 2.13 ms against 2.00
+// (H200, tools/kernel_tune.py step; alone, the kernel times the same). nsplit == 1
 // writes `out` directly. Otherwise each CTA writes its partial per query head, fences, and
 // bumps counters[kv head]; the CTA that arrives last merges the nsplit partials of its
 // kGroupRatio query heads, writes `out`, and resets the counter to 0.
 //
-// Pipeline. One stage = one page of one kv head: 16 K rows + 16 V rows, one 1-D bulk copy per
-// producer lane (kHeadDim * 2 bytes each, 8 KB per stage at D = 128), all completing on the
-// stage's "full" mbarrier armed with arrive.expect_tx(8 KB). kAttnStages = 8 stages (a dynamic
-// shared ring of 68 KB at D = 128 with the 16-byte row padding): each consumer warp owns two
+// Pipeline. One stage = one page of one kv head: its K tile and its V tile, one 1-D bulk copy
+// each (producer lanes 0 and 1; 4 KB each at D = 128), both completing on the stage's "full"
+// mbarrier armed with arrive.expect_tx(8 KB). With one copy per 256-byte row (the token-major
+// cache before kv_cache.cuh's layout: 32 copies a stage) the copy engine's per-copy cost
+// bounded the kernel: 12.7 us per layer at 8k context, 40.6 at 32k (1.3 and 1.65 TB/s).
+// kAttnStages = 8 stages (a dynamic shared ring of 64 KB at D = 128): each consumer warp owns two
 // slots, so its next page is in flight while it computes the current one (with 4 stages each
 // consumer waited out a full load latency per page: 1.42 TB/s at 32k context on the H200; 8
 // stages: 1.65-1.70 TB/s). One page per stage because (a) a 16-token page is exactly one
@@ -47,8 +51,7 @@
 // (8 x 32) run 256 CTAs, about 2 per SM and ~128 KB in flight per SM; the 2-kv-head models 128
 // CTAs (2 x 64). At 32k context a CTA streams 256 KB (64 splits) or 512 KB (14B/32B: 32
 // splits); the last CTA's merge then reads nsplit x kGroupRatio x (kHeadDim + 2) fp32 from L2
-// (233 KB for 7B). Still short of the bus at 32k (1.7 TB/s): the consumers' per-page work
-// (16 + 16 mma.sync, ldmatrix, online softmax) is the suspect, not yet profiled.
+// (233 KB for 7B).
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
@@ -59,29 +62,27 @@
 // log2(e) / sqrt(D) is applied to the fp32 scores (not folded into the fp16 q: that would add
 // one fp16 rounding for nothing); base-2 online softmax in fp32; tokens >= L masked to -inf;
 // then O += P V with the score accumulators reused as the A fragment (P rounded to fp16) and
-// V rows as B (a transposed ldmatrix). Row sums stay per lane until the end. Shared rows are
-// padded by 16 bytes (kHeadDim + 8 halves): the 8 row addresses of one ldmatrix then fall 4
-// banks apart, conflict-free without a swizzle (the bulk copy writes each row wherever we
-// point it, 16-byte aligned).
+// V rows as B (a transposed ldmatrix). Row sums stay per lane until the end. The tiles keep
+// the cache's chunk swizzle (kv_chunk), which makes every ldmatrix conflict-free.
 //
 // Epilogue. __syncthreads (all 5 warps: the ring is drained), the consumers park (m, l, o) in
 // shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps, then the
 // split logic above. Every thread of a CTA reaches every __syncthreads: the only early exits
 // (empty split, nsplit == 1 done, not the last CTA) are uniform over the CTA.
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 constexpr int kAttnConsumers = 4;                 // consumer warps 0..3; warp 4 produces
 constexpr int kAttnWarps = kAttnConsumers + 1;
 constexpr int kAttnThreads = kAttnWarps * kWarp;  // 160 (kernels.py ATTN_THREADS)
 // kAttnStages (ring depth, one page per stage) comes from the generated header: the launch
 // passes the ring as dynamic shared memory (kernels.py computes the same size).
-constexpr int kAttnMinPages = 8;                  // a split owns at least this many pages
-constexpr int kAttnRowH = kHeadDim + 8;           // padded shared row, in halves
-constexpr int kAttnTileH = kPageTokens * kAttnRowH;  // one page of K (or V) in shared memory
+constexpr int kAttnMinPages = 2;                  // a split owns at least this many pages
+constexpr int kAttnTileH = kPageTokens * kHeadDim;  // one page of K (or V) of one kv head
 constexpr int kAttnStageH = 2 * kAttnTileH;          // K tile then V tile
 constexpr int kAttnRingBytes = kAttnStages * kAttnStageH * 2;
-constexpr unsigned kAttnRowBytes = kHeadDim * 2;                    // one bulk copy
-constexpr unsigned kAttnStageTx = 2 * kPageTokens * kAttnRowBytes;  // bytes landing per stage
+constexpr unsigned kAttnTileBytes = kAttnTileH * 2;       // one bulk copy
+constexpr unsigned kAttnStageTx = 2 * kAttnTileBytes;     // bytes landing per stage
 constexpr int kAttnDK = kHeadDim / 16;      // mma k-steps over the head dim (QK^T)
 constexpr int kAttnDN = kHeadDim / 8;       // n8 tiles over the head dim (PV)
 constexpr int kAttnScrRow = kHeadDim + 8;   // padded fp32 row of the epilogue scratch
@@ -89,8 +90,7 @@ constexpr int kAttnScrRow = kHeadDim + 8;   // padded fp32 row of the epilogue s
 static_assert(kHeads % kKVHeads == 0, "GQA groups must divide evenly");
 static_assert(kGroupRatio >= 1 && kGroupRatio <= 8, "query heads of a group fill mma rows 0..7");
 static_assert(kHeadDim % 32 == 0, "head dim: whole ldmatrix x4 groups of 32 columns");
-static_assert(kAttnRowBytes % 16 == 0 && kAttnRowH * 2 % 16 == 0, "bulk copies: 16-byte units");
-static_assert(kPageTokens == 16, "one page = one m16n8k16 key tile; 32 rows = 32 producer lanes");
+static_assert(kPageTokens == 16, "one page = one m16n8k16 key tile");
 static_assert(kAttnStageTx < (1u << 20), "mbarrier tx-count range");
 // Warp w consumes pages w, w + 4, ...: with kAttnStages a multiple of the consumer count each
 // slot is only ever read by one warp, so a warp's full-barrier wait for round r finds the
@@ -180,9 +180,9 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   for (int n = 0; n < kAttnDN; ++n) o[n][0] = o[n][1] = 0.f;
 
   if (warp == kAttnConsumers) {
-    // ---- producer warp: lane l < 16 copies K row l of the page, lane l >= 16 V row l - 16.
-    const half* src_base = (lane < 16 ? kc : vc) + (size_t)(lane & 15) * kKVHeads * D + kvh * D;
-    const uint32_t dst_base = ring_s + ((lane >> 4) * kAttnTileH + (lane & 15) * kAttnRowH) * 2;
+    // ---- producer warp: lane 0 copies the page's K tile, lane 1 its V tile.
+    const half* src_base = (lane == 0 ? kc : vc) + (size_t)kvh * kAttnTileH;
+    const uint32_t dst_base = ring_s + (lane & 1) * kAttnTileH * 2;
     // Page ids 32 at a time, one batch ahead, so no page-table load sits on the issue path.
     int cur = pb + lane < pe ? pages[pb + lane] : 0;
     int nxt = pb + 32 + lane < pe ? pages[pb + 32 + lane] : 0;
@@ -207,8 +207,9 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       const uint32_t full = smem_addr(&full_bar[slot]);
       if (lane == 0) mbar_arrive_expect_tx(full, kAttnStageTx);
       __syncwarp();
-      bulk_g2s(dst_base + slot * kAttnStageH * 2,
-                     src_base + (size_t)phys * kPageTokens * kKVHeads * D, kAttnRowBytes, full);
+      if (lane < 2)
+        bulk_g2s(dst_base + slot * kAttnStageH * 2,
+                 src_base + (size_t)phys * kKVHeads * kAttnTileH, kAttnTileBytes, full);
     }
   } else {
     // ---- consumer warps.
@@ -223,9 +224,10 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
         qa[s][1] = r < G ? qrow[8 * s + 4 + c] : 0u;
       }
     }
-    // ldmatrix lane addresses (bytes, relative to a K or V tile).
-    const uint32_t k_off = ((lane & 7) * kAttnRowH + (lane >> 3) * 8) * 2;  // + 8j rows, 32p cols
-    const uint32_t v_off = ((lane & 15) * kAttnRowH + (lane >> 4) * 8) * 2;  // + 16dp cols
+    // ldmatrix lane rows (bytes, relative to a K or V tile): K rows 8j + lane % 8 at chunk
+    // 4p + lane / 8, V rows lane % 16 at chunk 2dp + lane / 16, each chunk where the swizzle
+    // put it (row % 8 = lane % 8 in both).
+    const uint32_t k_row = (lane & 7) * D * 2, v_row = (lane & 15) * D * 2;
     for (int i = warp; i < npages; i += kAttnConsumers) {
       const int slot = i % kAttnStages;
       mbar_wait(smem_addr(&full_bar[slot]), (i / kAttnStages) & 1);
@@ -238,7 +240,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           uint32_t b[4];
-          attn::ldsm_x4(b, k_s + k_off + (j * 8 * kAttnRowH + p * 32) * 2);
+          attn::ldsm_x4(b, k_s + k_row + j * 8 * D * 2 + kv_chunk(lane, 4 * p + (lane >> 3)) * 16);
           attn::mma_top(s[j][0], s[j][1], qa[2 * p][0], qa[2 * p][1], b[0], b[1]);
           attn::mma_top(s[j][0], s[j][1], qa[2 * p + 1][0], qa[2 * p + 1][1], b[2], b[3]);
         }
@@ -279,7 +281,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
 #pragma unroll
       for (int dp = 0; dp < kAttnDK; ++dp) {
         uint32_t b[4];
-        attn::ldsm_x4_trans(b, v_s + v_off + dp * 16 * 2);
+        attn::ldsm_x4_trans(b, v_s + v_row + kv_chunk(lane, 2 * dp + (lane >> 4)) * 16);
         attn::mma_top(o[2 * dp][0], o[2 * dp][1], pa0, pa2, b[0], b[1]);
         attn::mma_top(o[2 * dp + 1][0], o[2 * dp + 1][1], pa0, pa2, b[2], b[3]);
       }

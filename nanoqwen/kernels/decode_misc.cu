@@ -7,6 +7,7 @@
 // sample_finish  picks the token (greedy or temperature/top-k/top-p), advances the decode
 //                state on the device, writes the ring buffers, sets the while-loop condition
 #include "common.cuh"
+#include "kv_cache.cuh"
 // From cuda_device_runtime_api.h (declared here: that header drags in host-only internals
 // under NVRTC). Sets a graph conditional node's value from device code.
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
@@ -72,7 +73,7 @@ rmsnorm_rows(const half* __restrict__ x, const half* __restrict__ w, half* __res
 // pos0   int32 *              position of token 0 (device memory: decode reads state[kPos])
 // rope   float2 [max_pos, kHeadDim/2]  (cos, sin), formed in float64 on the host
 // pages  int32 [max_pages]    page table of the sequence: logical page -> physical page
-// kc, vc fp16 [num_pages, kPageTokens, kKVHeads, kHeadDim]   this layer's caches
+// kc, vc fp16                this layer's caches (kv_cache.cuh)
 // q_out  fp16 [T, kHeads, kHeadDim]
 // k_out, v_out fp16 [T, kKVHeads, kHeadDim] or null (prefill attention reads them contiguous)
 // Grid T, block kMiscThreads.
@@ -87,7 +88,7 @@ rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __res
   const int t = blockIdx.x;
   const int pos = *pos0 + t;
   const half* row = qkv + (size_t)t * kQKVSize;
-  const size_t slot = (size_t)pages[pos / kPageTokens] * kPageTokens + pos % kPageTokens;
+  const int page = pages[pos / kPageTokens], tp = pos % kPageTokens;
   const float2* cs = rope + (size_t)pos * kHalf;
   // Rotations: (kHeads + kKVHeads) heads x kHalf pairs.
   for (int i = threadIdx.x; i < (kHeads + kKVHeads) * kHalf; i += blockDim.x) {
@@ -103,9 +104,8 @@ rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __res
       q[j + kHalf] = y2;
     } else {
       const int kh = head - kHeads;
-      half* k = kc + (slot * kKVHeads + kh) * kHeadDim;
-      k[j] = y1;
-      k[j + kHalf] = y2;
+      kc[kv_offset(page, kh, tp, j)] = y1;
+      kc[kv_offset(page, kh, tp, j + kHalf)] = y2;
       if (k_out) {
         half* ko = k_out + ((size_t)t * kKVHeads + kh) * kHeadDim;
         ko[j] = y1;
@@ -115,7 +115,7 @@ rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __res
   }
   for (int i = threadIdx.x; i < kKVSize; i += blockDim.x) {
     const half v = row[kQSize + kKVSize + i];
-    vc[slot * kKVSize + i] = v;
+    vc[kv_offset(page, i / kHeadDim, tp, i % kHeadDim)] = v;
     if (v_out) v_out[(size_t)t * kKVSize + i] = v;
   }
 }

@@ -54,6 +54,7 @@
 //   kResidual (o_proj, down_proj)  out[n] += dot (in place: the residual stream)
 //   kSwiGLU   (fused gate/up)      out[n] = silu(dot_gate) * dot_up
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 constexpr int kGvConsumers = 8;  // consumer warps; one producer warp more
 constexpr int kGvThreads = (kGvConsumers + 1) * kWarp;
@@ -169,8 +170,8 @@ __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsign
 //                                kRope: q fp16 [kHeads, kHeadDim] (rotated; only kQSize used)
 // N        int                   output features (kRope: kQKVSize)
 // kRope only: pos int32* (the token's position; device memory), rope float2 [max_pos,
-//   kHeadDim/2] (cos, sin), pages int32 [max_pages], kc/vc fp16 [pages, kPageTokens,
-//   kKVHeads, kHeadDim] (this layer's caches). Other epilogues ignore them (pass 0).
+//   kHeadDim/2] (cos, sin), pages int32 [max_pages], kc/vc this layer's caches
+//   (kv_cache.cuh). Other epilogues ignore them (pass 0).
 // Grid: at most one CTA per pair (ceil(N/2) pairs; kSwiGLU: N). Dynamic shared memory: the
 // ring, x (K halves) and the per-pair sums; at least two stages must fit.
 template <int K, bool NORM, int EPI>
@@ -349,16 +350,16 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         ha = __float2half_rn(x1 * cs.x - x2 * cs.y);
         hb = __float2half_rn(x2 * cs.x + x1 * cs.y);
       }
-      const size_t slot = (size_t)pages[ps / kPageTokens] * kPageTokens + ps % kPageTokens;
       if (ra < kQSize) {
         out[ra] = ha;
         out[rb] = hb;
-      } else if (ra < kQSize + kKVSize) {
-        kc[slot * kKVSize + ra - kQSize] = ha;
-        kc[slot * kKVSize + rb - kQSize] = hb;
-      } else {
-        vc[slot * kKVSize + ra - kQSize - kKVSize] = ha;
-        vc[slot * kKVSize + rb - kQSize - kKVSize] = hb;
+      } else {  // k or v: rows ra, rb are dims d, d + D/2 of one kv head
+        const bool is_k = ra < kQSize + kKVSize;
+        const int e = ra - kQSize - (is_k ? 0 : kKVSize), kh = e / kHeadDim, d = e % kHeadDim;
+        const int page = pages[ps / kPageTokens], t = ps % kPageTokens;
+        half* cache = is_k ? kc : vc;
+        cache[kv_offset(page, kh, t, d)] = ha;
+        cache[kv_offset(page, kh, t, d + kHeadDim / 2)] = hb;
       }
     } else if (EPI == kSwiGLU) {
       out[p] = __float2half_rn(da / (1.f + __expf(-da)) * db);
