@@ -7,7 +7,8 @@ constants of nanoqwen/cuda/kernels.py) inside the whole decode step, or decode a
         --set kAttnMinPages=2,8 --grid-y 16,64 --context 513,8193,32768
 
 `step` applies each variant (`NAME=V`: a `constexpr int NAME = V;` line of whichever kernel
-file holds it, or an upper-case int constant of nanoqwen.cuda.kernels), rebuilds the decode
+file holds it, or an upper-case int constant of nanoqwen.cuda.kernels or, for the generated
+header's launch constants such as ATTN_STAGES, nanoqwen.cuda.jit), rebuilds the decode
 kernels and prints bench --kernels' per-kernel breakdown of one decode step (each label's
 launches over every layer's own weights, one graph of `--reps` copies) and the whole step:
 what the kernels do to each other under PDL shows up there only. The validation ladder
@@ -121,14 +122,18 @@ def tune_step(e, variants, args) -> list[dict]:
     baseline = [] if variants == [{}] else [{}]  # {}: the shipped kernels, timed once
     for values in baseline + variants:
         consts = {n: v for n, v in values.items() if n.isupper()}
-        saved = {n: getattr(kmod, n) for n in consts}
+        owner = {n: kmod if hasattr(kmod, n) else jit for n in consts}
+        if consts.get("ATTN_SPLITS", 0) > jit.ATTN_SPLITS:  # the engine sized its scratch
+            raise SystemExit("ATTN_SPLITS: at most the shipped value (edit jit.py to go above)")
+        saved = {n: getattr(owner[n], n, None) for n in consts}
         with tempfile.TemporaryDirectory() as tmp:
             for src in shipped.iterdir():
                 shutil.copy(src, tmp)
             for name, v in values.items():
                 if name in consts:
                     if not isinstance(saved[name], int):
-                        raise SystemExit(f"{name}: not an int constant of nanoqwen.cuda.kernels")
+                        raise SystemExit(f"{name}: not an int constant of nanoqwen.cuda.kernels "
+                                         "or nanoqwen.cuda.jit")  # fmt: skip
                     continue
                 hits = [
                     p for p in Path(tmp).glob("*.cu") if f"constexpr int {name} = " in p.read_text()
@@ -138,13 +143,13 @@ def tune_step(e, variants, args) -> list[dict]:
                 hits[0].write_text(variant_source(hits[0], {name: v}))
             jit.KERNEL_DIR = Path(tmp)
             for n, v in consts.items():
-                setattr(kmod, n, v)
+                setattr(owner[n], n, v)
             try:
                 e.k = kmod.DecodeKernels(e.gpu, e.config)
             finally:
                 jit.KERNEL_DIR = shipped
                 for n, v in saved.items():
-                    setattr(kmod, n, v)
+                    setattr(owner[n], n, v)
         for ctx in args.context:
             res = kernel_breakdown(e, ctx - 1, args.reps)
             us = res["whole_step"]["us"]

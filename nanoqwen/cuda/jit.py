@@ -48,9 +48,9 @@ HEADER_NAME = "nanoqwen_model.h"
 PAGE_TOKENS = 16  # tokens per KV page
 # Flash-decoding splits along the sequence: the attention grid is (kv heads, ATTN_SPLITS). 64 lets
 # the 2-kv-head models (0.5B/1.5B/3B) fill ~128 of the 132 SMs and runs 7B at ~2 CTAs per SM
-# (more bytes in flight) at long context; the kernel uses min(64, ceil(pages / 8)) of them.
+# (more bytes in flight) at long context; the kernel uses min(64, ceil(pages / 4)) of them.
 ATTN_SPLITS = 64
-ATTN_STAGES = 8  # decode attention's K/V ring: pages in flight per CTA (2 per consumer warp)
+ATTN_STAGES = 12  # decode attention's K/V ring: pages in flight per CTA (3 per consumer warp)
 
 
 def _nvrtc_version() -> str:

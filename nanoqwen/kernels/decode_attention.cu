@@ -5,8 +5,8 @@
 //
 // attn_decode: grid (kKVHeads, S) with S <= kAttnSplits fixed per model (kernels.py: S =
 // min(kAttnSplits, 256 / kKVHeads)), block kAttnThreads = 5 warps, the K/V ring in dynamic
-// shared memory (kAttnStages pages: 64 KB at D = 128, 32 KB at D = 64), <= 136 registers so
-// 3 CTAs fit an SM.
+// shared memory (kAttnStages pages: 96 KB at D = 128, 48 KB at D = 64; two CTAs per SM at
+// D = 128), <= 136 registers.
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [kHeads, kHeadDim]             query of the current token, RoPE applied
@@ -24,11 +24,12 @@
 // Splits. P = ceil(L / 16) pages are cut into nsplit = min(S, ceil(P / kAttnMinPages)) ranges
 // of whole pages, balanced (split s owns pages [s * P / nsplit, (s + 1) * P / nsplit)), so the
 // split size follows L at run time while the grid keeps its shape (it is captured in a graph).
-// CTAs with split >= nsplit exit at once (no partials, no counter traffic). Two pages per split
-// at least: after the q/k/v GEMV a CTA then has little left to do (its pages before the
-// current token's were copied before the wait), which is what the decode step waits for; with
-// 8 (fewer CTAs, a smaller merge) the whole 7B step at 513 tokens took 2.13 ms against 2.00
-// (H200, tools/kernel_tune.py step; alone, the kernel times the same). nsplit == 1
+// CTAs with split >= nsplit exit at once (no partials, no counter traffic). Four pages per
+// split at least: after the q/k/v GEMV a CTA then has little left to do (its pages before the
+// current token's were copied before the wait), which is what the decode step waits for. Whole
+// 7B step on the H200 (tools/kernel_tune.py step) at 513 / 1025 / 2049 tokens: 4 pages 1.85 /
+// 1.87 / 1.90 ms, 2 pages 1.86 / 1.89 / 1.94, 1 page 1.89 / 1.93 / 1.94; with 8 (and the
+// one-copy-per-row ring before) 2.13 ms at 513 against 2.00 with 2. nsplit == 1
 // writes `out` directly. Otherwise each CTA writes its partial per query head, fences, and
 // bumps counters[kv head]; the CTA that arrives last merges the nsplit partials of its
 // kGroupRatio query heads, writes `out`, and resets the counter to 0.
@@ -38,17 +39,17 @@
 // mbarrier armed with arrive.expect_tx(8 KB). With one copy per 256-byte row (the token-major
 // cache before kv_cache.cuh's layout: 32 copies a stage) the copy engine's per-copy cost
 // bounded the kernel: 12.7 us per layer at 8k context, 40.6 at 32k (1.3 and 1.65 TB/s).
-// kAttnStages = 8 stages (a dynamic shared ring of 64 KB at D = 128): each consumer warp owns two
-// slots, so its next page is in flight while it computes the current one (with 4 stages each
-// consumer waited out a full load latency per page: 1.42 TB/s at 32k context on the H200; 8
-// stages: 1.65-1.70 TB/s). One page per stage because (a) a 16-token page is exactly one
-// m16n8k16 key tile, so a consumer warp owns whole stages and never synchronizes with the
-// other consumers inside the loop, and (b) small stages refill at a finer grain than big ones
-// for the same bytes. The pages before the current token's are copied before
+// kAttnStages = 12 stages (a dynamic shared ring of 96 KB at D = 128): each consumer warp owns
+// three slots, so its next pages are in flight while it computes the current one (whole 7B step
+// on the H200 at 32705 tokens: 8 stages 2.40 ms, 12 stages 2.34, 16 stages, one CTA per SM,
+// 2.49; at 8193 the same 2.03 with 8 and 12). One page per stage because (a) a 16-token page
+// is exactly one m16n8k16 key tile, so a consumer warp owns whole stages and never
+// synchronizes with the other consumers inside the loop, and (b) small stages refill at a
+// finer grain than big ones for the same bytes. The pages before the current token's are copied before
 // griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV (whole decode step on the
 // H200, against waiting first: 2.44 -> 2.42 ms at 513 tokens of context, 2.86 -> 2.79 ms at
 // 8193; tools/kernel_tune.py step). At long context 7B (4 kv heads x 64 splits) and 14B/32B
-// (8 x 32) run 256 CTAs, about 2 per SM and ~128 KB in flight per SM; the 2-kv-head models 128
+// (8 x 32) run 256 CTAs, about 2 per SM and ~192 KB in flight per SM; the 2-kv-head models 128
 // CTAs (2 x 64). At 32k context a CTA streams 256 KB (64 splits) or 512 KB (14B/32B: 32
 // splits); the last CTA's merge then reads nsplit x kGroupRatio x (kHeadDim + 2) fp32 from L2
 // (233 KB for 7B).
@@ -77,7 +78,7 @@ constexpr int kAttnWarps = kAttnConsumers + 1;
 constexpr int kAttnThreads = kAttnWarps * kWarp;  // 160 (kernels.py ATTN_THREADS)
 // kAttnStages (ring depth, one page per stage) comes from the generated header: the launch
 // passes the ring as dynamic shared memory (kernels.py computes the same size).
-constexpr int kAttnMinPages = 2;                  // a split owns at least this many pages
+constexpr int kAttnMinPages = 4;                  // a split owns at least this many pages
 constexpr int kAttnTileH = kPageTokens * kHeadDim;  // one page of K (or V) of one kv head
 constexpr int kAttnStageH = 2 * kAttnTileH;          // K tile then V tile
 constexpr int kAttnRingBytes = kAttnStages * kAttnStageH * 2;
