@@ -38,14 +38,22 @@
 // per pair unreduced; the epilogue adds them in a fixed order (deterministic).
 //
 // Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens, through
-// nanoqwen bench --kernels; whole step 2.03 ms, inter-token latency 2.07 ms): gate/up 23.2
-// (3.02 TB/s), down 14.6 (2.40 TB/s), q/k/v 6.2, o 4.9. The register-fed design before it
-// (warps loading their own weights, two batches in flight): 28 / 15 / 6.4 / 4.0, step 2.12 ms. On the way: 16 one-row copies per stage
-// (and a stream-K split over groups) 59 us for gate/up; the same fed by a warp of 16-byte
-// cp.async 100 us (one producer warp cannot issue them fast enough); whole-row bulk copies 35
-// us, the consumers then bound by shared-memory traffic (ncu: stalls on the shared-memory loads,
-// DRAM 30% busy; x was read per item, 2 KB of x for 1 KB of weights) until x moved into
-// registers. Next: fewer instructions per weight (the dequantization is half of them).
+// nanoqwen bench --kernels; whole step 1.85 ms, inter-token latency 1.87 ms): gate/up 23.3
+// (3.00 TB/s), down 14.6 (2.39 TB/s), q/k/v 6.2, o 4.9. The register-fed design before it
+// (warps loading their own weights, two batches in flight): 28 / 15 / 6.4 / 4.0, whole step
+// 2.12 ms against 2.03 when this one came. On the way: 16 one-row copies per stage (and a
+// stream-K split over groups) 59 us for gate/up; the same fed by a warp of 16-byte cp.async
+// 100 us (one producer warp cannot issue them fast enough); whole-row bulk copies 35 us, the
+// consumers then bound by shared-memory traffic (ncu: stalls on the shared-memory loads, DRAM
+// 30% busy; x was read per item, 2 KB of x for 1 KB of weights) until x moved into registers.
+// Tried since, not kept (tools/kernel_tune.py step, both variants in one run):
+//   - the dequantization's offsets folded into a per-group sum of x (5 instructions per word
+//     instead of 9, the mma fed 1032 + v and 1152 + 16 v): gate/up 23.4 -> 22.3 us and
+//     o 5.0 -> 4.8 alone, down and q/k/v unchanged, the whole step unchanged (1.85 ms, +-3 us);
+//   - cp.async.bulk.prefetch.L2 of the gate/up weights' first third (24 MB) from the q/k/v
+//     launch: issued as its CTAs finish it has no effect at all (q/k/v's own time does not
+//     move either: the prefetch seems dropped with the CTA); issued as they start, q/k/v takes
+//     2 us longer and the whole step 20 us longer (1.98 -> 2.00 ms on that machine).
 //
 // Epilogues:
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
