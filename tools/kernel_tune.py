@@ -141,22 +141,28 @@ def tune_step(e, variants, args) -> list[dict]:
                 if len(hits) != 1:
                     raise SystemExit(f"{name}: in {len(hits)} kernel files")
                 hits[0].write_text(variant_source(hits[0], {name: v}))
-            jit.KERNEL_DIR = Path(tmp)
+            # The constants stay set while the variant is timed: some (ATTN_CTAS) are read at
+            # every launch, not only when the kernels are built.
             for n, v in consts.items():
                 setattr(owner[n], n, v)
             try:
-                e.k = kmod.DecodeKernels(e.gpu, e.config)
+                jit.KERNEL_DIR = Path(tmp)
+                try:
+                    e.k = kmod.DecodeKernels(e.gpu, e.config)
+                finally:
+                    jit.KERNEL_DIR = shipped
+                for ctx in args.context:
+                    res = kernel_breakdown(e, ctx - 1, args.reps)
+                    us = res["whole_step"]["us"]
+                    per = {r["label"]: r["us"] / r["count"] for r in res["rows"]}
+                    rows.append(dict(kernel="step", **values, context=ctx, us=us,
+                                     per_launch_us=per))  # fmt: skip
+                    cols = "  ".join(f"{k} {v:.2f}" for k, v in per.items())
+                    print(f"step {values or 'shipped'} ctx {ctx:6}  {us:8.1f} us   {cols}",
+                          flush=True)  # fmt: skip
             finally:
-                jit.KERNEL_DIR = shipped
                 for n, v in saved.items():
                     setattr(owner[n], n, v)
-        for ctx in args.context:
-            res = kernel_breakdown(e, ctx - 1, args.reps)
-            us = res["whole_step"]["us"]
-            per = {r["label"]: r["us"] / r["count"] for r in res["rows"]}
-            rows.append(dict(kernel="step", **values, context=ctx, us=us, per_launch_us=per))
-            print(f"step {values or 'shipped'} ctx {ctx:6}  {us:8.1f} us   " +
-                  "  ".join(f"{k} {v:.2f}" for k, v in per.items()), flush=True)  # fmt: skip
     return rows
 
 

@@ -45,14 +45,16 @@
 // 2.49; at 8193 the same 2.03 with 8 and 12). One page per stage because (a) a 16-token page
 // is exactly one m16n8k16 key tile, so a consumer warp owns whole stages and never
 // synchronizes with the other consumers inside the loop, and (b) small stages refill at a
-// finer grain than big ones for the same bytes. The pages before the current token's are copied before
-// griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV (whole decode step on the
-// H200, against waiting first: 2.44 -> 2.42 ms at 513 tokens of context, 2.86 -> 2.79 ms at
-// 8193; tools/kernel_tune.py step). At long context 7B (4 kv heads x 64 splits) and 14B/32B
-// (8 x 32) run 256 CTAs, about 2 per SM and ~192 KB in flight per SM; the 2-kv-head models 128
-// CTAs (2 x 64). At 32k context a CTA streams 256 KB (64 splits) or 512 KB (14B/32B: 32
-// splits); the last CTA's merge then reads nsplit x kGroupRatio x (kHeadDim + 2) fp32 from L2
-// (233 KB for 7B).
+// finer grain than big ones for the same bytes. The pages before the current token's are
+// copied before griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV (whole
+// decode step on the H200, against waiting first: 2.44 -> 2.42 ms at 513 tokens of context,
+// 2.86 -> 2.79 ms at 8193; tools/kernel_tune.py step). At long context 7B (4 kv heads x 64
+// splits) and 14B/32B (8 x 32) run 256 CTAs, about 2 per SM and ~192 KB in flight per SM;
+// the 2-kv-head models 128 CTAs (2 x 64). At 32k context a CTA streams 256 KB (64 splits) or
+// 512 KB (14B/32B: 32 splits); the last CTA's merge then reads nsplit x kGroupRatio x
+// (kHeadDim + 2) fp32 from L2 (233 KB for 7B), kAttnMergeLoads loads in flight per thread
+// (whole 7B step on the H200 at 513 / 2049 / 8193 / 32705 tokens: 8 loads 1.852 / 1.906 /
+// 2.036 / 2.350 ms, 16 loads 1.841 / 1.886 / 2.003 / 2.320).
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
@@ -78,6 +80,7 @@ constexpr int kAttnWarps = kAttnConsumers + 1;
 constexpr int kAttnThreads = kAttnWarps * kWarp;  // 160 (kernels.py ATTN_THREADS)
 // kAttnStages (ring depth, one page per stage) comes from the generated header: the launch
 // passes the ring as dynamic shared memory (kernels.py computes the same size).
+constexpr int kAttnMergeLoads = 16;  // the merge's independent partial loads per thread
 constexpr int kAttnMinPages = 4;                  // a split owns at least this many pages
 constexpr int kAttnTileH = kPageTokens * kHeadDim;  // one page of K (or V) of one kv head
 constexpr int kAttnStageH = 2 * kAttnTileH;          // K tile then V tile
@@ -374,25 +377,20 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
                         (size_t)hq * kAttnSplits * kD4 + d4;
     const float* w = scr_w + g * kAttnSplits;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    int s = 0;
-    for (; s + 8 <= nsplit; s += 8) {  // 8 independent L2 loads in flight per thread
-      float4 v[8];
+    for (int s = 0; s < nsplit; s += kAttnMergeLoads) {  // a batch of L2 loads in flight
+      float4 v[kAttnMergeLoads];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) v[u] = __ldcg(src + (size_t)(s + u) * kD4);
+      for (int u = 0; u < kAttnMergeLoads; ++u)
+        v[u] = s + u < nsplit ? __ldcg(src + (size_t)(s + u) * kD4)
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        a.x = fmaf(w[s + u], v[u].x, a.x);
-        a.y = fmaf(w[s + u], v[u].y, a.y);
-        a.z = fmaf(w[s + u], v[u].z, a.z);
-        a.w = fmaf(w[s + u], v[u].w, a.w);
+      for (int u = 0; u < kAttnMergeLoads; ++u) {
+        const float wu = s + u < nsplit ? w[s + u] : 0.f;
+        a.x = fmaf(wu, v[u].x, a.x);
+        a.y = fmaf(wu, v[u].y, a.y);
+        a.z = fmaf(wu, v[u].z, a.z);
+        a.w = fmaf(wu, v[u].w, a.w);
       }
-    }
-    for (; s < nsplit; ++s) {
-      const float4 v = __ldcg(src + (size_t)s * kD4);
-      a.x = fmaf(w[s], v.x, a.x);
-      a.y = fmaf(w[s], v.y, a.y);
-      a.z = fmaf(w[s], v.z, a.z);
-      a.w = fmaf(w[s], v.w, a.w);
     }
     half2* dst = reinterpret_cast<half2*>(out + hq * D + 4 * d4);
     dst[0] = __floats2half2_rn(a.x, a.y);
