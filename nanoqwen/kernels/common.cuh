@@ -82,15 +82,22 @@ __device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
-__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
+// ldmatrix from a shared-memory address (smem_addr) or a generic pointer into shared memory.
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* p) {
+  ldmatrix_x4(r, smem_addr(p));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* p) {
+  ldmatrix_x4_trans(r, smem_addr(p));
 }
 
 // D (fp32 16x8) += A (fp16 16x16, row) * B (fp16 16x8, col).

@@ -112,18 +112,6 @@ constexpr int kAttnScrFloats =
 static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
 // m16n8k16 (fp16 in, fp32 accumulate) with A rows 8..15 zero: only the row-(lane / 4)
 // accumulators c0, c1 are kept; a = {a0, a2} (row lane / 4, k = 2 (lane % 4) + {0, 1} and + 8).
 __device__ __forceinline__ void mma_top(float& c0, float& c1, uint32_t a0, uint32_t a2,
@@ -245,7 +233,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           uint32_t b[4];
-          attn::ldsm_x4(b, k_s + k_row + j * 8 * D * 2 + kv_chunk(lane, 4 * p + (lane >> 3)) * 16);
+          ldmatrix_x4(b, k_s + k_row + j * 8 * D * 2 + kv_chunk(lane, 4 * p + (lane >> 3)) * 16);
           attn::mma_top(s[j][0], s[j][1], qa[2 * p][0], qa[2 * p][1], b[0], b[1]);
           attn::mma_top(s[j][0], s[j][1], qa[2 * p + 1][0], qa[2 * p + 1][1], b[2], b[3]);
         }
@@ -286,7 +274,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
 #pragma unroll
       for (int dp = 0; dp < kAttnDK; ++dp) {
         uint32_t b[4];
-        attn::ldsm_x4_trans(b, v_s + v_row + kv_chunk(lane, 2 * dp + (lane >> 4)) * 16);
+        ldmatrix_x4_trans(b, v_s + v_row + kv_chunk(lane, 2 * dp + (lane >> 4)) * 16);
         attn::mma_top(o[2 * dp][0], o[2 * dp][1], pa0, pa2, b[0], b[1]);
         attn::mma_top(o[2 * dp + 1][0], o[2 * dp + 1][1], pa0, pa2, b[2], b[3]);
       }
