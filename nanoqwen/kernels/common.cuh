@@ -180,21 +180,21 @@ __device__ __forceinline__ float sum_squares(const uint4* xs, int nvec, int tid,
   }
   return ss;
 }
-// xs = fp16(xs * rstd * w), in place (one rounding, as the reference).
+// fp16(x * rstd * w) of one 16-byte vector (one rounding, as the reference).
+__device__ __forceinline__ uint4 rmsnorm_vec(uint4 xv, uint4 wn, float rstd) {
+  half2* h = reinterpret_cast<half2*>(&xv);
+  const half2* gw = reinterpret_cast<const half2*>(&wn);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h[j]), gf = __half22float2(gw[j]);
+    h[j] = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
+  }
+  return xv;
+}
+// xs = fp16(xs * rstd * w), in place.
 __device__ __forceinline__ void apply_rmsnorm(uint4* xs, const uint4* w, float rstd, int nvec,
                                               int tid, int nthreads) {
-  for (int v = tid; v < nvec; v += nthreads) {
-    uint4 xv = xs[v];
-    const uint4 wn = w[v];
-    half2* h = reinterpret_cast<half2*>(&xv);
-    const half2* gw = reinterpret_cast<const half2*>(&wn);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __half22float2(h[j]), gf = __half22float2(gw[j]);
-      h[j] = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
-    }
-    xs[v] = xv;
-  }
+  for (int v = tid; v < nvec; v += nthreads) xs[v] = rmsnorm_vec(xs[v], w[v], rstd);
 }
 
 // ValueShuffle word -> four half2 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7), exact signed values.

@@ -37,9 +37,12 @@
 // each its own octets, and release it on "empty". The diagonal lanes store their fp32 sums
 // per pair unreduced; the epilogue adds them in a fixed order (deterministic).
 //
-// Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens, through
-// nanoqwen bench --kernels; whole step 1.85 ms, inter-token latency 1.87 ms): gate/up 23.3
-// (3.00 TB/s), down 14.6 (2.39 TB/s), q/k/v 6.2, o 4.9. The register-fed design before it
+// Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens,
+// tools/kernel_tune.py step, two runs interleaved with the unswizzled x): gate/up 22.8 (23.4
+// unswizzled; 3.05 TB/s), down 13.85 (14.5), q/k/v 5.96 (6.2), o 4.84 (4.97); the whole
+// step 1.841 / 1.846 ms against 1.853 / 1.856 (8193 tokens: 1.995 / 1.996 against 2.001 /
+// 2.005): per launch the x swizzle saves 1.6 us of a layer, the step keeps ~10 us of the
+// 45 (as with every faster GEMV so far: see below). The register-fed design before it
 // (warps loading their own weights, two batches in flight): 28 / 15 / 6.4 / 4.0, whole step
 // 2.12 ms against 2.03 when this one came. On the way: 16 one-row copies per stage (and a
 // stream-K split over groups) 59 us for gate/up; the same fed by a warp of 16-byte cp.async
@@ -53,7 +56,21 @@
 //   - cp.async.bulk.prefetch.L2 of the gate/up weights' first third (24 MB) from the q/k/v
 //     launch: issued as its CTAs finish it has no effect at all (q/k/v's own time does not
 //     move either: the prefetch seems dropped with the CTA); issued as they start, q/k/v takes
-//     2 us longer and the whole step 20 us longer (1.98 -> 2.00 ms on that machine).
+//     2 us longer and the whole step 20 us longer (1.98 -> 2.00 ms on that machine);
+//   - one persistent launch per layer for o -> gate/up -> down -> the next q/k/v (a grid
+//     barrier between the GEMVs, one CTA of 16 consumer warps + the producer per SM, one byte
+//     ring across the GEMVs so the next GEMV's weights stream during the barrier; branch
+//     gemv-chain-experiment): correct, but the step 1.99 ms against 1.83 in the same run. A
+//     globaltimer timeline per CTA showed why: the producer keeps 170 KB a SM in flight and
+//     the consumers still take 21.4 us over gate/up (13.2 us with the mma work removed), each
+//     grid barrier 1.6-2.2 us (an L2 round trip is ~0.7 us under the weight streams), and the
+//     offset fold changes nothing there either. Probes on the same machine (that branch's
+//     experiments/): a bulk-copy ring streams 4.55 TB/s read (any stage of 7-56 KB, 1-4
+//     copies, a ring >= 48 KB; 16-byte loads the same), and still 4.52 with 16 consumer warps
+//     doing 2.3x this kernel's mma per byte (HMMA.16816.F32: 6.7 cycles an SM sub-partition,
+//     28.6 latency). So neither the copies nor the tensor pipe bound a GEMV: the consumers'
+//     instruction stream does (ncu on the chain: 1.7 IPC an SM, 4.2 warps a scheduler with
+//     0.9 eligible; stalls: barrier 24%, wait 15%, not selected 12%, math throttle 10%).
 //
 // Epilogues:
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
@@ -78,6 +95,16 @@ constexpr int kGroupBytes = kGroupSize / 2;
 enum TcEpilogue { kRope = 0, kResidual = 1, kSwiGLU = 2 };
 
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+// x in shared memory, 16-byte units swizzled within each group: chunk c (0..15) of group grp
+// sits at unit grp * 16 + (c ^ 2 bit3(c) ^ (grp & 1)). A quarter warp's lanes (g = 2h, 2h + 1;
+// t4 = 0..3) load chunk 4 t4 + q of groups 8o + g: 8 distinct bank quads. Unswizzled they
+// were 4-way conflicts (ncu: 16 wavefronts a load of the x register fill instead of 4, the
+// loads of the items past KR likewise).
+__device__ __forceinline__ int x_unit(int grp, int c) {
+  static_assert(kGroupSize / 8 == 16, "16 chunks of 16 bytes per group");
+  return grp * 16 + (c ^ (((c >> 3) & 1) << 1) ^ (grp & 1));
+}
 
 __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(kGvConsumers * kWarp) : "memory");
@@ -116,7 +143,7 @@ __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsign
 #pragma unroll
     for (int n = 0; n < NI; ++n) {
       const uint4 xv = KS + n < KR ? xr[min(KS + n, KR - 1)][q]
-                                    : xs4[grp[n] * (kGroupSize / 8) + t4 * 4 + q];
+                                    : xs4[x_unit(grp[n], t4 * 4 + q)];
       half2 pa[4], pb[4];
       dequant_word((&a[n].x)[q], pa);
       dequant_word((&b[n].x)[q], pb);
@@ -276,12 +303,13 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
       p += np;
     }
   } else {
-    // ---- consumer warps: x -> shared memory (RMSNorm-ed in place if NORM).
+    // ---- consumer warps: x -> shared memory (x_unit order; RMSNorm-ed in place if NORM).
     pdl_wait();
     constexpr int kXVecs = K / 8, kCThreads = kGvConsumers * kWarp;
     const uint4* x4 = reinterpret_cast<const uint4*>(x);
     uint4* xs4 = reinterpret_cast<uint4*>(xs);
-    for (int v = tid; v < kXVecs; v += kCThreads) cp_async16(xs4 + v, x4 + v);
+    for (int v = tid; v < kXVecs; v += kCThreads)
+      cp_async16(xs4 + x_unit(v / 16, v % 16), x4 + v);
     cp_async_wait_all();
     consumer_sync();
     if (NORM) {
@@ -292,7 +320,11 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
 #pragma unroll
       for (int w = 0; w < kGvConsumers; ++w) total += nred[w];
       const float rstd = rsqrtf(total / K + kRmsEps);
-      apply_rmsnorm(xs4, reinterpret_cast<const uint4*>(norm_w), rstd, kXVecs, tid, kCThreads);
+      const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
+      for (int v = tid; v < kXVecs; v += kCThreads) {
+        uint4& xv = xs4[x_unit(v / 16, v % 16)];
+        xv = rmsnorm_vec(xv, w4[v], rstd);
+      }
       consumer_sync();
     }
 
@@ -306,7 +338,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
     for (int k = 0; k < KR; ++k) {
       const int grp = min(8 * (o0 + k * WP) + g, G - 1);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) xr[k][q] = xs4[grp * (kGroupSize / 8) + t4 * 4 + q];
+      for (int q = 0; q < 4; ++q) xr[k][q] = xs4[x_unit(grp, t4 * 4 + q)];
     }
     int slot = 0, phase = 0;
     for (int p = p0; p < p1;) {
