@@ -30,9 +30,15 @@
 // 7B step on the H200 (tools/kernel_tune.py step) at 513 / 1025 / 2049 tokens: 4 pages 1.85 /
 // 1.87 / 1.90 ms, 2 pages 1.86 / 1.89 / 1.94, 1 page 1.89 / 1.93 / 1.94; with 8 (and the
 // one-copy-per-row ring before) 2.13 ms at 513 against 2.00 with 2. nsplit == 1
-// writes `out` directly. Otherwise each CTA writes its partial per query head, fences, and
-// bumps counters[kv head]; the CTA that arrives last merges the nsplit partials of its
-// kGroupRatio query heads, writes `out`, and resets the counter to 0.
+// writes `out` directly. Otherwise each CTA writes its partial per query head and bumps
+// counters[kv head] (one acq_rel atomic after a CTA barrier: no per-thread fence); the CTA
+// that arrives last merges the nsplit partials of its kGroupRatio query heads, writes `out`,
+// and resets the counter to 0. The merge reads each split's (m, l) with its partial sums and
+// rescales online, so a batch of splits costs one L2 round trip (before: two fences, then the
+// split weights, then the sums). Inside the 7B step on the H200 (a globaltimer stamp per CTA)
+// the merge had taken 3.7 us of the ~8 us attention at 513 tokens; per launch (tools/
+// kernel_tune.py step) 5.1 -> 4.56 us at 513 tokens, 11.7 -> 12.2 at 8193 (64 splits: each
+// thread's 64 exp2 outweigh the round trips saved).
 //
 // Pipeline. One stage = one page of one kv head: its K tile and its V tile, one 1-D bulk copy
 // each (producer lanes 0 and 1; 4 KB each at D = 128), both completing on the stage's "full"
@@ -103,12 +109,9 @@ static_assert(kAttnStageTx < (1u << 20), "mbarrier tx-count range");
 // older phase.
 static_assert(kAttnStages % kAttnConsumers == 0, "one consumer warp per ring slot");
 static_assert(kAttnStages >= 2 * kAttnConsumers, "each consumer keeps its next page in flight");
-static_assert(kAttnSplits <= 32 * 4, "merge weights: 4 splits per lane at most");
-// Epilogue scratch (aliases the drained ring): per consumer warp o[G][kAttnScrRow], m[G], l[G];
-// then the split weights w[G][kAttnSplits].
+// Epilogue scratch (aliases the drained ring): per consumer warp o[G][kAttnScrRow], m[G], l[G].
 constexpr int kAttnScrO = kAttnConsumers * kGroupRatio * kAttnScrRow;
-constexpr int kAttnScrFloats =
-    kAttnScrO + 2 * kAttnConsumers * kGroupRatio + kGroupRatio * kAttnSplits;
+constexpr int kAttnScrFloats = kAttnScrO + 2 * kAttnConsumers * kGroupRatio;
 static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
@@ -289,7 +292,6 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   float* scr_o = reinterpret_cast<float*>(ring);  // [kAttnConsumers][G][kAttnScrRow]
   float* scr_m = scr_o + kAttnScrO;               // [kAttnConsumers][G]
   float* scr_l = scr_m + kAttnConsumers * G;      // [kAttnConsumers][G]
-  float* scr_w = scr_l + kAttnConsumers * G;      // [G][kAttnSplits]
   __syncthreads();  // every page consumed: no bulk copy or ldmatrix touches the ring any more
   if (warp < kAttnConsumers && r < G) {
     float* row = scr_o + (warp * G + r) * kAttnScrRow + 2 * c;
@@ -326,64 +328,52 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   }
   if (nsplit == 1) return;
 
-  // ---- split-K semaphore: the last CTA of this kv head merges the nsplit partials.
-  __threadfence();  // this thread's partials are visible device-wide before the count
+  // ---- split-K semaphore: the last CTA of this kv head merges the nsplit partials. The
+  // barrier orders every thread's partials before thread 0's release; its acquire (and the
+  // barrier after it) orders the other CTAs' partials before this CTA's loads.
   __syncthreads();
-  if (tid == 0) sm_last = atomicAdd(&counters[kvh], 1) == nsplit - 1;
+  if (tid == 0) sm_last = atom_add_acq_rel(&counters[kvh], 1) == nsplit - 1;
   __syncthreads();
   if (!sm_last) return;  // uniform
-  __threadfence();  // acquire side: read the other CTAs' partials after their increments
-  // Weights w[g][s] = 2^(m_s - M) / sum_s' l_s' 2^(m_s' - M); warp w handles g = w, w + 5, ...
-  for (int g = warp; g < G; g += kAttnWarps) {
-    const float2* ml = reinterpret_cast<const float2*>(part_ml) + (kvh * G + g) * kAttnSplits;
-    float2 v[4];
-    float mx = neg_inf();
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int s = lane + 32 * u;
-      v[u] = s < nsplit ? __ldcg(ml + s) : make_float2(neg_inf(), 0.f);
-      mx = fmaxf(mx, v[u].x);
-    }
-    mx = warp_max(mx);
-    float lsum = 0.f;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      v[u].x = attn::fast_exp2(v[u].x - mx);
-      lsum = fmaf(v[u].y, v[u].x, lsum);
-    }
-    const float inv = 1.f / warp_sum(lsum);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int s = lane + 32 * u;
-      if (s < nsplit) scr_w[g * kAttnSplits + s] = v[u].x * inv;
-    }
-  }
-  __syncthreads();
+  // out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s: per output element,
+  // online over batches of kAttnMergeLoads splits (the m, l and acc loads of a batch in flight
+  // together).
   constexpr int kD4 = D / 4;
   for (int idx = tid; idx < G * kD4; idx += kAttnThreads) {
     const int g = idx / kD4, d4 = idx % kD4, hq = kvh * G + g;
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + hq * kAttnSplits;
     const float4* src = reinterpret_cast<const float4*>(part_acc) +
                         (size_t)hq * kAttnSplits * kD4 + d4;
-    const float* w = scr_w + g * kAttnSplits;
+    float mx = neg_inf(), lsum = 0.f;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < nsplit; s += kAttnMergeLoads) {  // a batch of L2 loads in flight
+    for (int s = 0; s < nsplit; s += kAttnMergeLoads) {
+      float2 m[kAttnMergeLoads];
       float4 v[kAttnMergeLoads];
 #pragma unroll
-      for (int u = 0; u < kAttnMergeLoads; ++u)
-        v[u] = s + u < nsplit ? __ldcg(src + (size_t)(s + u) * kD4)
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int u = 0; u < kAttnMergeLoads; ++u) {
+        const bool in = s + u < nsplit;
+        m[u] = in ? __ldcg(ml + s + u) : make_float2(neg_inf(), 0.f);
+        v[u] = in ? __ldcg(src + (size_t)(s + u) * kD4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float bm = mx;  // finite from the first batch on: every split has a token
+#pragma unroll
+      for (int u = 0; u < kAttnMergeLoads; ++u) bm = fmaxf(bm, m[u].x);
+      const float r = attn::fast_exp2(mx - bm);  // 0 on the first batch (mx = -inf)
+      lsum *= r;
+      a = make_float4(a.x * r, a.y * r, a.z * r, a.w * r);
 #pragma unroll
       for (int u = 0; u < kAttnMergeLoads; ++u) {
-        const float wu = s + u < nsplit ? w[s + u] : 0.f;
-        a.x = fmaf(wu, v[u].x, a.x);
-        a.y = fmaf(wu, v[u].y, a.y);
-        a.z = fmaf(wu, v[u].z, a.z);
-        a.w = fmaf(wu, v[u].w, a.w);
+        const float w = attn::fast_exp2(m[u].x - bm);
+        lsum = fmaf(m[u].y, w, lsum);
+        a = make_float4(fmaf(w, v[u].x, a.x), fmaf(w, v[u].y, a.y), fmaf(w, v[u].z, a.z),
+                        fmaf(w, v[u].w, a.w));
       }
+      mx = bm;
     }
+    const float inv = 1.f / lsum;
     half2* dst = reinterpret_cast<half2*>(out + hq * D + 4 * d4);
-    dst[0] = __floats2half2_rn(a.x, a.y);
-    dst[1] = __floats2half2_rn(a.z, a.w);
+    dst[0] = __floats2half2_rn(a.x * inv, a.y * inv);
+    dst[1] = __floats2half2_rn(a.z * inv, a.w * inv);
   }
   if (tid == 0) counters[kvh] = 0;  // every CTA of this launch has counted: re-arm for replay
 }

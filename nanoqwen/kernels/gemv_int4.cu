@@ -30,29 +30,49 @@
 // the copy engine pays per copy (32 one-row copies per 16 KB stage ran at ~1.1 TB/s), and
 // bulk copies take uniform operands, so per-lane copies issue one lane at a time. The ring
 // holds as many stages as the launch's dynamic shared memory leaves room for (at most
-// kGvMaxStages); the weights do not depend on the previous kernel, so the producer fills the
-// ring before anyone waits on it. The consumer warps wait (PDL) for x, stage it (RMSNorm-ed
-// if NORM) in shared memory and keep their lanes' x chunks in registers (a warp takes the
-// same octets of every pair), then take every stage: kGvConsumers / P warps per pair,
-// each its own octets, and release it on "empty". The diagonal lanes store their fp32 sums
-// per pair unreduced; the epilogue adds them in a fixed order (deterministic).
+// kGvMaxStages); the weights do not depend on the previous kernel, so the producer starts
+// before anyone waits on it, but keeps only kGvEarlyStages stages in flight until x has
+// landed (x queues behind every weight byte requested before it). The consumer warps wait
+// (PDL) for x, stage it (RMSNorm-ed if NORM; folded for offset_word when K <= kGvFoldMaxK) in
+// shared memory and keep their lanes' x chunks in registers (a warp takes the same octets of
+// every pair), then take every stage: kGvConsumers / P warps per pair, each its own octets,
+// and release it on "empty". The diagonal lanes store their fp32 sums per pair unreduced; the
+// epilogue adds them in a fixed order (deterministic), with its global inputs (residual,
+// bias, RoPE, K/V page) loaded right after the wait.
+//
+// Where a decode step's time went, and what changed for it (H200, 2026-11-30; a globaltimer
+// stamp per CTA at each phase of two layers inside the captured 7B step at 513 tokens):
+// 57.6 us a layer for ~27 us of weights at 4.5 TB/s. The consumers waited 4 us for x in
+// gate/up (1.5 in q/k/v) with the ring requested ahead of it; each epilogue took 1-1.6 us
+// (its thread-per-pair sum read 32-way bank conflicts, then an L2 round trip for the
+// residual); the attention split-merge 3.7 us. Holding the ring back until x lands (1 stage
+// in flight: 2 and 3 were slower, a whole ring 20-45 us a step slower), the conflict-free
+// sums with early epilogue inputs and the leaner attention merge took the step (tools/
+// kernel_tune.py step) from 1837 to 1609 us at 513 tokens and 1999 to 1805 at 8193; the
+// offset form for K <= 8192 another ~15 us (1614 -> 1599 and 1809 -> 1798 against no fold;
+// folding down's K = 18944 too, 1653: its x pass then costs more than its stages save).
+// Tried in the same way, not kept: a work counter balancing the tail of gate/up and down
+// (85% static, then units of one stage from an atomic counter): the last CTA of gate/up
+// ended 1.5 us after the median one instead of 2.6, yet the launch took as long (19.91
+// against 19.99 us) and the step no less (1683 against 1675 us); and 16 KB stages for
+// q/k/v and o (32 KB for gate/up): 1879 against 1642 us.
 //
 // Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens,
-// tools/kernel_tune.py step, two runs interleaved with the unswizzled x): gate/up 22.8 (23.4
-// unswizzled; 3.05 TB/s), down 13.85 (14.5), q/k/v 5.96 (6.2), o 4.84 (4.97); the whole
-// step 1.841 / 1.846 ms against 1.853 / 1.856 (8193 tokens: 1.995 / 1.996 against 2.001 /
-// 2.005): per launch the x swizzle saves 1.6 us of a layer, the step keeps ~10 us of the
-// 45 (as with every faster GEMV so far: see below). The register-fed design before it
+// nanoqwen bench --kernels): gate/up 20.0 (3.50 TB/s), down 11.4, q/k/v 5.4, o 4.5. Before
+// the changes above, with the x swizzle against without (two runs interleaved): gate/up 22.8
+// (23.4 unswizzled), down 13.85 (14.5), q/k/v 5.96 (6.2), o 4.84 (4.97); the whole step
+// 1.841 / 1.846 ms against 1.853 / 1.856 (8193 tokens: 1.995 / 1.996 against 2.001 / 2.005):
+// per launch the swizzle saved 1.6 us of a layer, the step kept ~10 us of the 45 (as every
+// faster GEMV then: the waits for x above were the bound). The register-fed design before it
 // (warps loading their own weights, two batches in flight): 28 / 15 / 6.4 / 4.0, whole step
 // 2.12 ms against 2.03 when this one came. On the way: 16 one-row copies per stage (and a
 // stream-K split over groups) 59 us for gate/up; the same fed by a warp of 16-byte cp.async
 // 100 us (one producer warp cannot issue them fast enough); whole-row bulk copies 35 us, the
 // consumers then bound by shared-memory traffic (ncu: stalls on the shared-memory loads, DRAM
 // 30% busy; x was read per item, 2 KB of x for 1 KB of weights) until x moved into registers.
-// Tried since, not kept (tools/kernel_tune.py step, both variants in one run):
-//   - the dequantization's offsets folded into a per-group sum of x (5 instructions per word
-//     instead of 9, the mma fed 1032 + v and 1152 + 16 v): gate/up 23.4 -> 22.3 us and
-//     o 5.0 -> 4.8 alone, down and q/k/v unchanged, the whole step unchanged (1.85 ms, +-3 us);
+// Tried before the waits for x were cut (tools/kernel_tune.py step, both variants in one run):
+//   - the offset form (offset_word): gate/up 23.4 -> 22.3 us and o 5.0 -> 4.8 alone, down
+//     and q/k/v unchanged, the whole step unchanged (1.85 ms, +-3 us); kept now (above);
 //   - cp.async.bulk.prefetch.L2 of the gate/up weights' first third (24 MB) from the q/k/v
 //     launch: issued as its CTAs finish it has no effect at all (q/k/v's own time does not
 //     move either: the prefetch seems dropped with the CTA); issued as they start, q/k/v takes
@@ -90,7 +110,19 @@ constexpr int kGvCtasPerSm = 2;  // = GEMV_CTAS_PER_SM: 2 x 9 warps leave 96 reg
 // early, the long one fewer, larger copies).
 constexpr int kGvStageTarget = 8192;
 constexpr int kGvMaxStages = 8;
+// Stages the producer keeps in flight until x has landed in shared memory: x (an L2 hit) queues
+// behind every weight byte already requested, so a full ring ahead of it delays the consumers'
+// start. Landed stages do not count: a ring filled during a long wait costs x nothing.
+constexpr int kGvEarlyStages = 1;
 constexpr int kGroupBytes = kGroupSize / 2;
+// offset_word's form (x folded) for K up to this; above it dequant_word (see offset_word).
+constexpr int kGvFoldMaxK = 8192;
+// Items whose x a consumer lane keeps in registers (16 registers each); later items read it
+// from shared memory. Whole 7B step on the H200 at 513 / 8193 tokens (tools/kernel_tune.py
+// step, one run): 2 items 1585 / 1787 us (gate/up 19.36 us a launch, down 11.40), 1 item
+// 1600 / 1794 (gate/up 20.13, down 11.22). 1, because with 2 the gate/up GEMV spills 8 bytes
+// at the 96-register cap (one reload a stage): the decode kernels stay spill-free.
+constexpr int kGvXRegItems = 1;
 
 enum TcEpilogue { kRope = 0, kResidual = 1, kSwiGLU = 2 };
 
@@ -104,6 +136,46 @@ __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint
 __device__ __forceinline__ int x_unit(int grp, int c) {
   static_assert(kGroupSize / 8 == 16, "16 chunks of 16 bytes per group");
   return grp * 16 + (c ^ (((c >> 3) & 1) << 1) ^ (grp & 1));
+}
+
+// What a pair's epilogue reads from global memory, loaded before the stage loop (under the
+// weight stream an L2 round trip takes ~1 us; after the last stage it would add that to the
+// launch). kResidual: the residual rows a, b; kRope: the biases, (cos, sin), the K/V page and
+// the token's slot in it.
+struct EpiIn {
+  float a, b;
+  float2 cs;
+  int page, t;
+};
+
+// A ValueShuffle word as the mma's A operand without the dequantization's subtractions: pairs 0
+// and 2 (mask 0x000F000F and XOR 0x0008 under exponent 0x6400: common.cuh's dequant_word) are
+// the halves 1032 + v, pairs 1 and 3 (taken in place, 16 x larger) 1152 + 16 v. Their x halves
+// are stored divided by 16 (fold_x), so a group's dot product comes out as
+// sum(v x) + 1032 sum(x of pairs 0, 2) + 1152 sum(x / 16 of pairs 1, 3); the second part, one
+// number per group shared by every row, is subtracted once per group (xc). 5 instructions per
+// word instead of 9. The products stay exact; the fp32 sums carry the offsets' magnitude
+// (~100 x the dot product's), which costs ~7 of their 24 bits.
+__device__ __forceinline__ void offset_word(uint32_t w, uint32_t (&out)[4]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t x = i ? w >> 8 : w;  // 0x6a = (a & b) ^ c
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(out[2 * i]) : "r"(x), "r"(0x000F000Fu),
+        "r"(0x64086408u));
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(out[2 * i + 1]) : "r"(x), "r"(0x00F000F0u),
+        "r"(0x64806480u));
+  }
+}
+// One 16-byte x vector into offset_word's form: halves 2, 3 and 6, 7 (the B registers facing
+// pairs 1 and 3) divided by 16 (exact unless subnormal); c = its share of the group's offsets.
+__device__ __forceinline__ uint4 fold_x(uint4 xv, float& c) {
+  half2* h = reinterpret_cast<half2*>(&xv);
+  h[1] = __hmul2(h[1], __float2half2_rn(0.0625f));
+  h[3] = __hmul2(h[3], __float2half2_rn(0.0625f));
+  const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+  const float2 e = __half22float2(h[2]), f = __half22float2(h[3]);
+  c = 1032.f * (a.x + a.y + e.x + e.y) + 1152.f * (b.x + b.y + f.x + f.y);
+  return xv;
 }
 
 __device__ __forceinline__ void consumer_sync() {
@@ -121,13 +193,15 @@ constexpr int stage_pairs(int target) {
 // The dot products of NI items (octets o, o + dO, ...) of one pair, already scaled and summed
 // into accA (row a) / accB (row b) in the diagonal lanes. wa/wb: the pair's rows in the stage;
 // sa/sb: their scales; xr: this lane's x chunk of the group of the warp's first KR items
-// (registers: a warp takes the same octets of every pair), later items read xs4. Per item 8 mma
-// in two independent chains, the items' chains interleaved.
+// (registers: a warp takes the same octets of every pair), later items read xs4; xc: the
+// groups' offset terms (offset_word, K <= kGvFoldMaxK). Per item 8 mma in two independent
+// chains, the items' chains interleaved.
 template <int NI, int KS, int G, int KR>
 __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsigned char* wb,
                                            const half* sa, const half* sb,
-                                           const uint4 (&xr)[KR][4], const uint4* xs4, int o0,
-                                           int dO, int g, int t4, float& accA, float& accB) {
+                                           const uint4 (&xr)[KR][4], const uint4* xs4,
+                                           const float* xc, int o0, int dO, int g, int t4,
+                                           float& accA, float& accB) {
   const int o = o0 + KS * dO;  // items KS .. KS + NI - 1 of the warp
   uint4 a[NI], b[NI];
   int grp[NI];
@@ -144,12 +218,23 @@ __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsign
     for (int n = 0; n < NI; ++n) {
       const uint4 xv = KS + n < KR ? xr[min(KS + n, KR - 1)][q]
                                     : xs4[x_unit(grp[n], t4 * 4 + q)];
-      half2 pa[4], pb[4];
-      dequant_word((&a[n].x)[q], pa);
-      dequant_word((&b[n].x)[q], pb);
+      uint32_t pa[4], pb[4];
+      if constexpr (G * kGroupSize <= kGvFoldMaxK) {
+        offset_word((&a[n].x)[q], pa);
+        offset_word((&b[n].x)[q], pb);
+      } else {
+        half2 ha[4], hb[4];
+        dequant_word((&a[n].x)[q], ha);
+        dequant_word((&b[n].x)[q], hb);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pa[i] = h2u(ha[i]);
+          pb[i] = h2u(hb[i]);
+        }
+      }
       // pairs 0, 1 (k 2t.., 2t+8..) -> chain 0; pairs 2, 3 -> chain 1
-      const uint32_t a0[4] = {h2u(pa[0]), h2u(pb[0]), h2u(pa[1]), h2u(pb[1])};
-      const uint32_t a1[4] = {h2u(pa[2]), h2u(pb[2]), h2u(pa[3]), h2u(pb[3])};
+      const uint32_t a0[4] = {pa[0], pb[0], pa[1], pb[1]};
+      const uint32_t a1[4] = {pa[2], pb[2], pa[3], pb[3]};
       mma_16816(d[n][0], a0, xv.x, xv.y);
       mma_16816(d[n][1], a1, xv.z, xv.w);
     }
@@ -159,8 +244,9 @@ __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsign
 #pragma unroll
     for (int n = 0; n < NI; ++n) {
       if (8 * (o + n * dO) + g < G) {
-        const float va = odd ? d[n][0][1] + d[n][1][1] : d[n][0][0] + d[n][1][0];
-        const float vb = odd ? d[n][0][3] + d[n][1][3] : d[n][0][2] + d[n][1][2];
+        const float c = G * kGroupSize <= kGvFoldMaxK ? xc[grp[n]] : 0.f;
+        const float va = (odd ? d[n][0][1] + d[n][1][1] : d[n][0][0] + d[n][1][0]) - c;
+        const float vb = (odd ? d[n][0][3] + d[n][1][3] : d[n][0][2] + d[n][1][2]) - c;
         accA = fmaf(__half2float(sa[grp[n]]), va, accA);
         accB = fmaf(__half2float(sb[grp[n]]), vb, accB);
       }
@@ -176,23 +262,24 @@ __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsign
 template <int KS, int G, int KX, int KR>
 __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsigned char* wb,
                                            const half* sa, const half* sb,
-                                           const uint4 (&xr)[KR][4], const uint4* xs4, int o0,
-                                           int o0r, int dO, int g, int t4, float& accA,
-                                           float& accB) {
+                                           const uint4 (&xr)[KR][4], const uint4* xs4,
+                                           const float* xc, int o0, int o0r, int dO, int g,
+                                           int t4, float& accA, float& accB) {
   if constexpr (KS < KX) {
     constexpr int O = (G + 7) / 8;
     const int ob = KS < KR ? o0 : o0r;
     const int nv = (O - ob + dO - 1) / dO;  // items k < nv have an octet on this base
     if constexpr (KS + 1 < KX) {
       if (nv >= KS + 2) {
-        pair_items<2, KS, G, KR>(wa, wb, sa, sb, xr, xs4, ob, dO, g, t4, accA, accB);
+        pair_items<2, KS, G, KR>(wa, wb, sa, sb, xr, xs4, xc, ob, dO, g, t4, accA, accB);
       } else if (nv == KS + 1) {
-        pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, ob, dO, g, t4, accA, accB);
+        pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, xc, ob, dO, g, t4, accA, accB);
       }
     } else if (nv > KS) {
-      pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, ob, dO, g, t4, accA, accB);
+      pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, xc, ob, dO, g, t4, accA, accB);
     }
-    warp_items<KS + 2, G, KX, KR>(wa, wb, sa, sb, xr, xs4, o0, o0r, dO, g, t4, accA, accB);
+    warp_items<KS + 2, G, KX, KR>(wa, wb, sa, sb, xr, xs4, xc, o0, o0r, dO, g, t4, accA,
+                                  accB);
   }
 }
 
@@ -226,6 +313,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   static_assert(EPI != kRope || (kHeadDim / 2) % P == 0, "a stage must not straddle two heads");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kGvMaxStages], empty_bar[kGvMaxStages];
+  __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
   __shared__ float nred[kGvConsumers];
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
@@ -237,11 +325,16 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
 
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  constexpr int kXcFloats = (G + 1) / 2 * 2;  // xc, padded for red's 8-byte alignment
   const int red_bytes = npairs * WP * 8 * 2 * 4;
-  const int stages = min(kGvMaxStages, ((int)dyn - K * 2 - red_bytes) / kStageBytes);
+  const int stages =
+      min(kGvMaxStages, ((int)dyn - K * 2 - kXcFloats * 4 - red_bytes) / kStageBytes);
   if (stages < 2) __trap();  // a launch the host must not make
   half* xs = reinterpret_cast<half*>(smem + stages * kStageBytes);
-  float* red = reinterpret_cast<float*>(xs + K);  // [npairs][WP][8 diagonal lanes][2]
+  // The diagonal lanes' sums, [WP * 8][npairs] float2: the epilogue's thread per pair reads
+  // consecutive pairs across a warp (pair-major it read 32-way bank conflicts, ~1 us a launch).
+  float* xc = reinterpret_cast<float*>(xs + K);  // [G] the groups' offset terms (offset_word)
+  float2* red = reinterpret_cast<float2*>(xc + kXcFloats);
   const uint32_t ring = smem_addr(smem);
 
   // Weight rows a(p), b(p); rows past the matrix (kResidual, odd N) are never copied.
@@ -258,21 +351,39 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
     const int n = min(P, p1 - p);
     return EPI == kRope ? min(n, kHeadDim / 2 - p % (kHeadDim / 2)) : n;
   };
+  auto epi_load = [&](int p) -> EpiIn {
+    EpiIn e{};
+    if (EPI == kResidual) {
+      e.a = __half2float(out[p]);
+      if (p + half_n < N) e.b = __half2float(out[p + half_n]);
+    } else if (EPI == kRope) {
+      const int ra = row_a(p), ps = *pos;
+      e.a = __half2float(bias[ra]);
+      e.b = __half2float(bias[row_b(p)]);
+      if (ra < kQSize + kKVSize) e.cs = rope[(size_t)ps * (kHeadDim / 2) + ra % kHeadDim];
+      if (ra >= kQSize) e.page = pages[ps / kPageTokens];
+      e.t = ps % kPageTokens;
+    }
+    return e;
+  };
 
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);  // the producer's arrive.expect_tx
       mbar_init(smem_addr(&empty_bar[s]), kGvConsumers);
     }
+    mbar_init(smem_addr(&x_bar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   pdl_trigger();  // the whole grid is resident: the next kernel may launch (and wait)
+  EpiIn epi_in{};  // consumers: the epilogue inputs of pair p0 + tid
 
   if (warp == kGvConsumers) {
     // ---- producer warp: weights and scales are constant, nothing to wait for. Lanes 0, 1
     // copy run a and run b, lanes 2, 3 their scales.
     int slot = 0, phase = 0;
+    bool x_in = false;
     for (int p = p0, i = 0; p < p1; ++i) {
       const int np = stage_len(p);
       const int r0 = lane & 1 ? row_b(p) : row_a(p);
@@ -291,6 +402,12 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         bytes = rows ? (uint32_t)((((size_t)(r0 + rows) * G + 7) & ~(size_t)7) - e0) * 2 : 0;
       }
       const uint32_t total = __reduce_add_sync(0xffffffffu, bytes);
+      if (!x_in && i >= kGvEarlyStages) {  // until x is in: stage i - kGvEarlyStages landed
+        const int j = i - kGvEarlyStages;     // (j < stages: nothing is consumed before x)
+        const uint32_t jb = smem_addr(&full_bar[j % stages]), jp = (j / stages) & 1;
+        while (!(x_in = mbar_test(smem_addr(&x_bar), 0)) && !mbar_test(jb, jp)) {
+        }
+      }
       if (i >= stages) mbar_wait(smem_addr(&empty_bar[slot]), phase ^ 1);
       const uint32_t full = smem_addr(&full_bar[slot]);
       if (lane == 0) mbar_arrive_expect_tx(full, total);
@@ -304,14 +421,25 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
     }
   } else {
     // ---- consumer warps: x -> shared memory (x_unit order; RMSNorm-ed in place if NORM).
-    pdl_wait();
     constexpr int kXVecs = K / 8, kCThreads = kGvConsumers * kWarp;
-    const uint4* x4 = reinterpret_cast<const uint4*>(x);
+    constexpr int kNV = (kXVecs + kCThreads - 1) / kCThreads;  // x vectors per thread
     uint4* xs4 = reinterpret_cast<uint4*>(xs);
+    uint4 nw[kNV];  // NORM: this thread's norm weights, loaded before the wait (constant)
+    if (NORM) {
+#pragma unroll
+      for (int u = 0; u < kNV; ++u)
+        if (tid + u * kCThreads < kXVecs)
+          nw[u] = reinterpret_cast<const uint4*>(norm_w)[tid + u * kCThreads];
+    }
+    pdl_wait();
+    const uint4* x4 = reinterpret_cast<const uint4*>(x);
     for (int v = tid; v < kXVecs; v += kCThreads)
       cp_async16(xs4 + x_unit(v / 16, v % 16), x4 + v);
+    if (tid < npairs) epi_in = epi_load(p0 + tid);
     cp_async_wait_all();
     consumer_sync();
+    if (tid == 0) mbar_arrive(smem_addr(&x_bar));
+    float rstd = 1.f;
     if (NORM) {
       const float ss = warp_sum(sum_squares(xs4, kXVecs, tid, kCThreads));
       if (lane == 0) nred[warp] = ss;
@@ -319,20 +447,34 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
       float total = 0.f;
 #pragma unroll
       for (int w = 0; w < kGvConsumers; ++w) total += nred[w];
-      const float rstd = rsqrtf(total / K + kRmsEps);
-      const uint4* w4 = reinterpret_cast<const uint4*>(norm_w);
-      for (int v = tid; v < kXVecs; v += kCThreads) {
-        uint4& xv = xs4[x_unit(v / 16, v % 16)];
-        xv = rmsnorm_vec(xv, w4[v], rstd);
-      }
-      consumer_sync();
+      rstd = rsqrtf(total / K + kRmsEps);
     }
+    // x into offset_word's form (RMSNorm-ed first if NORM) and each group's offset term: the
+    // 16 vectors of a group sit in 16 consecutive lanes.
+#pragma unroll
+    for (int u = 0; u < kNV; ++u) {
+      const int v = tid + u * kCThreads;
+      if constexpr (K <= kGvFoldMaxK) {
+        float c = 0.f;
+        if (v < kXVecs) {
+          uint4& xv = xs4[x_unit(v / 16, v % 16)];
+          xv = fold_x(NORM ? rmsnorm_vec(xv, nw[u], rstd) : xv, c);
+        }
+#pragma unroll
+        for (int m = 1; m < 16; m *= 2) c += __shfl_xor_sync(0xffffffffu, c, m);
+        if (v < kXVecs && v % 16 == 0) xc[v / 16] = c;
+      } else if (NORM && v < kXVecs) {
+        uint4& xv = xs4[x_unit(v / 16, v % 16)];
+        xv = rmsnorm_vec(xv, nw[u], rstd);
+      }
+    }
+    if constexpr (NORM || K <= kGvFoldMaxK) consumer_sync();
 
     const int g = lane / 4, t4 = lane % 4;
     const int pp = warp / WP, o0 = warp % WP;  // this warp's pair in a stage, first octet
-    // x of this lane's group in the warp's first KR octets o0, o0 + WP (of KX at most): 32
-    // registers; with two CTAs of 9 warps per SM a thread has 96.
-    constexpr int KX = (O + WP - 1) / WP, KR = KX < 2 ? KX : 2;
+    // x of this lane's group in the warp's first KR octets o0, o0 + WP, ... (of KX at most):
+    // 16 registers each; with two CTAs of 9 warps per SM a thread has 96.
+    constexpr int KX = (O + WP - 1) / WP, KR = KX < kGvXRegItems ? KX : kGvXRegItems;
     uint4 xr[KR][4];
 #pragma unroll
     for (int k = 0; k < KR; ++k) {
@@ -352,11 +494,10 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         const unsigned char* wa = st + pp * (K / 2);
         const unsigned char* wb = st + kRunBytes + pp * (K / 2);
         float accA = 0.f, accB = 0.f;
-        warp_items<0, G, KX, KR>(wa, wb, sa, sb, xr, xs4, o0, (o0 + p) % WP, WP, g, t4, accA,
-                                 accB);
+        warp_items<0, G, KX, KR>(wa, wb, sa, sb, xr, xs4, xc, o0, (o0 + p) % WP, WP, g, t4,
+                                 accA, accB);
         if (t4 == g / 2)  // the diagonal lanes' sums, unreduced (no shuffles on the way)
-          *reinterpret_cast<float2*>(red + (((p + pp - p0) * WP + o0) * 8 + g) * 2) =
-              make_float2(accA, accB);
+          red[(o0 * 8 + g) * npairs + p + pp - p0] = make_float2(accA, accB);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
@@ -372,40 +513,39 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   // ---- epilogue, one thread per pair: the warps' sums in a fixed order.
   for (int i = tid; i < npairs; i += kGvThreads) {
     const int p = p0 + i;
+    // The consumer threads loaded their first pair's inputs before the stages.
+    const EpiIn e = i == tid && warp < kGvConsumers ? epi_in : epi_load(p);
     float da = 0.f, db = 0.f;
 #pragma unroll 8
     for (int j = 0; j < WP * 8; ++j) {
-      const float2 v = *reinterpret_cast<const float2*>(red + (i * WP * 8 + j) * 2);
+      const float2 v = red[j * npairs + i];
       da += v.x;
       db += v.y;
     }
     if (EPI == kRope) {
       const int ra = row_a(p), rb = row_b(p);
-      half ha = __float2half_rn(da + __half2float(bias[ra]));
-      half hb = __float2half_rn(db + __half2float(bias[rb]));
-      const int ps = *pos;
+      half ha = __float2half_rn(da + e.a);
+      half hb = __float2half_rn(db + e.b);
       if (ra < kQSize + kKVSize) {  // q and k heads: rotate (x1, x2) = (row j, row j + D/2)
         const float x1 = __half2float(ha), x2 = __half2float(hb);
-        const float2 cs = rope[(size_t)ps * (kHeadDim / 2) + ra % kHeadDim];
-        ha = __float2half_rn(x1 * cs.x - x2 * cs.y);
-        hb = __float2half_rn(x2 * cs.x + x1 * cs.y);
+        ha = __float2half_rn(x1 * e.cs.x - x2 * e.cs.y);
+        hb = __float2half_rn(x2 * e.cs.x + x1 * e.cs.y);
       }
       if (ra < kQSize) {
         out[ra] = ha;
         out[rb] = hb;
       } else {  // k or v: rows ra, rb are dims d, d + D/2 of one kv head
         const bool is_k = ra < kQSize + kKVSize;
-        const int e = ra - kQSize - (is_k ? 0 : kKVSize), kh = e / kHeadDim, d = e % kHeadDim;
-        const int page = pages[ps / kPageTokens], t = ps % kPageTokens;
+        const int f = ra - kQSize - (is_k ? 0 : kKVSize), kh = f / kHeadDim, d = f % kHeadDim;
         half* cache = is_k ? kc : vc;
-        cache[kv_offset(page, kh, t, d)] = ha;
-        cache[kv_offset(page, kh, t, d + kHeadDim / 2)] = hb;
+        cache[kv_offset(e.page, kh, e.t, d)] = ha;
+        cache[kv_offset(e.page, kh, e.t, d + kHeadDim / 2)] = hb;
       }
     } else if (EPI == kSwiGLU) {
       out[p] = __float2half_rn(da / (1.f + __expf(-da)) * db);
     } else {
-      out[p] = __float2half_rn(__half2float(out[p]) + da);
-      if (p + half_n < N) out[p + half_n] = __float2half_rn(__half2float(out[p + half_n]) + db);
+      out[p] = __float2half_rn(e.a + da);
+      if (p + half_n < N) out[p + half_n] = __float2half_rn(e.b + db);
     }
   }
 }
