@@ -117,6 +117,7 @@ constexpr int kGvEarlyStages = 1;
 constexpr int kGroupBytes = kGroupSize / 2;
 // offset_word's form (x folded) for K up to this; above it dequant_word (see offset_word).
 constexpr int kGvFoldMaxK = 8192;
+constexpr bool gv_fold(int K) { return K <= kGvFoldMaxK; }
 // Items whose x a consumer lane keeps in registers (16 registers each); later items read it
 // from shared memory. Whole 7B step on the H200 at 513 / 8193 tokens (tools/kernel_tune.py
 // step, one run): 2 items 1585 / 1787 us (gate/up 19.36 us a launch, down 11.40), 1 item
@@ -219,7 +220,7 @@ __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsign
       const uint4 xv = KS + n < KR ? xr[min(KS + n, KR - 1)][q]
                                     : xs4[x_unit(grp[n], t4 * 4 + q)];
       uint32_t pa[4], pb[4];
-      if constexpr (G * kGroupSize <= kGvFoldMaxK) {
+      if constexpr (gv_fold(G * kGroupSize)) {
         offset_word((&a[n].x)[q], pa);
         offset_word((&b[n].x)[q], pb);
       } else {
@@ -244,7 +245,7 @@ __device__ __forceinline__ void pair_items(const unsigned char* wa, const unsign
 #pragma unroll
     for (int n = 0; n < NI; ++n) {
       if (8 * (o + n * dO) + g < G) {
-        const float c = G * kGroupSize <= kGvFoldMaxK ? xc[grp[n]] : 0.f;
+        const float c = gv_fold(G * kGroupSize) ? xc[grp[n]] : 0.f;
         const float va = (odd ? d[n][0][1] + d[n][1][1] : d[n][0][0] + d[n][1][0]) - c;
         const float vb = (odd ? d[n][0][3] + d[n][1][3] : d[n][0][2] + d[n][1][2]) - c;
         accA = fmaf(__half2float(sa[grp[n]]), va, accA);
@@ -454,7 +455,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
 #pragma unroll
     for (int u = 0; u < kNV; ++u) {
       const int v = tid + u * kCThreads;
-      if constexpr (K <= kGvFoldMaxK) {
+      if constexpr (gv_fold(K)) {
         float c = 0.f;
         if (v < kXVecs) {
           uint4& xv = xs4[x_unit(v / 16, v % 16)];
@@ -468,7 +469,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         xv = rmsnorm_vec(xv, nw[u], rstd);
       }
     }
-    if constexpr (NORM || K <= kGvFoldMaxK) consumer_sync();
+    if constexpr (NORM || gv_fold(K)) consumer_sync();
 
     const int g = lane / 4, t4 = lane % 4;
     const int pp = warp / WP, o0 = warp % WP;  // this warp's pair in a stage, first octet
