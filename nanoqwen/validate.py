@@ -242,8 +242,9 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     from .cuda import jit
 
     S = jit.ATTN_SPLITS
-    # Single-page and page-edge lengths (one split), then the multi-split merge (ceil(L / 16 / 4)
-    # splits, capped); a last page holding a single valid token at 17, 33, 129, 4097, 8193.
+    # Single-page and page-edge lengths (one cluster, ranks without pages up to 111), then the
+    # merge over clusters (ceil(L / 16 / 128) of them, capped: 4097 and 8193); a last page
+    # holding a single valid token at 17, 33, 129, 4097, 8193.
     lengths = (1, 16, 17, 33, 111, 129, 1000, 4097, 8193)
     apages = -(-max(lengths) // PAGE) + 7
     acache = (apages, PAGE, hkv, d)

@@ -46,11 +46,14 @@ KERNEL_DIR = Path(__file__).resolve().parent.parent / "kernels"
 HEADER_NAME = "nanoqwen_model.h"
 # Fixed decode-engine constants shared by Python and the kernels (one home: here).
 PAGE_TOKENS = 16  # tokens per KV page
-# Flash-decoding splits along the sequence: the attention grid is (kv heads, ATTN_SPLITS). 64 lets
-# the 2-kv-head models (0.5B/1.5B/3B) fill ~128 of the 132 SMs and runs 7B at ~2 CTAs per SM
-# (more bytes in flight) at long context; the kernel uses min(64, ceil(pages / 4)) of them.
+# Flash-decoding splits along the sequence: the attention grid is (kv heads, <= ATTN_SPLITS), in
+# clusters of ATTN_CLUSTER splits; the kernel uses as many clusters as the context needs (at
+# least 8 x 16 pages each: decode_attention.cu).
 ATTN_SPLITS = 64
 ATTN_STAGES = 12  # decode attention's K/V ring: pages in flight per CTA (3 per consumer warp)
+# CTAs of one kv head that merge their partials through distributed shared memory (a thread
+# block cluster along the splits): ATTN_SPLITS and the launch's split count are multiples of it.
+ATTN_CLUSTER = 8
 
 
 def _nvrtc_version() -> str:
@@ -92,6 +95,7 @@ def model_header(config: ModelConfig | None) -> str:
         f"constexpr int kPageTokens = {PAGE_TOKENS};",
         f"constexpr int kAttnSplits = {ATTN_SPLITS};",
         f"constexpr int kAttnStages = {ATTN_STAGES};",
+        f"constexpr int kAttnCluster = {ATTN_CLUSTER};",
         f"constexpr int kGroupSize = {GROUP_SIZE};",
     ]
     if config is not None:

@@ -33,13 +33,17 @@ GEMV_CTAS_PER_SM = 2
 # between overlapping (PDL) kernels: percent of 228 KB; 100 -> two GEMV CTAs per SM (the
 # register-fed GEMV before them preferred 71: it needed L1 for its scale loads).
 SMEM_CARVEOUT = 100
-CTAS_PER_SM = 4  # lm_head's persistent grid: at most this many CTAs per SM
 MISC_THREADS = 256  # kMiscThreads (decode_misc.cu)
-LM_THREADS = 128  # kLmWarps * 32
-LM_ROWS = 2  # kLmRows
+LM_WARPS = 8  # kLmWarps: lm_head runs one CTA of 8 warps an SM
+LM_MAX_SLOTS = 4  # kLmMaxSlots
+# lm_head's shared memory: each warp gets as many whole-row slots (rows in flight) as fit.
+LM_RING = 200 * 1024
 SAMPLE_THREADS = 1024  # kSampleThreads
 ATTN_THREADS = 160  # kAttnThreads: 4 consumer warps + 1 producer warp (decode_attention.cu)
-ATTN_CTAS = 256  # attention grid target at long context: ~2 CTAs per SM (bytes in flight)
+# Attention grid target at long context: one CTA per SM. 256 (two a SM, more bytes in flight)
+# was faster with one CTA per split, but 32 clusters of 8 do not all fit at once (7B step at
+# 32705 tokens 2299 us against 2073; decode_attention.cu).
+ATTN_CTAS = 128
 
 # Decode state words (decode_misc.cu: enum StateWord).
 S_TOKEN, S_POS, S_STEP, S_MAX_NEW, S_DONE = 0, 1, 2, 3, 4
@@ -119,17 +123,14 @@ class DecodeKernels:
             step = [v[0] for v in self._gemv.values()]
             for kern in step + [self._embed, self._lm, self._sample, self._attn]:
                 gpu.set_smem_carveout(kern, SMEM_CARVEOUT)
-        self._lm_ctas = self._resident(self._lm, LM_THREADS)
+        row = config.hidden_size * 2
+        self._lm_smem = LM_WARPS * min(LM_MAX_SLOTS, LM_RING // (LM_WARPS * row)) * row
+        gpu.set_max_dynamic_smem(self._lm, self._lm_smem)
         self.trace: list[Launch] | None = None  # set to a list to record every launch
 
     @staticmethod
     def _per_sm(kernel, threads: int, smem: int = 0) -> int:
         return max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(threads, smem))
-
-    def _resident(self, kernel, threads: int) -> int:
-        """CTAs of `kernel` that are resident at once (at most CTAS_PER_SM per SM): the size of
-        its persistent grid, so that no CTA waits for a second wave."""
-        return min(self._per_sm(kernel, threads), CTAS_PER_SM) * self.gpu.num_sms
 
     def _go(self, kernel, grid, block, *args, stream=None, label="", nbytes=0, per_token=0,
             smem=0) -> None:  # fmt: skip
@@ -206,7 +207,8 @@ class DecodeKernels:
         counters int32 [n_kv] (zeroed once; every launch leaves it zero); out fp16 [n_heads, D].
         """
         c = self.config
-        splits = max(1, min(jit.ATTN_SPLITS, ATTN_CTAS // c.num_kv_heads))  # fixed per model
+        cl = jit.ATTN_CLUSTER  # fixed per model: whole clusters of splits
+        splits = max(cl, min(jit.ATTN_SPLITS, ATTN_CTAS // c.num_kv_heads) // cl * cl)
         self._go(self._attn, (c.num_kv_heads, splits, 1), ATTN_THREADS, q, kc, vc, pages, pos,
                  part_ml, part_acc, counters, out, stream=stream, label="attention",
                  per_token=c.kv_size * 2 * 2, smem=self._attn_smem)  # fmt: skip
@@ -214,12 +216,12 @@ class DecodeKernels:
     def lm_head(self, x, norm_w, w, logits, key, stream=None, rows: int | None = None) -> None:
         """x fp16 [H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H]; logits fp32 [V];
         key uint64* (atomicMax of the (logit, -id) key; zero before first use).
-        rows: only the first `rows` (even) rows of w (the unit tests' small vocabularies)."""
+        rows: only the first `rows` rows of w (the unit tests' small vocabularies)."""
         v = self.config.vocab_size if rows is None else rows
-        ctas = min(-(-(v // LM_ROWS) // (LM_THREADS // 32)), self._lm_ctas)
-        self._go(self._lm, (ctas, 1, 1), LM_THREADS, x, norm_w, w, logits, key, _I32(v),
-                 stream=stream, label="lm_head",
-                 nbytes=v * self.config.hidden_size * 2)  # fmt: skip
+        ctas = min(-(-v // LM_WARPS), self.gpu.num_sms)
+        self._go(self._lm, (ctas, 1, 1), LM_WARPS * 32, x, norm_w, w, logits, key, _I32(v),
+                 stream=stream, label="lm_head", nbytes=v * self.config.hidden_size * 2,
+                 smem=self._lm_smem)  # fmt: skip
 
     def sample(self, logits, key, state, ring, host_ring, cancel, cond, stream=None) -> None:
         """Pick the next token, advance state (int32 [STATE_WORDS]), write ring[step] (device

@@ -1,12 +1,13 @@
 // decode_attention.cu: paged GQA decode attention (flash-decoding), warp-specialized: one
 // producer warp streams K/V pages into shared memory with Hopper's bulk async copy
 // (cp.async.bulk ... mbarrier::complete_tx), four consumer warps run QK^T and PV on mma.sync
-// with an fp32 online softmax, and the split-combine is folded in (last-CTA semaphore).
+// with an fp32 online softmax, and the split-combine is folded in (a cluster merge through
+// distributed shared memory, then a last-cluster semaphore).
 //
-// attn_decode: grid (kKVHeads, S) with S <= kAttnSplits fixed per model (kernels.py: S =
-// min(kAttnSplits, 256 / kKVHeads)), block kAttnThreads = 5 warps, the K/V ring in dynamic
-// shared memory (kAttnStages pages: 96 KB at D = 128, 48 KB at D = 64; two CTAs per SM at
-// D = 128), <= 136 registers.
+// attn_decode: grid (kKVHeads, S) in clusters of (1, kAttnCluster, 1), S <= kAttnSplits a
+// multiple of kAttnCluster fixed per model (kernels.py: S = min(kAttnSplits, 128 / kKVHeads)
+// rounded down to whole clusters), block kAttnThreads = 5 warps, the K/V ring in dynamic
+// shared memory (kAttnStages pages: 96 KB at D = 128, 48 KB at D = 64), <= 136 registers.
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [kHeads, kHeadDim]             query of the current token, RoPE applied
@@ -14,31 +15,34 @@
 //             kPageTokens x kHeadDim per page and kv head). Pages are fully allocated.
 //   pages     int32 [max_pages]                     logical page -> physical page
 //   pos       int32 *                               current position; L = *pos + 1 tokens valid
-//   part_ml   fp32  [kHeads, kAttnSplits, 2]        scratch: per split (max m in log2 units, l)
-//   part_acc  fp32  [kHeads, kAttnSplits, kHeadDim] scratch: per split unnormalized sum p * v
+//   part_ml   fp32  [kHeads, kAttnSplits, 2]        scratch: per cluster (max m in log2 units, l)
+//   part_acc  fp32  [kHeads, kAttnSplits, kHeadDim] scratch: per cluster unnormalized sum p * v
 //   counters  int32 [kKVHeads]                      zero before the first launch; every launch
 //             leaves them zero again (so a captured graph replays)
 //   out       fp16  [kHeads, kHeadDim] = softmax(q k^T / sqrt(D)) v; query head h reads kv head
 //             h / kGroupRatio
 //
-// Splits. P = ceil(L / 16) pages are cut into nsplit = min(S, ceil(P / kAttnMinPages)) ranges
-// of whole pages, balanced (split s owns pages [s * P / nsplit, (s + 1) * P / nsplit)), so the
-// split size follows L at run time while the grid keeps its shape (it is captured in a graph).
-// CTAs with split >= nsplit exit at once (no partials, no counter traffic). Four pages per
-// split at least: after the q/k/v GEMV a CTA then has little left to do (its pages before the
-// current token's were copied before the wait), which is what the decode step waits for. Whole
-// 7B step on the H200 (tools/kernel_tune.py step) at 513 / 1025 / 2049 tokens: 4 pages 1.85 /
-// 1.87 / 1.90 ms, 2 pages 1.86 / 1.89 / 1.94, 1 page 1.89 / 1.93 / 1.94; with 8 (and the
-// one-copy-per-row ring before) 2.13 ms at 513 against 2.00 with 2. nsplit == 1
-// writes `out` directly. Otherwise each CTA writes its partial per query head and bumps
-// counters[kv head] (one acq_rel atomic after a CTA barrier: no per-thread fence); the CTA
-// that arrives last merges the nsplit partials of its kGroupRatio query heads, writes `out`,
-// and resets the counter to 0. The merge reads each split's (m, l) with its partial sums and
-// rescales online, so a batch of splits costs one L2 round trip (before: two fences, then the
-// split weights, then the sums). Inside the 7B step on the H200 (a globaltimer stamp per CTA)
-// the merge had taken 3.7 us of the ~8 us attention at 513 tokens; per launch (tools/
-// kernel_tune.py step) 5.1 -> 4.56 us at 513 tokens, 11.7 -> 12.2 at 8193 (64 splits: each
-// thread's 64 exp2 outweigh the round trips saved).
+// Splits. P = ceil(L / 16) pages are cut into ncl = min(S / C, ceil(P / (C kAttnMinPages)))
+// ranges of whole pages, one per cluster of C = kAttnCluster CTAs (grid y = S / C clusters of
+// (1, C, 1)), and each cluster's range into C balanced sub-ranges (cluster c owns pages
+// [c P / ncl, (c + 1) P / ncl), rank k the k-th C-th of that, possibly empty), so the split
+// size follows L at run time while the grid keeps its shape (it is captured in a graph).
+// Clusters with c >= ncl exit at once. Each CTA merges its warps, then the ranks of a cluster
+// merge through distributed shared memory (a cluster barrier; rank k reads column slice k of
+// every rank's partial); with ncl == 1 that writes `out`. Otherwise each cluster writes its
+// partial per query head and rank 0 bumps counters[kv head] (one acq_rel atomic after the
+// cluster barrier); rank 0 of the cluster that arrives last merges the ncl partials, writes
+// `out`, and resets the counter to 0, reading each cluster's (m, l) with its partial sums and
+// rescaling online (a batch of clusters costs one L2 round trip).
+// Whole 7B step on the H200 (tools/kernel_tune.py step, 2026-11-30) at 513 / 8193 / 32705
+// tokens: before the clusters (splits of >= 4 pages, 256 CTAs, the last CTA merging up to 64
+// partials from L2) 1615 / 1803 / 2136 us; clusters of 8 with >= 16 pages a CTA on 128 CTAs
+// 1589 / 1736 / 2073 (attention 4.56 -> 3.87 us a launch at 513: the merge had taken 3.7 us of
+// ~8 inside the step, globaltimer stamps; 12.2 -> 8.6 at 8193). Same clusters on 256 CTAs:
+// 8193 / 32705 at 1725 / 2299 (32 clusters of 8 do not all fit at once); >= 8 pages a CTA:
+// 8193 at 1861; >= 32: 1740; clusters of 4 (>= 16 pages): 1612 at 513, 1733 at 8193; of 2:
+// 1669 / 1770. Earlier, one CTA per split (the one-copy-per-row ring): 4 pages 1.85 ms at 513
+// tokens against 1.86 with 2, 1.89 with 1.
 //
 // Pipeline. One stage = one page of one kv head: its K tile and its V tile, one 1-D bulk copy
 // each (producer lanes 0 and 1; 4 KB each at D = 128), both completing on the stage's "full"
@@ -55,13 +59,9 @@
 // finer grain than big ones for the same bytes. The pages before the current token's are
 // copied before griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV (whole
 // decode step on the H200, against waiting first: 2.44 -> 2.42 ms at 513 tokens of context,
-// 2.86 -> 2.79 ms at 8193; tools/kernel_tune.py step). At long context 7B (4 kv heads x 64
-// splits) and 14B/32B (8 x 32) run 256 CTAs, about 2 per SM and ~192 KB in flight per SM;
-// the 2-kv-head models 128 CTAs (2 x 64). At 32k context a CTA streams 256 KB (64 splits) or
-// 512 KB (14B/32B: 32 splits); the last CTA's merge then reads nsplit x kGroupRatio x
-// (kHeadDim + 2) fp32 from L2 (233 KB for 7B), kAttnMergeLoads loads in flight per thread
-// (whole 7B step on the H200 at 513 / 2049 / 8193 / 32705 tokens: 8 loads 1.852 / 1.906 /
-// 2.036 / 2.350 ms, 16 loads 1.841 / 1.886 / 2.003 / 2.320).
+// 2.86 -> 2.79 ms at 8193; tools/kernel_tune.py step). At long context every model runs 128
+// CTAs (kernels.py ATTN_CTAS: 7B 4 kv heads x 32 splits), one per SM with 96 KB in flight; at
+// 32k a 7B CTA streams 512 KB.
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
@@ -77,8 +77,9 @@
 //
 // Epilogue. __syncthreads (all 5 warps: the ring is drained), the consumers park (m, l, o) in
 // shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps, then the
-// split logic above. Every thread of a CTA reaches every __syncthreads: the only early exits
-// (empty split, nsplit == 1 done, not the last CTA) are uniform over the CTA.
+// split logic above. Every thread of a cluster reaches every cluster barrier and every thread
+// of a CTA every __syncthreads: the early exits (an empty cluster, ncl == 1 done, not rank 0,
+// not the last cluster) are uniform over the cluster or come after its last barrier.
 #include "common.cuh"
 #include "kv_cache.cuh"
 
@@ -88,7 +89,7 @@ constexpr int kAttnThreads = kAttnWarps * kWarp;  // 160 (kernels.py ATTN_THREAD
 // kAttnStages (ring depth, one page per stage) comes from the generated header: the launch
 // passes the ring as dynamic shared memory (kernels.py computes the same size).
 constexpr int kAttnMergeLoads = 16;  // the merge's independent partial loads per thread
-constexpr int kAttnMinPages = 4;                  // a split owns at least this many pages
+constexpr int kAttnMinPages = 16;  // a cluster owns at least kAttnCluster x this many pages
 constexpr int kAttnTileH = kPageTokens * kHeadDim;  // one page of K (or V) of one kv head
 constexpr int kAttnStageH = 2 * kAttnTileH;          // K tile then V tile
 constexpr int kAttnRingBytes = kAttnStages * kAttnStageH * 2;
@@ -109,10 +110,16 @@ static_assert(kAttnStageTx < (1u << 20), "mbarrier tx-count range");
 // older phase.
 static_assert(kAttnStages % kAttnConsumers == 0, "one consumer warp per ring slot");
 static_assert(kAttnStages >= 2 * kAttnConsumers, "each consumer keeps its next page in flight");
-// Epilogue scratch (aliases the drained ring): per consumer warp o[G][kAttnScrRow], m[G], l[G].
+// Epilogue scratch (aliases the drained ring): per consumer warp o[G][kAttnScrRow], m[G], l[G];
+// then the CTA's partial for its cluster: acc[G][kHeadDim], (m, l)[G].
 constexpr int kAttnScrO = kAttnConsumers * kGroupRatio * kAttnScrRow;
 constexpr int kAttnScrFloats = kAttnScrO + 2 * kAttnConsumers * kGroupRatio;
-static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
+constexpr int kAttnPartFloats = kGroupRatio * kHeadDim + 2 * kGroupRatio;
+static_assert((kAttnScrFloats + kAttnPartFloats) * 4 <= kAttnRingBytes,
+              "epilogue scratch must fit in the ring");
+static_assert(kAttnScrFloats % 2 == 0 && (kGroupRatio * kHeadDim) % 2 == 0, "float2 (m, l)");
+static_assert(kHeadDim % kAttnCluster == 0, "each rank of a cluster merges whole columns");
+static_assert(kAttnSplits % kAttnCluster == 0, "the splits come in whole clusters");
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
 // m16n8k16 (fp16 in, fp32 accumulate) with A rows 8..15 zero: only the row-(lane / 4)
@@ -126,6 +133,29 @@ __device__ __forceinline__ void mma_top(float& c0, float& c1, uint32_t a0, uint3
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(0.f),
         "f"(0.f));
 }
+// Distributed shared memory: `addr` (this CTA's shared window) in cluster rank `rank`'s.
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ float ld_cluster(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ float2 ld_cluster2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr)
+               : "memory");
+  return v;
+}
+// Every thread of the cluster: what each wrote before (shared or global memory) is visible to
+// all of them after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
 // 2^x; ex2.approx(-inf) = +0, which the masking and empty-state logic rely on.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -134,7 +164,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
 }
 }  // namespace attn
 
-extern "C" __global__ void __launch_bounds__(kAttnThreads, 3)
+extern "C" __global__ void __launch_bounds__(kAttnThreads, 3) __cluster_dims__(1, kAttnCluster, 1)
 attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,
             const int* __restrict__ pages, const int* pos, float* part_ml, float* part_acc,
             int* counters, half* __restrict__ out) {
@@ -143,7 +173,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   __shared__ __align__(8) unsigned long long full_bar[kAttnStages], empty_bar[kAttnStages];
   __shared__ int sm_last;
 
-  const int kvh = blockIdx.x, split = blockIdx.y;
+  // Cluster cl of this kv head; rank = %cluster_ctarank for clusters of (1, kAttnCluster, 1).
+  const int kvh = blockIdx.x, cl = blockIdx.y / kAttnCluster, rank = blockIdx.y % kAttnCluster;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const uint32_t ring_s = smem_addr(ring);
   if (tid == 0) {
@@ -162,11 +193,15 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   pdl_trigger();
   const int L = *pos + 1;
   const int P = (L + kPageTokens - 1) / kPageTokens;
-  const int max_splits = min((int)gridDim.y, kAttnSplits);  // grid y: the launch's split cap
-  const int nsplit = min(max_splits, (P + kAttnMinPages - 1) / kAttnMinPages);
-  if (split >= nsplit) return;  // uniform over the CTA: an empty split
-  const int pb = split * P / nsplit, pe = (split + 1) * P / nsplit;  // >= 1 page (nsplit <= P)
-  const int npages = pe - pb;
+  // grid y: the launch's split cap; a cluster covers kAttnCluster * kAttnMinPages pages at least
+  constexpr int kClusterPages = kAttnCluster * kAttnMinPages;
+  const int max_cl = min((int)gridDim.y, kAttnSplits) / kAttnCluster;
+  const int ncl = min(max_cl, (P + kClusterPages - 1) / kClusterPages);
+  if (cl >= ncl) return;  // uniform over the cluster: an empty one
+  const int cb = cl * P / ncl, ce = (cl + 1) * P / ncl;  // >= 1 page (ncl <= P)
+  const int pb = cb + rank * (ce - cb) / kAttnCluster;
+  const int pe = cb + (rank + 1) * (ce - cb) / kAttnCluster;
+  const int npages = pe - pb;  // 0 when the cluster has fewer pages than ranks
 
   // Consumer state (warps 0..3): row r = lane / 4 of the mma tiles is query head kvh * G + r.
   const int r = lane >> 2, c = lane & 3;
@@ -304,35 +339,69 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     }
   }
   __syncthreads();
+  float* cta_acc = scr_l + kAttnConsumers * G;                         // [G][D]
+  float2* cta_ml = reinterpret_cast<float2*>(cta_acc + G * D);         // [G]
   for (int idx = tid; idx < G * D; idx += kAttnThreads) {
     const int g = idx / D, d = idx % D;
-    float mx = neg_inf();
+    // A finite floor: a CTA without pages (all m = -inf) then weighs its warps 2^-inf = 0
+    // and passes on m = -1e30, l = 0, acc = 0, which the cluster merge weighs 0 in turn.
+    float mx = -1e30f;
 #pragma unroll
     for (int w = 0; w < kAttnConsumers; ++w) mx = fmaxf(mx, scr_m[w * G + g]);
     float lsum = 0.f, a = 0.f;
 #pragma unroll
     for (int w = 0; w < kAttnConsumers; ++w) {
-      const float cw = attn::fast_exp2(scr_m[w * G + g] - mx);  // mx finite: the CTA had tokens
+      const float cw = attn::fast_exp2(scr_m[w * G + g] - mx);
       lsum = fmaf(scr_l[w * G + g], cw, lsum);
       a = fmaf(scr_o[(w * G + g) * kAttnScrRow + d], cw, a);
     }
-    const int hq = kvh * G + g;
-    if (nsplit == 1) {
+    cta_acc[g * D + d] = a;
+    if (d == 0) cta_ml[g] = make_float2(mx, lsum);
+  }
+
+  // ---- cluster merge: rank k takes columns [k, k + 1) * D / kAttnCluster of every query head
+  // from the cluster's partials in distributed shared memory. With one cluster it writes `out`;
+  // else the cluster's partial (slot cl), and the last cluster of the kv head merges below.
+  attn::cluster_sync();  // every rank's partial is in its shared memory
+  constexpr int kCols = D / kAttnCluster;
+  const uint32_t acc_s = smem_addr(cta_acc), ml_s = smem_addr(cta_ml);
+  for (int idx = tid; idx < G * kCols; idx += kAttnThreads) {
+    const int g = idx / kCols, d = rank * kCols + idx % kCols, hq = kvh * G + g;
+    float2 ml[kAttnCluster];
+    float v[kAttnCluster];
+#pragma unroll
+    for (int k = 0; k < kAttnCluster; ++k) {
+      ml[k] = attn::ld_cluster2(attn::map_rank(ml_s + g * 8, k));
+      v[k] = attn::ld_cluster(attn::map_rank(acc_s + (g * D + d) * 4, k));
+    }
+    float mx = ml[0].x;
+#pragma unroll
+    for (int k = 1; k < kAttnCluster; ++k) mx = fmaxf(mx, ml[k].x);
+    float lsum = 0.f, a = 0.f;
+#pragma unroll
+    for (int k = 0; k < kAttnCluster; ++k) {
+      const float w = attn::fast_exp2(ml[k].x - mx);
+      lsum = fmaf(ml[k].y, w, lsum);
+      a = fmaf(v[k], w, a);
+    }
+    if (ncl == 1) {
       out[hq * D + d] = __float2half_rn(a / lsum);
     } else {
-      part_acc[((size_t)hq * kAttnSplits + split) * D + d] = a;
+      part_acc[((size_t)hq * kAttnSplits + cl) * D + d] = a;
       if (d == 0)
-        *reinterpret_cast<float2*>(part_ml + (hq * kAttnSplits + split) * 2) =
+        *reinterpret_cast<float2*>(part_ml + (hq * kAttnSplits + cl) * 2) =
             make_float2(mx, lsum);
     }
   }
-  if (nsplit == 1) return;
+  // No rank leaves while others read its shared memory; orders every rank's cluster partial
+  // before rank 0's release below.
+  attn::cluster_sync();
+  if (ncl == 1 || rank != 0) return;  // uniform over the CTA
 
-  // ---- split-K semaphore: the last CTA of this kv head merges the nsplit partials. The
-  // barrier orders every thread's partials before thread 0's release; its acquire (and the
-  // barrier after it) orders the other CTAs' partials before this CTA's loads.
-  __syncthreads();
-  if (tid == 0) sm_last = atom_add_acq_rel(&counters[kvh], 1) == nsplit - 1;
+  // ---- semaphore over the clusters: rank 0 of the last cluster of this kv head merges the
+  // ncl cluster partials; its acquire (and the barrier after it) orders the other clusters'
+  // partials before its loads.
+  if (tid == 0) sm_last = atom_add_acq_rel(&counters[kvh], 1) == ncl - 1;
   __syncthreads();
   if (!sm_last) return;  // uniform
   // out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s: per output element,
@@ -346,16 +415,16 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
                         (size_t)hq * kAttnSplits * kD4 + d4;
     float mx = neg_inf(), lsum = 0.f;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < nsplit; s += kAttnMergeLoads) {
+    for (int s = 0; s < ncl; s += kAttnMergeLoads) {
       float2 m[kAttnMergeLoads];
       float4 v[kAttnMergeLoads];
 #pragma unroll
       for (int u = 0; u < kAttnMergeLoads; ++u) {
-        const bool in = s + u < nsplit;
+        const bool in = s + u < ncl;
         m[u] = in ? __ldcg(ml + s + u) : make_float2(neg_inf(), 0.f);
         v[u] = in ? __ldcg(src + (size_t)(s + u) * kD4) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      float bm = mx;  // finite from the first batch on: every split has a token
+      float bm = mx;  // finite from the first batch on: every cluster has a token
 #pragma unroll
       for (int u = 0; u < kAttnMergeLoads; ++u) bm = fmaxf(bm, m[u].x);
       const float r = attn::fast_exp2(mx - bm);  // 0 on the first batch (mx = -inf)

@@ -13,9 +13,10 @@
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
 
 constexpr int kMiscThreads = 256;
-constexpr int kLmWarps = 4;
-constexpr int kLmRows = 2;      // rows per warp tile
-constexpr int kLmUnroll = 4;    // 16-byte loads per row per lane in flight
+// lm_head: warps per CTA (one CTA an SM), and the most rows in flight per warp (its shared slots;
+// the launch's dynamic shared memory sets how many: kernels.py LM_RING).
+constexpr int kLmWarps = 8;
+constexpr int kLmMaxSlots = 4;
 constexpr int kSampleThreads = 1024;
 constexpr int kSearchIters = 32;  // bisection steps for the top-k / top-p thresholds
 
@@ -129,97 +130,107 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
 
 // logits fp32 [V] = W fp16 [V, kHidden] @ rmsnorm(x) * norm_w, and *key = max over rows of
 // argmax_key(logit, row) (the caller zeroes *key before the first use; sample_finish re-zeroes).
-// x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows (V % kLmRows == 0). Persistent grid: a
-// warp walks a flat sequence of batches (kLmRows rows x kLmUnroll 16-byte vectors per lane)
-// over its tiles and keeps the next batch in flight while it computes the current one; the
-// first batch is loaded before griddepcontrol.wait (the weights do not depend on x).
-struct LmBatch {
-  uint4 w[kLmRows][kLmUnroll];
-};
-
-extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp)
+// x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows. Persistent grid of at most one CTA an SM;
+// warp j of the grid takes rows j, j + warps, ... Each warp streams its own rows: lane 0 copies
+// a whole row (one bulk copy, kHidden * 2 bytes) into the next of the warp's slots in dynamic
+// shared memory (slots = dynamic size / (kLmWarps * row bytes)), so its next rows are in flight
+// while it dots the current one; the first ones are requested before griddepcontrol.wait (the
+// weights do not depend on x). Every warp loads all of x into registers (kHidden / 256 vectors
+// a lane) and RMS-normalizes it itself: no block barrier before the first row.
+// On the H200, inside the 7B step (tools/kernel_tune.py step, 2026-11-30): register-fed warps
+// (each lane 2 rows x 4 16-byte loads in flight, 4 CTAs of 4 warps an SM) 284.7 us per launch
+// (3.83 TB/s), 8 loads 270.3 (154 registers, 3 CTAs an SM).
+extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp, 1)
 lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
-               const uint4* __restrict__ w, float* __restrict__ logits,
+               const half* __restrict__ w, float* __restrict__ logits,
                unsigned long long* key, int V) {
   constexpr int kVecs = kHidden / 8;  // 16-byte vectors per row
-  constexpr int kIters = (kVecs + kWarp - 1) / kWarp;
-  __shared__ __align__(16) uint4 xs[kVecs];
-  __shared__ float red[kLmWarps];
+  constexpr int kPer = (kVecs + kWarp - 1) / kWarp;  // of them per lane
+  constexpr uint32_t kRowBytes = kHidden * 2;
+  static_assert(kRowBytes % 16 == 0, "bulk copies move 16-byte units");
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ __align__(8) unsigned long long full[kLmWarps][kLmMaxSlots];
   __shared__ unsigned long long best_s[kLmWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int tiles = V / kLmRows, tile_step = gridDim.x * kLmWarps;
-
-  auto load = [&](LmBatch& b, int tile, int j0) {
-#pragma unroll
-    for (int r = 0; r < kLmRows; ++r)
-#pragma unroll
-      for (int u = 0; u < kLmUnroll; ++u) {
-        const int c = (j0 + u) * kWarp + lane;
-        b.w[r][u] = (j0 + u < kIters && c < kVecs)
-                        ? __ldg(w + (size_t)(tile * kLmRows + r) * kVecs + c)
-                        : make_uint4(0, 0, 0, 0);
-      }
+  unsigned dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  const int slots = min(kLmMaxSlots, (int)(dyn / (kLmWarps * kRowBytes)));
+  if (slots < 1) __trap();  // a launch the host must not make
+  const int nw = gridDim.x * kLmWarps, row0 = blockIdx.x * kLmWarps + warp;
+  const uint32_t ring_s = smem_addr(ring) + warp * slots * kRowBytes;
+  if (lane == 0) {
+    for (int k = 0; k < slots; ++k) mbar_init(smem_addr(&full[warp][k]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  // Row number k of this warp (row0 + k * nw) into slot k % slots.
+  auto request = [&](int k) {
+    const int row = row0 + k * nw;
+    if (lane == 0 && row < V) {
+      const uint32_t bar = smem_addr(&full[warp][k % slots]);
+      mbar_arrive_expect_tx(bar, kRowBytes);
+      bulk_g2s(ring_s + (k % slots) * kRowBytes, w + (size_t)row * kHidden, kRowBytes, bar);
+    }
   };
-  int tile = blockIdx.x * kLmWarps + warp, j0 = 0;
-  LmBatch cur, nxt;
-  if (tile < tiles) load(cur, tile, 0);
+  for (int k = 0; k < slots; ++k) request(k);
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  const uint4* nw4 = reinterpret_cast<const uint4*>(norm_w);
+  uint4 xr[kPer], gw[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int c = j * kWarp + lane;
+    gw[j] = c < kVecs ? nw4[c] : make_uint4(0, 0, 0, 0);
+  }
   pdl_wait();
   pdl_trigger();
-  // x -> shared memory (all copies in flight), then RMSNorm in place.
-  for (int v = threadIdx.x; v < kVecs; v += blockDim.x) cp_async16(xs + v, x + 8 * v);
-  cp_async_wait_all();
-  __syncthreads();
-  const float ss = sum_squares(xs, kVecs, threadIdx.x, blockDim.x);
-  const float rstd = rsqrtf(block_sum<kLmWarps>(ss, red) / kHidden + kRmsEps);
-  apply_rmsnorm(xs, reinterpret_cast<const uint4*>(norm_w), rstd, kVecs, threadIdx.x, blockDim.x);
-  __syncthreads();
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int c = j * kWarp + lane;
+    xr[j] = c < kVecs ? x4[c] : make_uint4(0, 0, 0, 0);
+    const half2* h = reinterpret_cast<const half2*>(&xr[j]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(h[i]);
+      ss += f.x * f.x + f.y * f.y;
+    }
+  }
+  const float rstd = rsqrtf(warp_sum(ss) / kHidden + kRmsEps);
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) xr[j] = rmsnorm_vec(xr[j], gw[j], rstd);
 
   unsigned long long best = 0;
-  float acc[kLmRows] = {};
-  while (tile < tiles) {  // warp-uniform
-    int ntile = tile, nj0 = j0 + kLmUnroll;
-    if (nj0 >= kIters) {
-      ntile += tile_step;
-      nj0 = 0;
-    }
-    if (ntile < tiles) load(nxt, ntile, nj0);
+  for (int k = 0, row = row0; row < V; ++k, row += nw) {
+    const int slot = k % slots;
+    mbar_wait(smem_addr(&full[warp][slot]), (k / slots) & 1);
+    const uint4* wr = reinterpret_cast<const uint4*>(ring + (warp * slots + slot) * kRowBytes);
+    float acc = 0.f;
 #pragma unroll
-    for (int u = 0; u < kLmUnroll; ++u) {
-      const int c = (j0 + u) * kWarp + lane;
-      if (j0 + u < kIters && c < kVecs) {
-        const uint4 xv = xs[c];
-        const half2* x2 = reinterpret_cast<const half2*>(&xv);
+    for (int j = 0; j < kPer; ++j) {
+      const int c = j * kWarp + lane;
+      if (c < kVecs) {
+        const uint4 wv = wr[c];
+        const half2* w2 = reinterpret_cast<const half2*>(&wv);
+        const half2* x2 = reinterpret_cast<const half2*>(&xr[j]);
 #pragma unroll
-        for (int r = 0; r < kLmRows; ++r) {
-          const half2* w2 = reinterpret_cast<const half2*>(&cur.w[r][u]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 a = __half22float2(w2[i]), b = __half22float2(x2[i]);
-            acc[r] = fmaf(a.x, b.x, fmaf(a.y, b.y, acc[r]));
-          }
+        for (int i = 0; i < 4; ++i) {
+          const float2 a = __half22float2(w2[i]), b = __half22float2(x2[i]);
+          acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
         }
       }
     }
-    if (ntile != tile) {
-#pragma unroll
-      for (int r = 0; r < kLmRows; ++r) {
-        const float v = warp_sum(acc[r]);
-        acc[r] = 0.f;
-        const int n = tile * kLmRows + r;
-        if (lane == 0) logits[n] = v;
-        const unsigned long long k = argmax_key(v, n);
-        best = k > best ? k : best;
-      }
-    }
-    cur = nxt;
-    tile = ntile;
-    j0 = nj0;
+    __syncwarp();  // every lane has read the slot: its next row may land there
+    if (lane == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    request(k + slots);
+    const float v = warp_sum(acc);
+    if (lane == 0) logits[row] = v;
+    const unsigned long long kk = argmax_key(v, row);
+    best = kk > best ? kk : best;
   }
   if (lane == 0) best_s[warp] = best;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int i = 1; i < kLmWarps; ++i) best = best_s[i] > best ? best_s[i] : best;
-    best = best_s[0] > best ? best_s[0] : best;
+    for (int i = 0; i < kLmWarps; ++i) best = best_s[i] > best ? best_s[i] : best;
     atomicMax(key, best);
   }
 }

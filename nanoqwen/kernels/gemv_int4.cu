@@ -119,11 +119,12 @@ constexpr int kGroupBytes = kGroupSize / 2;
 constexpr int kGvFoldMaxK = 8192;
 constexpr bool gv_fold(int K) { return K <= kGvFoldMaxK; }
 // Items whose x a consumer lane keeps in registers (16 registers each); later items read it
-// from shared memory. Whole 7B step on the H200 at 513 / 8193 tokens (tools/kernel_tune.py
-// step, one run): 2 items 1585 / 1787 us (gate/up 19.36 us a launch, down 11.40), 1 item
-// 1600 / 1794 (gate/up 20.13, down 11.22). 1, because with 2 the gate/up GEMV spills 8 bytes
-// at the 96-register cap (one reload a stage): the decode kernels stay spill-free.
-constexpr int kGvXRegItems = 1;
+// from shared memory (gate/up has 2 items a warp, down 3, q/k/v and o 1). Whole 7B step on the
+// H200 at 513 / 8193 tokens (tools/kernel_tune.py step, one run, 2026-11-30), items taken one
+// at a time (warp_items): 2 -> 1497 / 1649 us (gate/up 18.29 us a launch, down 11.21); 1 ->
+// 1555 / 1697 (20.65, 11.40); 3 -> 1544 / 1673 (down 11.88). Two at a time with 1: 1540 /
+// 1676 (gate/up 20.15); with 2 gate/up spilled at the 96-register cap.
+constexpr int kGvXRegItems = 2;
 
 enum TcEpilogue { kRope = 0, kResidual = 1, kSwiGLU = 2 };
 
@@ -191,75 +192,60 @@ constexpr int stage_pairs(int target) {
   return p;
 }
 
-// The dot products of NI items (octets o, o + dO, ...) of one pair, already scaled and summed
-// into accA (row a) / accB (row b) in the diagonal lanes. wa/wb: the pair's rows in the stage;
-// sa/sb: their scales; xr: this lane's x chunk of the group of the warp's first KR items
-// (registers: a warp takes the same octets of every pair), later items read xs4; xc: the
-// groups' offset terms (offset_word, K <= kGvFoldMaxK). Per item 8 mma in two independent
-// chains, the items' chains interleaved.
-template <int NI, int KS, int G, int KR>
-__device__ __forceinline__ void pair_items(const unsigned char* wa, const unsigned char* wb,
-                                           const half* sa, const half* sb,
-                                           const uint4 (&xr)[KR][4], const uint4* xs4,
-                                           const float* xc, int o0, int dO, int g, int t4,
-                                           float& accA, float& accB) {
-  const int o = o0 + KS * dO;  // items KS .. KS + NI - 1 of the warp
-  uint4 a[NI], b[NI];
-  int grp[NI];
-#pragma unroll
-  for (int n = 0; n < NI; ++n) {
-    grp[n] = min(8 * (o + n * dO) + g, G - 1);  // past the row's end: any group, unused
-    a[n] = *reinterpret_cast<const uint4*>(wa + grp[n] * kGroupBytes + t4 * 16);
-    b[n] = *reinterpret_cast<const uint4*>(wb + grp[n] * kGroupBytes + t4 * 16);
-  }
-  float d[NI][2][4] = {};
+// The dot product of item KS (octet o) of one pair, scaled and summed into accA (row a) / accB
+// (row b) in the diagonal lanes. wa/wb: the pair's rows in the stage; sa/sb: their scales; xr:
+// this lane's x chunk of the group of the warp's first KR items (registers: a warp takes the
+// same octets of every pair), later items read xs4; xc: the groups' offset terms (offset_word,
+// K <= kGvFoldMaxK). 8 mma in two independent chains.
+template <int KS, int G, int KR>
+__device__ __forceinline__ void pair_item(const unsigned char* wa, const unsigned char* wb,
+                                          const half* sa, const half* sb,
+                                          const uint4 (&xr)[KR][4], const uint4* xs4,
+                                          const float* xc, int o, int g, int t4, float& accA,
+                                          float& accB) {
+  const int grp = min(8 * o + g, G - 1);  // past the row's end: any group, unused
+  const uint4 a = *reinterpret_cast<const uint4*>(wa + grp * kGroupBytes + t4 * 16);
+  const uint4 b = *reinterpret_cast<const uint4*>(wb + grp * kGroupBytes + t4 * 16);
+  float d[2][4] = {};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {  // word q of the chunk: elements 8q..8q+7
+    const uint4 xv = KS < KR ? xr[min(KS, KR - 1)][q] : xs4[x_unit(grp, t4 * 4 + q)];
+    uint32_t pa[4], pb[4];
+    if constexpr (gv_fold(G * kGroupSize)) {
+      offset_word((&a.x)[q], pa);
+      offset_word((&b.x)[q], pb);
+    } else {
+      half2 ha[4], hb[4];
+      dequant_word((&a.x)[q], ha);
+      dequant_word((&b.x)[q], hb);
 #pragma unroll
-    for (int n = 0; n < NI; ++n) {
-      const uint4 xv = KS + n < KR ? xr[min(KS + n, KR - 1)][q]
-                                    : xs4[x_unit(grp[n], t4 * 4 + q)];
-      uint32_t pa[4], pb[4];
-      if constexpr (gv_fold(G * kGroupSize)) {
-        offset_word((&a[n].x)[q], pa);
-        offset_word((&b[n].x)[q], pb);
-      } else {
-        half2 ha[4], hb[4];
-        dequant_word((&a[n].x)[q], ha);
-        dequant_word((&b[n].x)[q], hb);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pa[i] = h2u(ha[i]);
-          pb[i] = h2u(hb[i]);
-        }
+      for (int i = 0; i < 4; ++i) {
+        pa[i] = h2u(ha[i]);
+        pb[i] = h2u(hb[i]);
       }
-      // pairs 0, 1 (k 2t.., 2t+8..) -> chain 0; pairs 2, 3 -> chain 1
-      const uint32_t a0[4] = {pa[0], pb[0], pa[1], pb[1]};
-      const uint32_t a1[4] = {pa[2], pb[2], pa[3], pb[3]};
-      mma_16816(d[n][0], a0, xv.x, xv.y);
-      mma_16816(d[n][1], a1, xv.z, xv.w);
     }
+    // pairs 0, 1 (k 2t.., 2t+8..) -> chain 0; pairs 2, 3 -> chain 1
+    const uint32_t a0[4] = {pa[0], pb[0], pa[1], pb[1]};
+    const uint32_t a1[4] = {pa[2], pb[2], pa[3], pb[3]};
+    mma_16816(d[0], a0, xv.x, xv.y);
+    mma_16816(d[1], a1, xv.z, xv.w);
   }
-  if (t4 == g / 2) {  // the diagonal lane of group 8o + g: c0 / c2 (g even), c1 / c3 (odd)
-    const bool odd = g & 1;
-#pragma unroll
-    for (int n = 0; n < NI; ++n) {
-      if (8 * (o + n * dO) + g < G) {
-        const float c = gv_fold(G * kGroupSize) ? xc[grp[n]] : 0.f;
-        const float va = (odd ? d[n][0][1] + d[n][1][1] : d[n][0][0] + d[n][1][0]) - c;
-        const float vb = (odd ? d[n][0][3] + d[n][1][3] : d[n][0][2] + d[n][1][2]) - c;
-        accA = fmaf(__half2float(sa[grp[n]]), va, accA);
-        accB = fmaf(__half2float(sb[grp[n]]), vb, accB);
-      }
-    }
+  if (t4 == g / 2 && 8 * o + g < G) {  // the diagonal lane of group 8o + g: c0 / c2 (g even),
+    const bool odd = g & 1;            // c1 / c3 (odd)
+    const float c = gv_fold(G * kGroupSize) ? xc[grp] : 0.f;
+    const float va = (odd ? d[0][1] + d[1][1] : d[0][0] + d[1][0]) - c;
+    const float vb = (odd ? d[0][3] + d[1][3] : d[0][2] + d[1][2]) - c;
+    accA = fmaf(__half2float(sa[grp]), va, accA);
+    accB = fmaf(__half2float(sb[grp]), vb, accB);
   }
 }
 
-// Items KS.. of the warp: its octets o0 + k * dO for k < KR (x in registers), then
-// o0r + k * dO (x from shared memory), two at a time (few live registers). o0r rotates with
-// the stage, so when the octets do not divide evenly over the warps (down: 19 over 8) every
-// warp takes its share of the extra ones: the warps run up to a ring's length apart (down
-// 14.9 -> 14.6 us per launch; the inter-token latency unchanged at 2.07 ms).
+// Items KS.. of the warp, one at a time: its octets o0 + k * dO for k < KR (x in registers),
+// then o0r + k * dO (x from shared memory). One at a time leaves the registers for KR = 2
+// (two at a time, the items' chains interleaved, gate/up then spilled at KR = 2). o0r rotates
+// with the stage, so when the octets do not divide evenly over the warps (down: 19 over 8)
+// every warp takes its share of the extra ones: the warps run up to a ring's length apart
+// (down 14.9 -> 14.6 us per launch; the inter-token latency unchanged at 2.07 ms).
 template <int KS, int G, int KX, int KR>
 __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsigned char* wb,
                                            const half* sa, const half* sb,
@@ -268,19 +254,9 @@ __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsign
                                            int t4, float& accA, float& accB) {
   if constexpr (KS < KX) {
     constexpr int O = (G + 7) / 8;
-    const int ob = KS < KR ? o0 : o0r;
-    const int nv = (O - ob + dO - 1) / dO;  // items k < nv have an octet on this base
-    if constexpr (KS + 1 < KX) {
-      if (nv >= KS + 2) {
-        pair_items<2, KS, G, KR>(wa, wb, sa, sb, xr, xs4, xc, ob, dO, g, t4, accA, accB);
-      } else if (nv == KS + 1) {
-        pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, xc, ob, dO, g, t4, accA, accB);
-      }
-    } else if (nv > KS) {
-      pair_items<1, KS, G, KR>(wa, wb, sa, sb, xr, xs4, xc, ob, dO, g, t4, accA, accB);
-    }
-    warp_items<KS + 2, G, KX, KR>(wa, wb, sa, sb, xr, xs4, xc, o0, o0r, dO, g, t4, accA,
-                                  accB);
+    const int o = (KS < KR ? o0 : o0r) + KS * dO;
+    if (o < O) pair_item<KS, G, KR>(wa, wb, sa, sb, xr, xs4, xc, o, g, t4, accA, accB);
+    warp_items<KS + 1, G, KX, KR>(wa, wb, sa, sb, xr, xs4, xc, o0, o0r, dO, g, t4, accA, accB);
   }
 }
 
