@@ -62,8 +62,8 @@ class GemmVariant:
     min_ctas: int  # CTAs per SM asked of the register allocator (__launch_bounds__)
     swiglu: bool
     kind: str = "mma"
-    # Nominal TFLOP/s of a full wave of this variant, pick_gemm's only notion of speed: mma from
-    # the 2026-11-30 measurement; wgmma a guess until tools/prefill_check.py has timed it.
+    # TFLOP/s of this variant per busy SM slot, pick_gemm's only notion of speed (the tile
+    # table below says how it is measured).
     tflops: float = 220.0
 
     @property
@@ -116,24 +116,25 @@ def wgmma_variant(bt: int, stages: int, swiglu: bool, tflops: float) -> GemmVari
 # (one CTA/SM; 235 vs 256 TFLOP/s on gate_up) and 32 x 64 warp tiles (half the A traffic but
 # twice the dequantization per mma: 219). Three CTAs per SM would need <= 168 registers and
 # spills. The first variant of a kind wins ties in pick_gemm.
-# wgmma (H200, 2026-11-30, prefill_check.py --only wgmma, M = 512, TFLOP/s): 128 tokens x
-# 128 rows, 6 stages (121 KiB): qkv 154, o 176, gate_up 370, down 314; 256 tokens, 4 stages
-# (145 KiB; half the dequantization per flop, but SMs idle at M = 512): qkv 180, o 137,
-# gate_up 404, down 219 (cuBLAS fp16 on the same shapes: 307, 269, 592, 548). The rates
-# below are those measurements (down's for the plain kind, gate_up's for SwiGLU). With them
-# the picker takes 128 tokens for every 7B shape at M = 512 (TTFT 19.0 ms, `nanoqwen bench`);
-# alone, 256 is faster on qkv and gate_up (above: ~1.3 ms of the 19 over 28 layers), which
-# the rates do not capture (one rate per variant, wave count from the occupancy) - a pick by
-# measured time per (shape, M) is the next step.
-MMA_VARIANTS = (  # rates: the measured middle of qkv/o/down (154-217) and gate_up (247-256)
-    GemmVariant(64, 128, 64, 32, 4, 1, False, tflops=180.0),
-    GemmVariant(64, 128, 64, 32, 4, 1, True, tflops=250.0),
+# Rates: TFLOP/s per busy SM slot (pick_gemm counts the waves itself): the chip's rate on a
+# shape divided by the share of SM slots its launch fills (ctas / (waves x slots)). Measured
+# (prefill_check.py --quick, M = 512; chip TFLOP/s -> per busy slot), q/k/v, o, gate_up, down:
+#   wgmma 128 tokens, 6 stages (121 KiB): 194 -> 356, 240 -> 282, 402 -> 403, 361 -> 426;
+#   wgmma 256 tokens, 4 stages (145 KiB): 234 -> 428, 181 -> 427, 447 -> 498, 247 -> 582;
+#   mma 64 x 128: 154 -> 282, 167 -> 197, 253 -> 254, 218 -> 257;
+#   cuBLAS fp16 (chip): 434, 357, 675, 649.
+# With these (plain kinds: about their mean), the picker takes the measured winner of each 7B
+# shape: 256 tokens for q/k/v and gate_up, 128 for o and down (~1.4 ms of a 19 ms TTFT before,
+# when the chip-wide rates made it take 128 everywhere).
+MMA_VARIANTS = (
+    GemmVariant(64, 128, 64, 32, 4, 1, False, tflops=245.0),
+    GemmVariant(64, 128, 64, 32, 4, 1, True, tflops=254.0),
 )
 WGMMA_VARIANTS = (
-    wgmma_variant(128, 6, False, 314.0),
-    wgmma_variant(128, 6, True, 370.0),
-    wgmma_variant(256, 4, False, 219.0),
-    wgmma_variant(256, 4, True, 404.0),
+    wgmma_variant(128, 6, False, 350.0),
+    wgmma_variant(128, 6, True, 403.0),
+    wgmma_variant(256, 4, False, 450.0),
+    wgmma_variant(256, 4, True, 498.0),
 )
 GEMM_VARIANTS = WGMMA_VARIANTS + MMA_VARIANTS
 

@@ -309,6 +309,21 @@ def test_pick_gemm_prefers_wgmma_and_falls_back(m):
     assert mma_only.pick_gemm(m, 4608, False, 3584).kind == "mma"
 
 
+def test_pick_gemm_takes_the_measured_winners():
+    """At M = 512 on the 7B shapes the picker takes the tile prefill_check.py timed fastest
+    (prefill.py's tile table): 256 tokens for q/k/v and gate_up, 128 for o and down."""
+    cfg = preset("7b")
+    pk = _fake_kernels(GEMM_VARIANTS)
+    for n, k, swiglu, bm in [
+        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False, 256),
+        (cfg.hidden_size, cfg.q_size, False, 128),
+        (2 * cfg.intermediate_size, cfg.hidden_size, True, 256),
+        (cfg.hidden_size, cfg.intermediate_size, False, 128),
+    ]:
+        v = pk.pick_gemm(512, n, swiglu, k)
+        assert (v.kind, v.bm) == ("wgmma", bm), (n, k, v.label)
+
+
 def test_wgmma_smem_formula():
     """prefill.py's smem_bytes repeats smem_bytes<BT, STAGES, SWIGLU>() of the kernel."""
     for v in WGMMA_VARIANTS:
