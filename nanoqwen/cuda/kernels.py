@@ -26,7 +26,8 @@ GEMV_THREADS = 288  # kGvThreads (gemv_int4.cu): 8 consumer warps + 1 producer w
 # leave (7B: 8 stages of 7.4 KB for q/k/v and o, 6 of 14.5 KB for gate/up, 3 of 19 KB for
 # down); two CTAs per SM (GEMV_CTAS_PER_SM). Whole step on the H200 at 513 tokens
 # (tools/kernel_tune.py step): one CTA per SM, leaving room for the next kernel's CTA to stream
-# its first weights early, 2.68 ms; two: 2.05 ms.
+# its first weights early, 2.68 ms; two: 2.05 ms (again at 1.61 ms, 2026-11-30: one CTA 2.35 ms,
+# though q/k/v and o alone got faster).
 GEMV_SMEM = 110 * 1024
 GEMV_CTAS_PER_SM = 2
 # One shared-memory carveout for every kernel of the decode step, so no SM drains to reconfigure

@@ -58,7 +58,8 @@
 // q/k/v and o (32 KB for gate/up): 1879 against 1642 us.
 //
 // Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens,
-// nanoqwen bench --kernels): gate/up 20.0 (3.50 TB/s), down 11.4, q/k/v 5.4, o 4.5. Before
+// nanoqwen bench --kernels): gate/up 18.8 (3.72 TB/s; 20.0 with one x item in registers,
+// kGvXRegItems), down 11.6, q/k/v 5.4, o 4.5. Before
 // the changes above, with the x swizzle against without (two runs interleaved): gate/up 22.8
 // (23.4 unswizzled), down 13.85 (14.5), q/k/v 5.96 (6.2), o 4.84 (4.97); the whole step
 // 1.841 / 1.846 ms against 1.853 / 1.856 (8193 tokens: 1.995 / 1.996 against 2.001 / 2.005):
@@ -76,7 +77,9 @@
 //   - cp.async.bulk.prefetch.L2 of the gate/up weights' first third (24 MB) from the q/k/v
 //     launch: issued as its CTAs finish it has no effect at all (q/k/v's own time does not
 //     move either: the prefetch seems dropped with the CTA); issued as they start, q/k/v takes
-//     2 us longer and the whole step 20 us longer (1.98 -> 2.00 ms on that machine);
+//     2 us longer and the whole step 20 us longer (1.98 -> 2.00 ms on that machine); and
+//     each CTA's own next 2 / 4 / 8 stages as its producer starts, while the ring is held
+//     back for x (HBM -> L2 only): the step 1615 -> 1672 / 1700 / 1773 us at 513 tokens;
 //   - one persistent launch per layer for o -> gate/up -> down -> the next q/k/v (a grid
 //     barrier between the GEMVs, one CTA of 16 consumer warps + the producer per SM, one byte
 //     ring across the GEMVs so the next GEMV's weights stream during the barrier; branch
