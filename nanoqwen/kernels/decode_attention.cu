@@ -54,8 +54,8 @@
 // three slots, so its next pages are in flight while it computes the current one (whole 7B step
 // on the H200 at 32705 tokens: 8 stages 2.40 ms, 12 stages 2.34, 16 stages, one CTA per SM,
 // 2.49; at 8193 the same 2.03 with 8 and 12; with the clusters, 16 and 20 stages 1701 ->
-// 1883 / 1891 us at 8193 and 2043 -> 2468 / 2482 at 32705). One page per stage because (a) a 16-token page
-// is exactly one m16n8k16 key tile, so a consumer warp owns whole stages and never
+// 1883 / 1891 us at 8193 and 2043 -> 2468 / 2482 at 32705). One page per stage because (a) a
+// 16-token page is exactly one m16n8k16 key tile, so a consumer warp owns whole stages and never
 // synchronizes with the other consumers inside the loop, and (b) small stages refill at a
 // finer grain than big ones for the same bytes. The pages before the current token's are
 // copied before griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV (whole
