@@ -182,20 +182,21 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-// RMSNorm of a vector staged in shared memory as uint4 (8 halves each), split over a CTA's
-// threads (thread `tid` of `nthreads` takes vectors tid, tid + nthreads, ...); the kernel
-// reduces the partial sums its own way between the two calls.
+// RMSNorm of a vector held as uint4 (8 halves each): the squares of one vector added to ss,
+// then (the kernel reducing the partial sums its own way) rmsnorm_vec per vector.
+__device__ __forceinline__ void add_squares(float& ss, uint4 xv) {
+  const half2* h = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h[j]);
+    ss += f.x * f.x + f.y * f.y;
+  }
+}
+// The partial sum of squares of thread `tid` of `nthreads` over vectors tid, tid + nthreads, ...
+// of a vector staged in shared memory.
 __device__ __forceinline__ float sum_squares(const uint4* xs, int nvec, int tid, int nthreads) {
   float ss = 0.f;
-  for (int v = tid; v < nvec; v += nthreads) {
-    const uint4 xv = xs[v];
-    const half2* h = reinterpret_cast<const half2*>(&xv);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __half22float2(h[j]);
-      ss += f.x * f.x + f.y * f.y;
-    }
-  }
+  for (int v = tid; v < nvec; v += nthreads) add_squares(ss, xs[v]);
   return ss;
 }
 // fp16(x * rstd * w) of one 16-byte vector (one rounding, as the reference).
@@ -208,11 +209,6 @@ __device__ __forceinline__ uint4 rmsnorm_vec(uint4 xv, uint4 wn, float rstd) {
     h[j] = __floats2half2_rn(f.x * rstd * gf.x, f.y * rstd * gf.y);
   }
   return xv;
-}
-// xs = fp16(xs * rstd * w), in place.
-__device__ __forceinline__ void apply_rmsnorm(uint4* xs, const uint4* w, float rstd, int nvec,
-                                              int tid, int nthreads) {
-  for (int v = tid; v < nvec; v += nthreads) xs[v] = rmsnorm_vec(xs[v], w[v], rstd);
 }
 
 // ValueShuffle word -> four half2 pairs (v0,v1) (v2,v3) (v4,v5) (v6,v7), exact signed values.

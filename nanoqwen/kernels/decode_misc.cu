@@ -188,12 +188,7 @@ lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
   for (int j = 0; j < kPer; ++j) {
     const int c = j * kWarp + lane;
     xr[j] = c < kVecs ? x4[c] : make_uint4(0, 0, 0, 0);
-    const half2* h = reinterpret_cast<const half2*>(&xr[j]);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __half22float2(h[i]);
-      ss += f.x * f.x + f.y * f.y;
-    }
+    add_squares(ss, xr[j]);
   }
   const float rstd = rsqrtf(warp_sum(ss) / kHidden + kRmsEps);
 #pragma unroll
