@@ -12,15 +12,12 @@ Pointers: every buffer argument is a device address: an int (a `DeviceArray.ptr`
 with `.ptr` (a DeviceArray), `.data_ptr()` (a torch tensor) or `.handle` (a cuda.core Buffer).
 Streams: `stream=None` means the Gpu's stream; anything cuda.core's launch accepts otherwise.
 
-Measured (H200, 2026-11-30, tools/prefill_check.py, M = 512, median of 20): the 64 x 128 tile
-runs qkv 148-160, o 163-182, gate_up+SwiGLU 247-256, down 211-223 TFLOP/s; 28 layers of GEMMs
-plus attention project to ~30 ms for a 512-token 7B prefill (cuBLAS fp16 on the same shapes:
-360-690 TFLOP/s; closing that gap needs wgmma).
-
-The wgmma kernel (2026-12, not yet measured on a GPU) takes every shape it can (N % 128 == 0,
-K % 128 == 0: all Qwen2.5 shapes); `pick_gemm` weighs the variants by SM-waves times a nominal
-per-kind rate (`GemmVariant.tflops`). NANOQWEN_PREFILL_WGMMA=0 in the environment keeps the
-engine on the mma.sync kernels (the wgmma ones stay compiled, and explicit `variant=` works).
+The wgmma kernel takes every shape it can (N % 128 == 0, K % 128 == 0: all Qwen2.5 shapes);
+`pick_gemm` weighs the variants by SM-waves times a per-variant rate (`GemmVariant.tflops`,
+measured: the tile table below). It reads A and the weights through TMA descriptors, which
+`gemm` makes (and keeps) per buffer and shape. NANOQWEN_PREFILL_WGMMA=0 in the environment
+keeps the engine on the mma.sync kernels (the wgmma ones stay compiled, and explicit
+`variant=` works).
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ _GEMM_BK = 128
 _WGMMA_BK = 64
 _WGMMA_ROWS = 128
 _WGMMA_THREADS = 384
+_MAX_MAPS = 512  # TMA descriptors kept by PrefillKernels (each 128 bytes)
 _ATTN_TILE = 64  # query rows per CTA and keys per K/V tile (prefill_attention.cu)
 _ATTN_THREADS = 128
 
@@ -118,23 +116,24 @@ def wgmma_variant(bt: int, stages: int, swiglu: bool, tflops: float) -> GemmVari
 # spills. The first variant of a kind wins ties in pick_gemm.
 # Rates: TFLOP/s per busy SM slot (pick_gemm counts the waves itself): the chip's rate on a
 # shape divided by the share of SM slots its launch fills (ctas / (waves x slots)). Measured
-# (prefill_check.py --quick, M = 512; chip TFLOP/s -> per busy slot), q/k/v, o, gate_up, down:
-#   wgmma 128 tokens, 6 stages (121 KiB): 194 -> 356, 240 -> 282, 402 -> 403, 361 -> 426;
-#   wgmma 256 tokens, 4 stages (145 KiB): 234 -> 428, 181 -> 427, 447 -> 498, 247 -> 582;
+# (prefill_check.py --quick, M = 512, 2026-11-30; chip TFLOP/s -> per busy slot), q/k/v, o,
+# gate_up, down, since the kernel loads through TMA:
+#   wgmma 128 tokens, 6 stages (121 KiB): 239 -> 438, 282 -> 333, 528 -> 530, 476 -> 562;
+#   wgmma 256 tokens, 4 stages (145 KiB): 285 -> 523, 225 -> 530, 566 -> 630, 339 -> 800;
 #   mma 64 x 128: 154 -> 282, 167 -> 197, 253 -> 254, 218 -> 257;
-#   cuBLAS fp16 (chip): 434, 357, 675, 649.
+#   cuBLAS fp16 (chip): 413, 378, 686, 653.
 # With these (plain kinds: about their mean), the picker takes the measured winner of each 7B
-# shape: 256 tokens for q/k/v and gate_up, 128 for o and down (~1.4 ms of a 19 ms TTFT before,
-# when the chip-wide rates made it take 128 everywhere).
+# shape: 256 tokens for q/k/v and gate_up, 128 for o and down. 8 and 5 stages measured within
+# 2% of 6 and 4 (either way, by shape).
 MMA_VARIANTS = (
     GemmVariant(64, 128, 64, 32, 4, 1, False, tflops=245.0),
     GemmVariant(64, 128, 64, 32, 4, 1, True, tflops=254.0),
 )
 WGMMA_VARIANTS = (
-    wgmma_variant(128, 6, False, 350.0),
-    wgmma_variant(128, 6, True, 403.0),
-    wgmma_variant(256, 4, False, 450.0),
-    wgmma_variant(256, 4, True, 498.0),
+    wgmma_variant(128, 6, False, 440.0),
+    wgmma_variant(128, 6, True, 530.0),
+    wgmma_variant(256, 4, False, 620.0),
+    wgmma_variant(256, 4, True, 630.0),
 )
 GEMM_VARIANTS = WGMMA_VARIANTS + MMA_VARIANTS
 
@@ -219,7 +218,7 @@ class PrefillKernels:
         self.resources = {}  # ptxas -v, by name expression
         for mod in mods.values():
             self.resources.update(mod.resources())
-        self._gemm, self._per_sm = {}, {}
+        self._gemm, self._per_sm, self._maps = {}, {}, {}
         with gpu.guard("loading the prefill kernels"):
             loaded = {src: _load_kernels(mod) for src, mod in mods.items()}
             self._modules = tuple(lib for lib, _ in loaded.values())  # keep the libraries alive
@@ -310,8 +309,7 @@ class PrefillKernels:
             v.threads,
             v.smem_bytes,
             self._gemm[v],
-            ptrs[0],
-            ptrs[1],
+            *self._maps_for(v, ptrs[0], ptrs[1], M, N, K),
             ptrs[2],
             0 if bias is None else _ptr(bias),
             res_ptr,
@@ -320,6 +318,29 @@ class PrefillKernels:
             np.int32(N),
             np.int32(K),
         )
+
+    def _maps_for(self, v: GemmVariant, a: int, qweight: int, M: int, N: int, K: int) -> tuple:
+        """The A and qweight arguments of variant v: the addresses (mma.sync) or the wgmma
+        kernel's TMA descriptors, A [M, K] in boxes of 64 K x bm tokens and qweight [N, K/8]
+        (uint32) in boxes of 64 rows x 8 words."""
+        if v.kind != "wgmma":
+            return a, qweight
+        return (
+            self._map(a, M, K, v.bm, _WGMMA_BK, True),
+            self._map(qweight, N, K // 8, 64, _WGMMA_BK // 8, False),
+        )
+
+    def _map(self, ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, fp16: bool):
+        """A TMA descriptor, kept per shape and address: the engine's prefill reuses a few
+        buffers, and the weights stay put."""
+        key = (ptr, rows, cols, box_rows, box_cols, fp16)
+        tmap = self._maps.get(key)
+        if tmap is None:
+            if len(self._maps) >= _MAX_MAPS:
+                self._maps.clear()
+            tmap = self.gpu.tensor_map_2d(ptr, rows, cols, box_rows, box_cols, fp16=fp16)
+            self._maps[key] = tmap
+        return tmap
 
     # -- attention ------------------------------------------------------------------------------
     def attention(self, q, k, v, out, T: int, *, stream=None) -> None:

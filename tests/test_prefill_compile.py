@@ -85,7 +85,7 @@ def test_kernels_use_tensor_cores():
     for needle in (
         "setmaxnreg.dec.sync.aligned.u32 40",
         "setmaxnreg.inc.sync.aligned.u32 232",
-        "cp.async.mbarrier.arrive.noinc.shared::cta.b64",
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
         "wgmma.wait_group.sync.aligned 1",
     ):
         assert needle in wg, needle

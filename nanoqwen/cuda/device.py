@@ -13,6 +13,9 @@ Public API (stable; the prefill launchers and the engine build on it):
     gpu.memset(ptr, byte, nbytes)       stream-ordered
     gpu.launch(kernel, grid, block, *args, smem=0, pdl=False)   args: ints become uint64
                                         (device addresses); pass np.int32 etc. for scalars
+    gpu.tensor_map_2d(ptr, rows, cols, box_rows, box_cols, fp16=True) -> TMA descriptor (a
+                                        kernel argument) of a row-major fp16 (128-byte
+                                        swizzle) or uint32 matrix
     gpu.sync(what)                      stream sync inside `guard`
     with gpu.guard("what"): ...         turns CUDA errors into DeviceError; a sticky error (an
                                         illegal address, a trap) marks the Gpu broken and every
@@ -49,6 +52,19 @@ STICKY_ERRORS = (
     "ECC_UNCORRECTABLE",
     "LAUNCH_TIMEOUT",
 )
+
+
+class _CudaArray:
+    """A raw device address seen through __cuda_array_interface__ (for cuda.core's views)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
 
 
 def sm90_available() -> bool:
@@ -299,6 +315,28 @@ class Gpu:
             self._configs[key] = cfg
         args = [np.uint64(a) if isinstance(a, int) else a for a in args]
         launch(self.stream if stream is None else stream, cfg, kernel, *args)
+
+    def tensor_map_2d(
+        self, ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, *, fp16: bool = True
+    ):
+        """The TMA descriptor (a cuda.core TensorMapDescriptor, passed to a kernel as a
+        `__grid_constant__` 128-byte parameter) of the row-major matrix [rows, cols] at device
+        address `ptr`, fp16 (boxes in the 128-byte swizzle that wgmma descriptors name:
+        box_cols * 2 <= 128 bytes) or, fp16=False, uint32 (boxes stored plain, row after
+        row). Boxes are box_rows x box_cols; elements outside the matrix load as zeros. ptr
+        and the row pitch must be multiples of 16 bytes."""
+        from cuda.core._tensor_map import TensorMapL2Promotion, TensorMapSwizzle
+        from cuda.core.utils import StridedMemoryView
+
+        array = _CudaArray(ptr, (rows, cols), "<f2" if fp16 else "<u4")
+        swizzle = TensorMapSwizzle.SWIZZLE_128B if fp16 else TensorMapSwizzle.NONE
+        with self.guard("tensor map"):
+            view = StridedMemoryView.from_cuda_array_interface(array, stream_ptr=-1)
+            return view.as_tensor_map(
+                box_dim=(box_rows, box_cols),
+                swizzle=swizzle,
+                l2_promotion=TensorMapL2Promotion.L2_256B,
+            )
 
     def sync(self, what: str = "stream synchronize") -> None:
         with self.guard(what):

@@ -94,11 +94,6 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
       ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
-// An arrive on `bar` once every cp.async this thread issued so far has landed (.noinc: the
-// barrier's count must include it).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
 
 // ldmatrix from a shared-memory address (smem_addr) or a generic pointer into shared memory.
 __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], uint32_t addr) {

@@ -10,9 +10,18 @@
 //   wgmma.mma_async m64nBTk16: D[64 weight rows][BT tokens] += Wfrag[64][16] x Atile[BT][16]^T
 //
 // CTA: 3 warpgroups (384 threads), one CTA per SM.
-//   WG 0     producer: setmaxnreg.dec to 40; its 128 threads cp.async the k-tiles (64 K wide)
-//            into a STAGES-deep ring and signal a per-stage "full" mbarrier with
-//            cp.async.mbarrier.arrive.noinc (count 128). Rows past M are zero-filled.
+//   WG 0     producer: setmaxnreg.dec to 40; thread 0 alone fills a STAGES-deep ring of
+//            k-tiles (64 K wide) with three TMA copies each, on the stage's "full" mbarrier
+//            (arrive.expect_tx): the activations (a_map, the tensor map of A [M, K]: a box of
+//            64 K x BT tokens in the 128-byte swizzle; rows past M arrive as zeros) and two
+//            boxes of 64 weight rows x 32 B (w_map, the map of qweight [R, K/8]).
+//            Loaded by the producer warps with cp.async instead (16 + 2 copies of 16 bytes a
+//            thread a k-tile), the ring was the bound: gate_up took 0.278 ms with the wgmma
+//            left out against 0.319 with it (H200, tools/prefill_check.py, M = 512), while
+//            this k-loop with no loads at all ran its wgmma and dequantization at 950 TFLOP/s
+//            (branch prefill-tma-experiment). TMA for the activations took gate_up to 0.243
+//            ms, down 0.195 -> 0.149, q/k/v 0.073 -> 0.058, o 0.055 -> 0.047; for the weights
+//            too, the same within 2% (kept: one thread, one arrival per stage).
 //   WG 1, 2  consumers: setmaxnreg.inc to 232; consumer c owns CTA weight rows 64c..64c+63
 //            and all BT tokens: fp32 accumulators m64nBT = BT/2 registers per thread.
 //            Per k-tile: wait "full", read its 64 rows x 32 bytes of INT4 from shared memory,
@@ -22,9 +31,10 @@
 //            consumer warp). A fragments are double-buffered (the k-loop is unrolled by two)
 //            so the next tile's dequantization overlaps the in-flight wgmma.
 // CTA tile: 128 weight rows (= 128 output columns, or 64 SwiGLU outputs) x BT tokens x 64 K.
-// Shared memory per stage: activations BT rows x 128 B in the 128-byte swizzle that the
-// wgmma descriptor names (16-byte chunk c of row r sits at chunk c ^ (r & 7); each stage is
-// 1024-byte aligned) + weights 128 rows x 32 B (plain; consumers read it with 16-byte loads).
+// Shared memory per stage: activations BT rows x 128 B in the 128-byte swizzle that the TMA
+// writes and the wgmma descriptor names (16-byte chunk c of row r sits at chunk c ^ (r & 7);
+// each stage is 1024-byte aligned) + weights 128 rows x 32 B (plain, in the order of the two
+// boxes: weight_slot; consumers read them with 16-byte loads).
 //
 // Register A fragment (PTX ISA "wgmma .m64nNk16 register fragment layout for matrix A": per
 // warp the same as mma.m16n8k16's A; warp w of the warpgroup holds rows 16w..16w+15). Lane
@@ -46,8 +56,9 @@
 // token row and adds the residual there in fp32 (out may alias residual: each element is
 // read and then written by one thread).
 //
-// Arguments: as prefill_gemm.cu. M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an
-// even count); all pointers 16-byte aligned. nanoqwen/prefill.py checks every condition.
+// Arguments: as prefill_gemm.cu, but A and qweight come as tensor maps (a_map, w_map; made
+// by nanoqwen/prefill.py). M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even
+// count); all pointers 16-byte aligned. nanoqwen/prefill.py checks every condition.
 
 #ifndef NANOQWEN_PREFILL_GEMM_WGMMA_CU
 #define NANOQWEN_PREFILL_GEMM_WGMMA_CU
@@ -62,10 +73,6 @@ constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroup
 constexpr int kProducerRegs = 40;   // setmaxnreg budgets: 40 * 128 + 232 * 256 <= 65536
 constexpr int kConsumerRegs = 232;
 constexpr int kEpilogueBarrier = 1; // named barrier id of the 256 consumer threads
-// fence.proxy.async after each "full" wait (cp.async writes, generic proxy -> wgmma reads,
-// async proxy). CUTLASS's cp.async + GMMA pipelines do without it; kept on until a GPU run
-// shows it costs something and that results stay exact without it.
-constexpr bool kProxyFence = true;
 static_assert(kGroup == 2 * kBK, "the k-loop is unrolled by two: one scale per pair");
 
 constexpr unsigned kLoMask = 0x000F000Fu;   // nibble pair (after the lane's shift by 4t)
@@ -106,15 +113,21 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned w, unsigned shift, uns
   return hmul2(hsub2(p, kMagic), scale2);
 }
 
-// -- cp.async / wgmma / setmaxnreg (mbarriers: common.cuh) ----------------------------------------------------
-// 16-byte async copy; src_bytes = 0 zero-fills the destination (token rows past M).
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+// A CUtensorMap, passed by value as a __grid_constant__ kernel parameter.
+struct alignas(64) TensorMap {
+  unsigned long long words[16];
+};
+
+// -- TMA / wgmma / setmaxnreg (mbarriers: common.cuh) --------------------------------------------
+// The box at (c0 along the inner dimension, c1 along the outer) of `map` into shared memory at
+// `dst`, completing its bytes on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, int c0, int c1,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
 }
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -228,13 +241,24 @@ __device__ __forceinline__ int weight_row(int tile_n, int r, int N) {
   const int col = tile_n * (kRows / 2) + 8 * (r >> 4) + (r & 7);
   return (r & 8) ? N / 2 + col : col;
 }
+// First global weight row of box b (0, 1) of 64 rows; box b lands in stage rows 64b..64b+63.
+template <bool SWIGLU>
+__device__ __forceinline__ int weight_box_row(int tile_n, int b, int N) {
+  return SWIGLU ? b * (N / 2) + tile_n * (kRows / 2) : tile_n * kRows + 64 * b;
+}
+// The stage row holding CTA-local weight row r: SWIGLU's gate rows sit in box 0, up in box 1.
+template <bool SWIGLU>
+__device__ __forceinline__ int weight_slot(int r) {
+  return SWIGLU ? ((r & 8) << 3) + 8 * (r >> 4) + (r & 7) : r;
+}
 
 }  // namespace nanoqwen_wgmma
 
 // BT tokens per CTA (the wgmma N: 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
 template <int BT, int STAGES, bool SWIGLU>
 __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
-    prefill_gemm_wgmma(const unsigned short* __restrict__ A, const unsigned* __restrict__ qweight,
+    prefill_gemm_wgmma(const __grid_constant__ nanoqwen_wgmma::TensorMap a_map,
+                       const __grid_constant__ nanoqwen_wgmma::TensorMap w_map,
                        const unsigned short* __restrict__ scales,
                        const unsigned short* __restrict__ bias, const unsigned short* residual,
                        unsigned short* out, int M, int N, int K) {
@@ -265,8 +289,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     if (dyn < static_cast<unsigned>(smem_bytes<BT, STAGES, SWIGLU>())) __trap();
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, 128);  // one cp.async arrival per producer thread
-      mbar_init(empty_bar + 8 * s, 8);   // lane 0 of each of the 8 consumer warps
+      mbar_init(full_bar + 8 * s, 1);   // the producer's arrive.expect_tx
+      mbar_init(empty_bar + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -275,41 +299,22 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   if (wg == 0) {
     // ---------------------------------------------------------------- producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    // Per-thread invariants: activation chunk c = tid % 8 of rows tid / 8 + 16 i (every row
-    // of a pass has the same r % 8, hence the same swizzle); weight chunk tid % 2 of rows
-    // tid / 2 + 64 i. Kept in few registers: this warpgroup runs on 40 of them.
-    const int c = tid & 7, row0 = tid >> 3;
-    const unsigned act_off = row0 * 128 + ((c ^ (row0 & 7)) << 4);
-    const int tok0 = tile_m * BT + row0;
-    const unsigned short* a_src = A + (long)tok0 * K + c * 8;
-    const long a_pass = 16l * K;  // elements between passes (16 rows)
-    const int wc = tid & 1, wr0 = tid >> 1;
-    const unsigned* w_src0 = qweight + (long)weight_row<SWIGLU>(tile_n, wr0, N) * (K / 8) + wc * 4;
-    const unsigned* w_src1 =
-        qweight + (long)weight_row<SWIGLU>(tile_n, wr0 + 64, N) * (K / 8) + wc * 4;
-    const unsigned w_off = wr0 * 32 + wc * 16;
+    if (tid != 0) return;
+    const int w_row0 = weight_box_row<SWIGLU>(tile_n, 0, N);
+    const int w_row1 = weight_box_row<SWIGLU>(tile_n, 1, N);
     for (int kt = 0; kt < k_tiles; ++kt) {
       const int st = kt % STAGES;
       if (kt >= STAGES) mbar_wait(empty_bar + 8 * st, ((kt / STAGES) - 1) & 1);
       const unsigned act_s = base + st * L::kStageBytes;
       const unsigned w_s = act_s + L::kActBytes;
-      // Activations: BT rows x 8 chunks of 16 B, chunk c of row r at chunk c ^ (r & 7);
-      // rows past M are zero-filled from a clamped (valid) address.
-#pragma unroll 4
-      for (int i = 0; i < BT / 16; ++i) {
-        const bool valid = tok0 + 16 * i < M;
-        const unsigned short* src = valid ? a_src + i * a_pass + kt * kBK : A;
-        cp_async16(act_s + act_off + i * 2048, src, valid ? 16 : 0);
-      }
-      // Weights: 128 rows x 2 chunks of 16 B (8 ValueShuffle words = 64 K per row).
-      cp_async16(w_s + w_off, w_src0 + kt * 8, 16);
-      cp_async16(w_s + w_off + 64 * 32, w_src1 + kt * 8, 16);
-      cp_async_mbar_arrive(full_bar + 8 * st);
+      // The boxes count whole, the activations' zero rows past M included.
+      mbar_arrive_expect_tx(full_bar + 8 * st, L::kStageBytes);
+      tma_load_2d(act_s, a_map, kt * kBK, tile_m * BT, full_bar + 8 * st);
+      // Weights: 8 ValueShuffle words (64 K) of 64 rows per box.
+      tma_load_2d(w_s, w_map, kt * 8, w_row0, full_bar + 8 * st);
+      tma_load_2d(w_s + 64 * 32, w_map, kt * 8, w_row1, full_bar + 8 * st);
     }
-    // Outlive this thread's own copies (their mbarrier arrivals are still pending), then leave:
-    // the consumers never wait on the producer again.
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    return;
+    return;  // the copies complete on the mbarriers, which the consumers wait on
   }
 
   // ------------------------------------------------------------------ consumer warpgroups
@@ -319,6 +324,7 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   const int warp = wtid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int r0 = 64 * cw + 16 * warp + g, r1 = r0 + 8;  // this thread's two weight rows
+  const int slot0 = weight_slot<SWIGLU>(r0), slot1 = weight_slot<SWIGLU>(r1);
   const unsigned shift = 4 * t;                          // its nibble pair in every word
   const int groups = K / kGroup;
   const unsigned short* s0_ptr = scales + (long)weight_row<SWIGLU>(tile_n, r0, N) * groups;
@@ -335,10 +341,10 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     mbar_wait(full_bar + 8 * st, (kt / STAGES) & 1);
     const unsigned act_s = base + st * L::kStageBytes;
     const unsigned char* w_s = base_ptr + st * L::kStageBytes + L::kActBytes;
-    const uint4 x0 = *reinterpret_cast<const uint4*>(w_s + r0 * 32);
-    const uint4 x1 = *reinterpret_cast<const uint4*>(w_s + r0 * 32 + 16);
-    const uint4 y0 = *reinterpret_cast<const uint4*>(w_s + r1 * 32);
-    const uint4 y1 = *reinterpret_cast<const uint4*>(w_s + r1 * 32 + 16);
+    const uint4 x0 = *reinterpret_cast<const uint4*>(w_s + slot0 * 32);
+    const uint4 x1 = *reinterpret_cast<const uint4*>(w_s + slot0 * 32 + 16);
+    const uint4 y0 = *reinterpret_cast<const uint4*>(w_s + slot1 * 32);
+    const uint4 y1 = *reinterpret_cast<const uint4*>(w_s + slot1 * 32 + 16);
     const unsigned wr0[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};  // row g
     const unsigned wr1[8] = {y0.x, y0.y, y0.z, y0.w, y1.x, y1.y, y1.z, y1.w};  // row g + 8
 #pragma unroll
@@ -348,7 +354,6 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
       a[s][2] = dequant_pair(wr0[2 * s + 1], shift, sc0);
       a[s][3] = dequant_pair(wr1[2 * s + 1], shift, sc1);
     }
-    if (kProxyFence) fence_proxy_async();  // see kProxyFence
     fence_acc(acc);
     wgmma_fence();
     const unsigned long long desc = make_desc_sw128(act_s);
