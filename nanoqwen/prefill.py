@@ -116,24 +116,30 @@ def wgmma_variant(bt: int, stages: int, swiglu: bool, tflops: float) -> GemmVari
 # spills. The first variant of a kind wins ties in pick_gemm.
 # Rates: TFLOP/s per busy SM slot (pick_gemm counts the waves itself): the chip's rate on a
 # shape divided by the share of SM slots its launch fills (ctas / (waves x slots)). Measured
-# (prefill_check.py --quick, M = 512, 2026-11-30; chip TFLOP/s -> per busy slot), q/k/v, o,
-# gate_up, down, since the kernel loads through TMA:
-#   wgmma 128 tokens, 6 stages (121 KiB): 239 -> 438, 282 -> 333, 528 -> 530, 476 -> 562;
-#   wgmma 256 tokens, 4 stages (145 KiB): 285 -> 523, 225 -> 530, 566 -> 630, 339 -> 800;
-#   mma 64 x 128: 154 -> 282, 167 -> 197, 253 -> 254, 218 -> 257;
-#   cuBLAS fp16 (chip): 413, 378, 686, 653.
-# With these (plain kinds: about their mean), the picker takes the measured winner of each 7B
-# shape: 256 tokens for q/k/v and gate_up, 128 for o and down. 8 and 5 stages measured within
-# 2% of 6 and 4 (either way, by shape).
+# (prefill_check.py --quick, M = 512, 2026-11-30, calls queued back to back; chip TFLOP/s ->
+# per busy slot), q/k/v, o, gate_up, down:
+#   wgmma 128 tokens, 6 stages (121 KiB): 329 -> 603, 371 -> 438, 573 -> 575, 489 -> 576;
+#   wgmma 192 tokens, 5 stages (141 KiB): 474 -> 580, 369 -> 580, 536 -> 557, 423 -> 665;
+#   wgmma 256 tokens, 4 stages (145 KiB): 415 -> 761, 318 -> 751, 593 -> 661, 326 -> 770;
+#   mma 64 x 128 (timed one call at a time, before): 154 -> 282, 167 -> 197, 253 -> 254,
+#   218 -> 257;
+#   cuBLAS fp16 (chip): 599, 462, 686, 709.
+# With these (plain kinds: their mean), the picker takes the measured winner of each 7B shape:
+# 192 tokens for q/k/v (0.036 ms against 0.041 for 256), 256 for gate_up, 128 for o and down.
+# 8 and 5 stages for 128 and 256 tokens measured within 2% of 6 and 4 (either way, by shape);
+# a gate_up split into four whole waves of 256 tokens and one of 128 (two launches) took
+# 0.243 ms against 0.235 for 256 alone.
 MMA_VARIANTS = (
     GemmVariant(64, 128, 64, 32, 4, 1, False, tflops=245.0),
     GemmVariant(64, 128, 64, 32, 4, 1, True, tflops=254.0),
 )
 WGMMA_VARIANTS = (
-    wgmma_variant(128, 6, False, 440.0),
-    wgmma_variant(128, 6, True, 530.0),
-    wgmma_variant(256, 4, False, 620.0),
-    wgmma_variant(256, 4, True, 630.0),
+    wgmma_variant(128, 6, False, 539.0),
+    wgmma_variant(128, 6, True, 575.0),
+    wgmma_variant(256, 4, False, 761.0),
+    wgmma_variant(256, 4, True, 661.0),
+    wgmma_variant(192, 5, False, 608.0),
+    wgmma_variant(192, 5, True, 557.0),
 )
 GEMM_VARIANTS = WGMMA_VARIANTS + MMA_VARIANTS
 

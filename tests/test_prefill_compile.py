@@ -169,6 +169,18 @@ def _wg_weight_row(tile_n: int, r: int, n: int, swiglu: bool) -> int:
     return n // 2 + col if r & 8 else col
 
 
+def _wg_stage_rows(tile_n: int, n: int, swiglu: bool) -> list[int]:
+    """The global weight row in each of a stage's 128 rows: prefill_gemm_wgmma.cu's two TMA
+    boxes of 64 rows from weight_box_row (SwiGLU: the gate rows, then the up rows)."""
+    firsts = (tile_n * 64, n // 2 + tile_n * 64) if swiglu else (tile_n * 128, tile_n * 128 + 64)
+    return [first + j for first in firsts for j in range(64)]
+
+
+def _wg_weight_slot(r: int, swiglu: bool) -> int:
+    """prefill_gemm_wgmma.cu weight_slot: the stage row a consumer reads for CTA-local row r."""
+    return ((r & 8) << 3) + 8 * (r >> 4) + (r & 7) if swiglu else r
+
+
 def _sw128(addr: int) -> int:
     """The 128-byte swizzle (wgmma descriptor mode 1, TMA SWIZZLE_128B) on a 1024-aligned base:
     address bits 4-6 ^= bits 7-9."""
@@ -177,7 +189,7 @@ def _sw128(addr: int) -> int:
 
 def _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, swiglu, bias=None, residual=None):
     """One CTA of prefill_gemm_wgmma<bt, *, swiglu> (token tile 0), step by step as the kernel:
-    the producer's swizzled activation stage and plain weight stage, the wgmma B operand read
+    the swizzled activation stage and the weight stage (two TMA boxes), the wgmma B operand read
     through the K-major 128B-swizzle descriptor (start + 32 B per k16, SBO 1024), the per-lane A
     fragments (pair t of words 2s / 2s+1 of rows g / g+8, times the group scale), the m64nBT
     accumulator layout, and the epilogue's staging and column mapping. Returns the CTA's
@@ -185,18 +197,17 @@ def _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, swiglu, bias=None, residu
     m, k = a.shape
     n = qweight.shape[0]
     a_pad = np.zeros((bt, k), np.float16)
-    a_pad[:m] = a  # cp.async zero-fills token rows past M
+    a_pad[:m] = a  # the TMA zero-fills token rows past M
     acc = np.zeros((2, 4, 32, bt // 2), np.float32)  # [warpgroup][warp][lane][register]
     for kt in range(k // 64):
-        stage = np.zeros(bt * 128, np.uint8)  # producer: chunk c of row r at chunk c ^ (r & 7)
+        stage = np.zeros(bt * 128, np.uint8)  # the TMA: chunk c of row r at chunk c ^ (r & 7)
         rows = a_pad[:, kt * 64 : (kt + 1) * 64].view(np.uint8).reshape(bt, 128)
         for r in range(bt):
             for c in range(8):
                 off = r * 128 + ((c ^ (r & 7)) << 4)
                 stage[off : off + 16] = rows[r, c * 16 : (c + 1) * 16]
         halves = stage.view(np.float16)
-        wsm = np.stack([qweight[_wg_weight_row(tile_n, r, n, swiglu), kt * 8 : kt * 8 + 8]
-                        for r in range(128)])  # fmt: skip
+        wsm = qweight[_wg_stage_rows(tile_n, n, swiglu), kt * 8 : kt * 8 + 8]
         for s in range(4):
             b = np.zeros((bt, 16), np.float32)  # B[token][k] as the descriptor addresses it
             for tok in range(bt):
@@ -214,7 +225,8 @@ def _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, swiglu, bias=None, residu
                                          (2 * s + 1, r0 + 8)):  # fmt: skip
                             sc = int(scales[_wg_weight_row(tile_n, r, n, swiglu), kt // 2]
                                      .view(np.uint16))  # fmt: skip
-                            p = ((int(wsm[r, w_idx]) >> (4 * t)) & 0x000F000F) ^ 0x64086408
+                            word = int(wsm[_wg_weight_slot(r, swiglu), w_idx])
+                            p = ((word >> (4 * t)) & 0x000F000F) ^ 0x64086408
                             h = _op(_op(p, 0x64086408, kind="sub"), sc | (sc << 16))
                             regs.append(_halves(h).astype(np.float32))
                         row = 16 * warp + g
@@ -311,11 +323,11 @@ def test_pick_gemm_prefers_wgmma_and_falls_back(m):
 
 def test_pick_gemm_takes_the_measured_winners():
     """At M = 512 on the 7B shapes the picker takes the tile prefill_check.py timed fastest
-    (prefill.py's tile table): 256 tokens for q/k/v and gate_up, 128 for o and down."""
+    (prefill.py's tile table): 192 tokens for q/k/v, 256 for gate_up, 128 for o and down."""
     cfg = preset("7b")
     pk = _fake_kernels(GEMM_VARIANTS)
     for n, k, swiglu, bm in [
-        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False, 256),
+        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False, 192),
         (cfg.hidden_size, cfg.q_size, False, 128),
         (2 * cfg.intermediate_size, cfg.hidden_size, True, 256),
         (cfg.hidden_size, cfg.intermediate_size, False, 128),

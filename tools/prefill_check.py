@@ -18,9 +18,9 @@ Attention: T in (1, 15, 16, 17, 100, 512), GQA 7:1 (7B, D 128), 2:1 (D 128) and 
 D 64), against an fp32 causal softmax; P is rounded to fp16 before P V, so the tolerance is
 max abs error <= 4e-3 on outputs of magnitude ~1.
 
-Timing: CUDA events, median of 20 launches after warm-up, for each 7B shape at M = 512 and each
-tile variant, beside cuBLAS fp16 (torch.matmul) on the same shape as a yardstick; then the
-projected 512-token prefill: 28 x (best per-shape GEMM times + attention).
+Timing: CUDA events around 20 calls queued back to back, median of 5, for each 7B shape at
+M = 512 and each tile variant, beside cuBLAS fp16 (torch.matmul) on the same shape as a
+yardstick; then the projected 512-token prefill: 28 x (best per-shape GEMM times + attention).
 
 Printed: each variant's registers / spills / shared memory; a table of max|err| / max|ref|
 per shape, variant and M (FAIL marks a case over tolerance or with a non-finite output);
@@ -260,17 +260,21 @@ def check_attention(configs, stream, gen, fh):
 
 
 # -- timing ---------------------------------------------------------------------------------------
-def time_ms(fn, reps=20, warmup=3) -> float:
+def time_ms(fn, reps=5, batch=20, warmup=3) -> float:
+    """Milliseconds per fn() call: the median over `reps` timings of `batch` calls queued back
+    to back between two events, as the engine queues its prefill (timed one call at a time, the
+    host's launch time showed up as idle GPU: 10-15% of a 40 us GEMM)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
-        fn()
+        for _ in range(batch):
+            fn()
         e1.record()
         e1.synchronize()
-        times.append(e0.elapsed_time(e1))
+        times.append(e0.elapsed_time(e1) / batch)
     return statistics.median(times)
 
 
@@ -380,7 +384,7 @@ def main() -> int:
     if "timing" in parts:
         results, best, attn_ms, per_layer = time_all(pk, stream, cfg7, gen)
         log(
-            "\nshape      variant                        ms   TFLOP/s   (M = 512, median of 20)", fh
+            "\nshape      variant                        ms   TFLOP/s   (M = 512, 5 x 20 calls)", fh
         )
         for name, var, ms, tf in results:
             log(f"{name:10s} {var:28s} {ms:8.4f} {tf:9.1f}", fh)
