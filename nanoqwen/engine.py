@@ -48,6 +48,7 @@ from .cuda.kernels import (
     DecodeKernels,
 )
 from .errors import ContextError, DeviceError
+from .prefill import PrefillKernels
 from .sampling import SamplingParams
 
 PAGE = jit.PAGE_TOKENS
@@ -76,8 +77,10 @@ class CudaBackend:
         self.gpu = Gpu()
         self._free_at_start = self.gpu.mem_info()[0]  # the context exists; nothing of ours yet
         self.k = DecodeKernels(self.gpu, cfg, pdl=pdl)
+        # Built here, not at the first prompt: on a cold kernel cache NVRTC takes ~5 s for the
+        # prefill kernels, which a server's first request would otherwise wait for.
+        self._prefill = PrefillKernels(cfg, self.gpu)
         self.graph_mode = graph
-        self._prefill = None
         self._pages_in_use = 0
         self._graphs: dict[str, object] = {}
         self._pbufs: dict[str, object] = {}
@@ -243,10 +246,6 @@ class CudaBackend:
     def _prefill_hidden(self, ids: np.ndarray) -> int:
         """Run the prompt (positions 0..T-1) through all layers; KV pages written.
         Returns the device address of x fp16 [T, H] (pre final-norm hidden states)."""
-        if self._prefill is None:
-            from .prefill import PrefillKernels
-
-            self._prefill = PrefillKernels(self.config, self.gpu)
         cfg, k, pk, s = self.config, self.k, self._prefill, self.gpu.stream
         T, h, qkv_n = len(ids), cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         b = {n: v.ptr for n, v in self._prefill_buffers(T).items()}
