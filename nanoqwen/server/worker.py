@@ -10,9 +10,9 @@ Cancellation: the handler sets `job.cancelled` (client disconnected, response to
 worker checks it after every delta, i.e. between decode steps, and closes the stream iterator,
 which frees the generation's KV pages. A job cancelled while still queued is skipped.
 
-A `DeviceError` (sticky CUDA failure) is fatal: the job gets the error, every queued job is
-failed with `EngineDown`, later submissions are refused, and `on_fatal` (called on the worker
-thread) tells the server to shut down so that a supervisor can restart the process.
+A `DeviceError` (sticky CUDA failure) is fatal: `on_fatal` (called on the worker thread)
+tells the server to shut down so that a supervisor can restart the process, the job gets the
+error, every queued job is failed with `EngineDown`, and later submissions are refused.
 """
 
 from __future__ import annotations
@@ -152,11 +152,14 @@ class Worker:
                 stream.close()
 
     def _die(self, job: Job, exc: DeviceError) -> None:
+        # on_fatal before the posts: whoever receives one of them finds the shutdown begun
+        # (tests/test_server_fake.py checked on_fatal once it had the queued job's EngineDown,
+        # and failed when the worker thread had not got that far).
         self.fatal = exc
-        job.post(exc)
-        self._fail_pending(EngineDown(self._down_message()))
         if self.on_fatal is not None:
             self.on_fatal(exc)
+        job.post(exc)
+        self._fail_pending(EngineDown(self._down_message()))
 
     def _fail_pending(self, exc: EngineDown) -> None:
         while True:
