@@ -85,8 +85,9 @@ class CudaBackend:
         self._graphs: dict[str, object] = {}
         self._pbufs: dict[str, object] = {}
         self._pcap = 0
+        before = self.gpu.live_bytes()  # the kernels' own buffers count as workspace
         self._upload_weights()
-        self.weight_bytes = self.gpu.live_bytes()
+        self.weight_bytes = self.gpu.live_bytes() - before
         self._alloc_runtime()
 
     # -- load -----------------------------------------------------------------------------------

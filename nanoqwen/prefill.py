@@ -13,11 +13,13 @@ with `.ptr` (a DeviceArray), `.data_ptr()` (a torch tensor) or `.handle` (a cuda
 Streams: `stream=None` means the Gpu's stream; anything cuda.core's launch accepts otherwise.
 
 The wgmma kernel takes every shape it can (N % 128 == 0, K % 128 == 0: all Qwen2.5 shapes);
-`pick_gemm` weighs the variants by SM-waves times a per-variant rate (`GemmVariant.tflops`,
-measured: the tile table below). It reads A and the weights through TMA descriptors, which
-`gemm` makes (and keeps) per buffer and shape. NANOQWEN_PREFILL_WGMMA=0 in the environment
-keeps the engine on the mma.sync kernels (the wgmma ones stay compiled, and explicit
-`variant=` works).
+it is stream-K (one CTA per SM, each an equal share of the tiles' K groups; a tile cut between
+CTAs is summed up through `PrefillKernels`' parts buffer and flags). `pick_gemm` weighs the
+variants by their work per SM (the mma.sync ones by whole waves) over a per-variant rate
+(`GemmVariant.tflops`, measured: the tile table below). It reads A and the weights through TMA
+descriptors, which `gemm` makes (and keeps) per buffer and shape. NANOQWEN_PREFILL_WGMMA=0 in
+the environment keeps the engine on the mma.sync kernels (the wgmma ones stay compiled, and
+explicit `variant=` works).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class GemmVariant:
     """One compiled GEMM instantiation: a BM (tokens) x BN (weight rows) tile, a STAGES-deep
     pipeline. kind "mma": prefill_gemm.cu, warp tiles WM x WN. kind "wgmma":
     prefill_gemm_wgmma.cu, BN = 128 weight rows (two consumer warpgroups of 64) x BM tokens
-    (the wgmma N: 64, 128 or 256); wm/wn are unused there (set to bm, 64)."""
+    (the wgmma N: 128 or 256); wm/wn are unused there (set to bm, 64)."""
 
     bm: int
     bn: int
@@ -94,7 +96,7 @@ class GemmVariant:
             ring = self.stages * (self.bm * _WGMMA_BK * 2 + _WGMMA_ROWS * _WGMMA_BK // 2)
             cols = _WGMMA_ROWS // 2 if self.swiglu else _WGMMA_ROWS
             staging = self.bm * (cols + 4) * 4
-            return 1024 + max(ring, staging) + 2 * self.stages * 8
+            return 1024 + max(ring, staging) + (2 * self.stages + 1) * 8
         return self.stages * (self.bm * _GEMM_BK * 2 + self.bn * _GEMM_BK // 2)
 
     def fits(self, N: int, K: int) -> bool:
@@ -114,32 +116,34 @@ def wgmma_variant(bt: int, stages: int, swiglu: bool, tflops: float) -> GemmVari
 # (one CTA/SM; 235 vs 256 TFLOP/s on gate_up) and 32 x 64 warp tiles (half the A traffic but
 # twice the dequantization per mma: 219). Three CTAs per SM would need <= 168 registers and
 # spills. The first variant of a kind wins ties in pick_gemm.
-# Rates: TFLOP/s per busy SM slot (pick_gemm counts the waves itself): the chip's rate on a
-# shape divided by the share of SM slots its launch fills (ctas / (waves x slots)). Measured
-# (prefill_check.py --quick, M = 512, 2026-11-30, calls queued back to back; chip TFLOP/s ->
-# per busy slot), q/k/v, o, gate_up, down:
-#   wgmma 128 tokens, 6 stages (121 KiB): 329 -> 603, 371 -> 438, 573 -> 575, 489 -> 576;
-#   wgmma 192 tokens, 5 stages (141 KiB): 474 -> 580, 369 -> 580, 536 -> 557, 423 -> 665;
-#   wgmma 256 tokens, 4 stages (145 KiB): 415 -> 761, 318 -> 751, 593 -> 661, 326 -> 770;
-#   mma 64 x 128 (timed one call at a time, before): 154 -> 282, 167 -> 197, 253 -> 254,
-#   218 -> 257;
-#   cuBLAS fp16 (chip): 599, 462, 686, 709.
-# With these (plain kinds: their mean), the picker takes the measured winner of each 7B shape:
-# 192 tokens for q/k/v (0.036 ms against 0.041 for 256), 256 for gate_up, 128 for o and down.
-# 8 and 5 stages for 128 and 256 tokens measured within 2% of 6 and 4 (either way, by shape);
-# a gate_up split into four whole waves of 256 tokens and one of 128 (two launches) took
-# 0.243 ms against 0.235 for 256 alone.
+# Rates: TFLOP/s per busy SM slot. mma.sync: the chip's rate on a shape divided by the share
+# of SM slots its launch fills (ctas / (waves x slots)), pick_gemm counting the waves itself;
+# the stream-K wgmma kernel keeps every SM busy, so its rate is the chip's on the padded work
+# (ceil(M / BM) x BM tokens). Measured (prefill_check.py --quick, M = 512, 2026-11-30, calls
+# queued back to back; chip TFLOP/s), q/k/v, o, gate_up, down:
+#   wgmma 128 tokens, 6 stages (121 KiB): 474, 448, 547, 461;
+#   wgmma 256 tokens, 4 stages (145 KiB): 487, 427, 637, 584;
+#   mma 64 x 128 (timed one call at a time, before; -> per busy slot): 154 -> 282,
+#   167 -> 197, 253 -> 254, 218 -> 257;
+#   cuBLAS fp16 (chip): 654, 637, 695, 676.
+# With these (plain kinds: their mean), the picker takes 256 tokens for every 7B shape at
+# M = 512: the measured winner (q/k/v 0.035 ms, gate_up 0.218, down 0.119) or within 5% of it
+# (o: 0.031 against 0.029 for 128), and 128 below 256 tokens (less padding). Before stream-K
+# (one CTA per tile), down took 0.149 ms at best (128 tokens: 112 CTAs on 132 SMs) and gate_up
+# 0.240 (4.5 waves of 256 tokens); a 192-token tile then won q/k/v (0.034 ms) but lost every
+# shape under stream-K (q/k/v 0.036, o 0.030, gate_up 0.285, down 0.136) and was dropped.
+# 8 and 5 stages for 128 and 256 tokens measured within 2% of 6 and 4 (one CTA per tile);
+# thread block clusters sharing the activation loads (TMA multicast) and 256-row CTA tiles
+# did not pay (branch prefill-cluster-experiment).
 MMA_VARIANTS = (
     GemmVariant(64, 128, 64, 32, 4, 1, False, tflops=245.0),
     GemmVariant(64, 128, 64, 32, 4, 1, True, tflops=254.0),
 )
 WGMMA_VARIANTS = (
-    wgmma_variant(128, 6, False, 539.0),
-    wgmma_variant(128, 6, True, 575.0),
-    wgmma_variant(256, 4, False, 761.0),
-    wgmma_variant(256, 4, True, 661.0),
-    wgmma_variant(192, 5, False, 608.0),
-    wgmma_variant(192, 5, True, 557.0),
+    wgmma_variant(128, 6, False, 461.0),
+    wgmma_variant(128, 6, True, 547.0),
+    wgmma_variant(256, 4, False, 499.0),
+    wgmma_variant(256, 4, True, 637.0),
 )
 GEMM_VARIANTS = WGMMA_VARIANTS + MMA_VARIANTS
 
@@ -236,6 +240,15 @@ class PrefillKernels:
                 # CTAs resident per SM (registers and shared memory), for the tile choice.
                 occ = kernel.occupancy.max_active_blocks_per_multiprocessor(v.threads, v.smem_bytes)
                 self._per_sm[v] = max(1, occ)
+            # The stream-K hand-over of the wgmma GEMMs: a part of fp32 sums per CTA (256
+            # consumer threads x BT / 2 accumulators; one CTA per SM: 17 MB on an H200) and
+            # its flag, zero between launches.
+            bts = [v.bm for v in self.variants if v.kind == "wgmma"]
+            self._parts = gpu.alloc(
+                self.num_sms * 256 * max(bts, default=0) // 2 * 4, "prefill parts"
+            )
+            self._flags = gpu.alloc(self.num_sms * 4, "prefill part flags")
+            gpu.memset(self._flags.ptr, 0, self.num_sms * 4)
             self.attention_name = table[ATTENTION_SOURCE][0]
             self._attn = attn_kernels[self.attention_name]
             self._attn_smem = attention_smem_bytes(config.head_dim)
@@ -245,7 +258,8 @@ class PrefillKernels:
     def pick_gemm(self, M: int, N: int, swiglu: bool = False, K: int | None = None) -> GemmVariant:
         """Tile choice: the least estimated time, SM-waves x (the work of one wave on one SM,
         per_sm CTAs of bm x bn) / the variant's nominal rate; per_sm is the CTAs resident per
-        SM (occupancy API). Variants whose preconditions fail for (N, K) are skipped, and the
+        SM (occupancy API), and the waves of the stream-K wgmma kernel are fractional (every
+        SM busy to the end). Variants whose preconditions fail for (N, K) are skipped, and the
         wgmma ones when NANOQWEN_PREFILL_WGMMA=0. Ties go to the first variant in the table."""
         best, best_cost = None, None
         for v in self.variants:
@@ -255,7 +269,10 @@ class PrefillKernels:
                 continue
             ctas = -(-M // v.bm) * (N // v.bn)
             per_sm = self._per_sm[v]
-            waves = -(-ctas // (self.num_sms * per_sm))
+            if v.kind == "wgmma":  # stream-K: the tiles' work spread evenly over every SM
+                waves = ctas / (self.num_sms * per_sm)
+            else:
+                waves = -(-ctas // (self.num_sms * per_sm))
             cost = waves * per_sm * v.bm * v.bn / v.tflops
             if best_cost is None or cost < best_cost:
                 best, best_cost = v, cost
@@ -307,7 +324,12 @@ class PrefillKernels:
             raise ValueError(
                 f"prefill gemm: pointers must be 16-byte aligned, got {ptrs} residual {res_ptr}"
             )
-        grid = (-(-M // v.bm), N // v.bn, 1)
+        tiles = -(-M // v.bm) * (N // v.bn)
+        if v.kind == "wgmma":  # stream-K: one CTA per SM, each an equal share of the groups
+            groups = tiles * (K // GROUP_SIZE)
+            grid, extra = (min(groups, self.num_sms), 1, 1), (self._parts.ptr, self._flags.ptr)
+        else:
+            grid, extra = (-(-M // v.bm), N // v.bn, 1), ()
         self._launch(
             stream,
             "prefill gemm",
@@ -323,6 +345,7 @@ class PrefillKernels:
             np.int32(M),
             np.int32(N),
             np.int32(K),
+            *extra,
         )
 
     def _maps_for(self, v: GemmVariant, a: int, qweight: int, M: int, N: int, K: int) -> tuple:

@@ -9,7 +9,17 @@
 //
 //   wgmma.mma_async m64nBTk16: D[64 weight rows][BT tokens] += Wfrag[64][16] x Atile[BT][16]^T
 //
-// CTA: 3 warpgroups (384 threads), one CTA per SM.
+// Grid: stream-K, one CTA per SM (gridDim.x <= the SMs, all resident at once). The launch's
+// output tiles (128 weight rows x BT tokens) times their K/128 scale groups form one range of
+// iterations, cut into gridDim.x equal parts (Split, Segment below): a CTA runs the tiles of
+// its part one segment at a time, from its last to its first, and a tile cut between CTAs is
+// finished by the one holding its last group (the owner), which adds the others' fp32 sums
+// (handed over through `partials` and `flags` as their first work) before the epilogue. Every
+// SM busy to the end: at M = 512 (H200, tools/prefill_check.py) down took 0.119 ms against
+// 0.149 for one CTA per tile (112 CTAs, 20 SMs idle), gate_up 0.218 against 0.240 (4.5
+// waves), and the 512-token prefill 13.8 -> 12.8 ms.
+//
+// CTA: 3 warpgroups (384 threads).
 //   WG 0     producer: setmaxnreg.dec to 40; thread 0 alone fills a STAGES-deep ring of
 //            k-tiles (64 K wide) with three TMA copies each, on the stage's "full" mbarrier
 //            (arrive.expect_tx): the activations (a_map, the tensor map of A [M, K]: a box of
@@ -21,15 +31,18 @@
 //            this k-loop with no loads at all ran its wgmma and dequantization at 950 TFLOP/s
 //            (branch prefill-tma-experiment). TMA for the activations took gate_up to 0.243
 //            ms, down 0.195 -> 0.149, q/k/v 0.073 -> 0.058, o 0.055 -> 0.047; for the weights
-//            too, the same within 2% (kept: one thread, one arrival per stage).
+//            too, the same within 2% (kept: one thread, one arrival per stage). The ring runs
+//            on across the CTA's segments; after an owner's segment the producer waits for
+//            the epilogue (which stages its tile in the ring) on the "epi" mbarrier.
 //   WG 1, 2  consumers: setmaxnreg.inc to 232; consumer c owns CTA weight rows 64c..64c+63
 //            and all BT tokens: fp32 accumulators m64nBT = BT/2 registers per thread.
 //            Per k-tile: wait "full", read its 64 rows x 32 bytes of INT4 from shared memory,
 //            dequantize straight into the wgmma A fragments (times the group scale, rounded
 //            once to fp16 like the reference), 4 wgmma k-steps, commit; wait_group 1 then
 //            release the *previous* stage on its "empty" mbarrier (count 8: lane 0 of each
-//            consumer warp). A fragments are double-buffered (the k-loop is unrolled by two)
-//            so the next tile's dequantization overlaps the in-flight wgmma.
+//            consumer warp; a segment's last stage once its wgmma are done). A fragments are
+//            double-buffered (the k-loop is unrolled by two: one scale group) so the next
+//            tile's dequantization overlaps the in-flight wgmma.
 // CTA tile: 128 weight rows (= 128 output columns, or 64 SwiGLU outputs) x BT tokens x 64 K.
 // Shared memory per stage: activations BT rows x 128 B in the 128-byte swizzle that the TMA
 // writes and the wgmma descriptor names (16-byte chunk c of row r sits at chunk c ^ (r & 7);
@@ -48,17 +61,22 @@
 // (row g + 8, same token), j = 0..BT/8-1, e = 0..1.
 //
 // SWIGLU: CTA-local weight row r = 16 b + 8 h + g (b = r/16, h = 0/1, g = r%8) holds
-// gate (h = 0) or up (h = 1) row of output column 64 * blockIdx.y + 8 b + g, so the thread
+// gate (h = 0) or up (h = 1) row of output column 64 * tile_n + 8 b + g, so the thread
 // holding accumulator row g (gate) also holds row g + 8 (up) of the same column and token.
 //
-// Epilogue: bias / SwiGLU in registers, then the tile goes through shared memory (fp32,
-// [BT][cols + 4], reusing the ring) so that each thread stores 16 contiguous bytes of one
-// token row and adds the residual there in fp32 (out may alias residual: each element is
-// read and then written by one thread).
+// Epilogue (owners): the parts of the CTAs before (in CTA order, nearest first), bias /
+// SwiGLU in registers, then the tile goes through shared memory (fp32, [BT][cols + 4],
+// reusing the ring) so that each thread stores 16 contiguous bytes of one token row and adds
+// the residual there in fp32 (out may alias residual: each element is read and then written
+// by one thread). A part: the 256 consumer threads' BT/2 accumulators, [BT/2][256] fp32 at
+// partials + CTA x BT/2 x 256 (__stcg, then the flag set with st.release.gpu); the owner
+// acquires the flag, resets it to 0 (each part is read once: every launch finds them zero)
+// and reads the part with __ldcg.
 //
 // Arguments: as prefill_gemm.cu, but A and qweight come as tensor maps (a_map, w_map; made
-// by nanoqwen/prefill.py). M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even
-// count); all pointers 16-byte aligned. nanoqwen/prefill.py checks every condition.
+// by nanoqwen/prefill.py), plus partials (fp32, gridDim.x x BT/2 x 256) and flags (int32,
+// gridDim.x, zero). M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even count);
+// all pointers 16-byte aligned. nanoqwen/prefill.py checks every condition.
 
 #ifndef NANOQWEN_PREFILL_GEMM_WGMMA_CU
 #define NANOQWEN_PREFILL_GEMM_WGMMA_CU
@@ -96,14 +114,14 @@ struct Staging {
 };
 
 // Dynamic shared memory the launcher must pass (nanoqwen/prefill.py repeats this formula):
-// 1024 bytes of alignment slack + max(ring, epilogue staging) + 2 * STAGES mbarriers.
+// 1024 bytes of alignment slack + max(ring, epilogue staging) + 2 * STAGES + 1 mbarriers.
 template <int BT, int STAGES, bool SWIGLU>
 constexpr int smem_bytes() {
   return 1024 +
          (Layout<BT, STAGES>::kRingBytes > Staging<BT, SWIGLU>::kBytes
               ? Layout<BT, STAGES>::kRingBytes
               : Staging<BT, SWIGLU>::kBytes) +
-         2 * STAGES * 8;
+         (2 * STAGES + 1) * 8;
 }
 
 // Nibble pair (shift = 4i) of a ValueShuffle word -> fp16x2 (v(2i), v(2i+1)) * scale, one
@@ -192,40 +210,6 @@ struct Wgmma<128> {
 };
 
 template <>
-struct Wgmma<192> {
-  __device__ __forceinline__ static void mma(float (&d)[96], const unsigned (&a)[4],
-                                             unsigned long long desc) {
-    asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %101, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}, "
-      "{%96, %97, %98, %99}, %100, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
-        "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
-        "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
-        "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-  }
-};
-
-template <>
 struct Wgmma<256> {
   __device__ __forceinline__ static void mma(float (&d)[128], const unsigned (&a)[4],
                                              unsigned long long desc) {
@@ -286,22 +270,67 @@ __device__ __forceinline__ int weight_slot(int r) {
   return SWIGLU ? ((r & 8) << 3) + 8 * (r >> 4) + (r & 7) : r;
 }
 
+// Stream-K: the launch's work is units = tiles_m x tiles_n output tiles (unit u: token tile
+// u % tiles_m of weight tile u / tiles_m, so the token tiles of one weight tile run side by
+// side) times `groups` scale groups of K (two k-tiles each), one range of units x groups
+// iterations cut into gridDim.x equal parts, one per CTA. A CTA takes its part in segments
+// (the groups of one tile in it), from the last to the first: its first segment may be the
+// head or a middle part of a tile whose last group another CTA has, and only there does it
+// hand its sums over (partials, flags); every later segment ends a tile, which makes it the
+// tile's owner: it adds the parts of the CTAs before it (each handed over as their first
+// work, so an owner waits only on lower CTAs, all of them launched before it) and runs the
+// epilogue.
+struct Segment {
+  int unit, tile_m, tile_n, g0, g1;  // groups [g0, g1) of tile `unit`; unit < 0: none
+  long long lo;                      // its first iteration, unit * groups + g0
+  __device__ bool valid() const { return unit >= 0; }
+  __device__ bool owner(int groups) const { return g1 == groups; }
+};
+struct Split {
+  int tiles_m, groups, parts;
+  long long total;
+  __device__ Split(int M, int N, int K, int BT)
+      : tiles_m((M + BT - 1) / BT), groups(K / kGroup), parts(gridDim.x),
+        total((long long)((M + BT - 1) / BT) * (N / kRows) * (K / kGroup)) {}
+  // The first iteration of CTA c's part.
+  __device__ long long first(int c) const { return total * c / parts; }
+  // The segment of iterations [lo_bound, hi) that ends at hi.
+  __device__ Segment ending(long long lo_bound, long long hi) const {
+    if (hi <= lo_bound) return Segment{-1, 0, 0, 0, 0, 0};
+    const int u = static_cast<int>((hi - 1) / groups);
+    const long long ulo = (long long)u * groups;
+    const long long lo = lo_bound > ulo ? lo_bound : ulo;
+    return Segment{u, u % tiles_m, u / tiles_m, static_cast<int>(lo - ulo),
+                   static_cast<int>(hi - ulo), lo};
+  }
+  __device__ Segment last(int c) const { return ending(first(c), first(c + 1)); }
+  __device__ Segment before(const Segment& s, int c) const { return ending(first(c), s.lo); }
+};
+
+__device__ __forceinline__ void st_release_gpu(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 }  // namespace nanoqwen_wgmma
 
-// BT tokens per CTA (the wgmma N: 128, 192 or 256), STAGES-deep ring, SWIGLU epilogue.
+// BT tokens per CTA (the wgmma N: 128 or 256), STAGES-deep ring, SWIGLU epilogue.
 template <int BT, int STAGES, bool SWIGLU>
 __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     prefill_gemm_wgmma(const __grid_constant__ nanoqwen_wgmma::TensorMap a_map,
                        const __grid_constant__ nanoqwen_wgmma::TensorMap w_map,
                        const unsigned short* __restrict__ scales,
                        const unsigned short* __restrict__ bias, const unsigned short* residual,
-                       unsigned short* out, int M, int N, int K) {
+                       unsigned short* out, int M, int N, int K, float* partials, int* flags) {
   using namespace nanoqwen_wgmma;
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
   constexpr int kAcc = BT / 2;
-  static_assert(BT == 128 || BT == 192 || BT == 256,
-                "BT: 128, 192 or 256 tokens (the timed and checked tiles)");
+  static_assert(BT == 128 || BT == 256, "BT: 128 or 256 tokens (the timed and checked tiles)");
   static_assert(STAGES >= 2, "the ring needs two stages");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -310,13 +339,13 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   const unsigned base = (raw + 1023u) & ~1023u;
   unsigned char* const base_ptr = smem_raw + (base - raw);
   constexpr int kMain = L::kRingBytes > St::kBytes ? L::kRingBytes : St::kBytes;
-  const unsigned full_bar = base + kMain;         // STAGES x 8 bytes
-  const unsigned empty_bar = full_bar + 8 * STAGES;  // STAGES x 8 bytes
+  const unsigned full_bar = base + kMain;             // STAGES x 8 bytes
+  const unsigned empty_bar = full_bar + 8 * STAGES;   // STAGES x 8 bytes
+  const unsigned epi_bar = empty_bar + 8 * STAGES;    // the staging is read: the ring is free
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;
-  const int tile_m = blockIdx.x, tile_n = blockIdx.y;
-  const int k_tiles = K / kBK;
+  const Split sp(M, N, K, BT);
 
   if (tid == 0) {
     unsigned dyn;
@@ -327,6 +356,7 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
       mbar_init(full_bar + 8 * s, 1);   // the producer's arrive.expect_tx
       mbar_init(empty_bar + 8 * s, 8);  // lane 0 of each of the 8 consumer warps
     }
+    mbar_init(epi_bar, 8);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -335,19 +365,24 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     // ---------------------------------------------------------------- producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     if (tid != 0) return;
-    const int w_row0 = weight_box_row<SWIGLU>(tile_n, 0, N);
-    const int w_row1 = weight_box_row<SWIGLU>(tile_n, 1, N);
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int st = kt % STAGES;
-      if (kt >= STAGES) mbar_wait(empty_bar + 8 * st, ((kt / STAGES) - 1) & 1);
-      const unsigned act_s = base + st * L::kStageBytes;
-      const unsigned w_s = act_s + L::kActBytes;
-      // The boxes count whole, the activations' zero rows past M included.
-      mbar_arrive_expect_tx(full_bar + 8 * st, L::kStageBytes);
-      tma_load_2d(act_s, a_map, kt * kBK, tile_m * BT, full_bar + 8 * st);
-      // Weights: 8 ValueShuffle words (64 K) of 64 rows per box.
-      tma_load_2d(w_s, w_map, kt * 8, w_row0, full_bar + 8 * st);
-      tma_load_2d(w_s + 64 * 32, w_map, kt * 8, w_row1, full_bar + 8 * st);
+    int q = 0, epilogues = 0;  // k-tiles issued so far (the ring position), owner segments
+    for (Segment seg = sp.last(blockIdx.x); seg.valid(); seg = sp.before(seg, blockIdx.x)) {
+      const int w_row0 = weight_box_row<SWIGLU>(seg.tile_n, 0, N);
+      const int w_row1 = weight_box_row<SWIGLU>(seg.tile_n, 1, N);
+      for (int kt = 2 * seg.g0; kt < 2 * seg.g1; ++kt, ++q) {
+        const int st = q % STAGES;
+        if (q >= STAGES) mbar_wait(empty_bar + 8 * st, ((q / STAGES) - 1) & 1);
+        const unsigned act_s = base + st * L::kStageBytes;
+        const unsigned w_s = act_s + L::kActBytes;
+        // The boxes count whole, the activations' zero rows past M included.
+        mbar_arrive_expect_tx(full_bar + 8 * st, L::kStageBytes);
+        tma_load_2d(act_s, a_map, kt * kBK, seg.tile_m * BT, full_bar + 8 * st);
+        // Weights: 8 ValueShuffle words (64 K) of 64 rows per box.
+        tma_load_2d(w_s, w_map, kt * 8, w_row0, full_bar + 8 * st);
+        tma_load_2d(w_s + 64 * 32, w_map, kt * 8, w_row1, full_bar + 8 * st);
+      }
+      // An owner's epilogue stages its tile in the ring: no copies until it has been read.
+      if (seg.owner(sp.groups)) mbar_wait(epi_bar, epilogues++ & 1);
     }
     return;  // the copies complete on the mbarriers, which the consumers wait on
   }
@@ -355,25 +390,24 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   // ------------------------------------------------------------------ consumer warpgroups
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
   const int cw = wg - 1;                // consumer warpgroup 0/1: CTA weight rows 64cw..
+  const int ctid = tid - 128;           // 0..255
   const int wtid = tid & 127;
   const int warp = wtid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int r0 = 64 * cw + 16 * warp + g, r1 = r0 + 8;  // this thread's two weight rows
   const int slot0 = weight_slot<SWIGLU>(r0), slot1 = weight_slot<SWIGLU>(r1);
   const unsigned shift = 4 * t;                          // its nibble pair in every word
-  const int groups = K / kGroup;
-  const unsigned short* s0_ptr = scales + (long)weight_row<SWIGLU>(tile_n, r0, N) * groups;
-  const unsigned short* s1_ptr = scales + (long)weight_row<SWIGLU>(tile_n, r1, N) * groups;
+  float* stg = reinterpret_cast<float*>(base_ptr);
 
   float acc[kAcc];
-#pragma unroll
-  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+  int q = 0;  // k-tiles consumed so far (the ring position)
+  int q0 = 0;  // the first k-tile of the current segment
 
   // One k-tile: wait for its stage, dequantize 4 k-steps of A fragments into `a`, issue the
-  // 4 wgmma, then retire the previous tile (its A buffer and its stage).
-  auto tile = [&](int kt, unsigned (&a)[4][4], unsigned sc0, unsigned sc1) {
-    const int st = kt % STAGES;
-    mbar_wait(full_bar + 8 * st, (kt / STAGES) & 1);
+  // 4 wgmma, then retire the previous tile of the segment (its A buffer and its stage).
+  auto tile = [&](unsigned (&a)[4][4], unsigned sc0, unsigned sc1) {
+    const int st = q % STAGES;
+    mbar_wait(full_bar + 8 * st, (q / STAGES) & 1);
     const unsigned act_s = base + st * L::kStageBytes;
     const unsigned char* w_s = base_ptr + st * L::kStageBytes + L::kActBytes;
     const uint4 x0 = *reinterpret_cast<const uint4*>(w_s + slot0 * 32);
@@ -396,90 +430,131 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     for (int s = 0; s < 4; ++s) Wgmma<BT>::mma(acc, a[s], desc + 2 * s);  // +32 B per k16
     wgmma_commit();
     fence_acc(acc);
-    wgmma_wait<1>();  // tile kt - 1 is done: its A buffer and its stage are free
+    wgmma_wait<1>();  // tile q - 1 is done: its A buffer and its stage are free
     fence_acc(acc);
-    if (kt > 0) {
+    if (q > q0) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty_bar + 8 * ((kt - 1) % STAGES));
+      if (lane == 0) mbar_arrive(empty_bar + 8 * ((q - 1) % STAGES));
     }
+    ++q;
   };
 
-  unsigned a0[4][4], a1[4][4];
-  unsigned short s0_next = __ldg(s0_ptr), s1_next = __ldg(s1_ptr);
-  for (int kt = 0; kt < k_tiles; kt += 2) {  // k_tiles is even: one scale group per pair
-    const unsigned sc0 = s0_next | (static_cast<unsigned>(s0_next) << 16);
-    const unsigned sc1 = s1_next | (static_cast<unsigned>(s1_next) << 16);
-    const int next_group = kt / 2 + 1 < groups ? kt / 2 + 1 : 0;
-    s0_next = __ldg(s0_ptr + next_group);
-    s1_next = __ldg(s1_ptr + next_group);
-    tile(kt, a0, sc0, sc1);
-    tile(kt + 1, a1, sc0, sc1);
-  }
-  wgmma_wait<0>();
-  fence_acc(acc);
+  for (Segment seg = sp.last(blockIdx.x); seg.valid(); seg = sp.before(seg, blockIdx.x)) {
+    const int groups = sp.groups;
+    const unsigned short* s0_ptr =
+        scales + (long)weight_row<SWIGLU>(seg.tile_n, r0, N) * groups;
+    const unsigned short* s1_ptr =
+        scales + (long)weight_row<SWIGLU>(seg.tile_n, r1, N) * groups;
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+    q0 = q;
+    unsigned a0[4][4], a1[4][4];
+    unsigned short s0_next = __ldg(s0_ptr + seg.g0), s1_next = __ldg(s1_ptr + seg.g0);
+    for (int grp = seg.g0; grp < seg.g1; ++grp) {  // one scale group: two k-tiles
+      const unsigned sc0 = s0_next | (static_cast<unsigned>(s0_next) << 16);
+      const unsigned sc1 = s1_next | (static_cast<unsigned>(s1_next) << 16);
+      const int next_group = grp + 1 < seg.g1 ? grp + 1 : grp;
+      s0_next = __ldg(s0_ptr + next_group);
+      s1_next = __ldg(s1_ptr + next_group);
+      tile(a0, sc0, sc1);
+      tile(a1, sc0, sc1);
+    }
+    wgmma_wait<0>();
+    fence_acc(acc);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty_bar + 8 * ((q - 1) % STAGES));  // the segment's last
 
-  // ------------------------------------------------------------------------------ epilogue
-  // Both consumer warpgroups must be done reading the ring before it becomes staging.
-  named_barrier_sync(kEpilogueBarrier, 256);
-  float* stg = reinterpret_cast<float*>(base_ptr);
-  if (SWIGLU) {
-    const int col = 32 * cw + 8 * warp + g;  // output column (CTA-local) of rows r0 / r1
+    if (!seg.owner(sp.groups)) {
+      // A head or middle part of a tile (this CTA's first segment): hand the sums to the
+      // owner through `partials` (coalesced: [kAcc][256] per CTA), then raise the flag.
+      float* part = partials + (long)blockIdx.x * kAcc * 256;
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j) {
+      for (int i = 0; i < kAcc; ++i) __stcg(part + i * 256 + ctid, acc[i]);
+      named_barrier_sync(kEpilogueBarrier, 256);
+      if (ctid == 0) {
+        __threadfence();
+        st_release_gpu(flags + blockIdx.x, 1);
+      }
+      continue;
+    }
+    // The owner (this segment ends the tile): add the parts of the CTAs before it that the
+    // tile began in (when this segment does not begin it), nearest first.
+    for (int c = blockIdx.x - 1; seg.g0 > 0; --c) {
+      if (ctid == 0) {
+        while (ld_acquire_gpu(flags + c) == 0) {
+        }
+        flags[c] = 0;  // every part is read once, by this CTA: ready for the next launch
+      }
+      named_barrier_sync(kEpilogueBarrier, 256);
+      const float* part = partials + (long)c * kAcc * 256;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float gate = acc[4 * j + e], up = acc[4 * j + 2 + e];
-        stg[(8 * j + 2 * t + e) * St::kStride + col] = gate / (1.f + __expf(-gate)) * up;
+      for (int i = 0; i < kAcc; ++i) acc[i] += __ldcg(part + i * 256 + ctid);
+      if (sp.first(c) <= seg.lo - seg.g0) break;  // c's part began the tile
+    }
+
+    // ---------------------------------------------------------------------------- epilogue
+    // Both consumer warpgroups must be done reading the ring before it becomes staging.
+    named_barrier_sync(kEpilogueBarrier, 256);
+    if (SWIGLU) {
+      const int col = 32 * cw + 8 * warp + g;  // output column (CTA-local) of rows r0 / r1
+#pragma unroll
+      for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float gate = acc[4 * j + e], up = acc[4 * j + 2 + e];
+          stg[(8 * j + 2 * t + e) * St::kStride + col] = gate / (1.f + __expf(-gate)) * up;
+        }
+      }
+    } else {
+      float b0 = 0.f, b1 = 0.f;
+      if (bias) {
+        b0 = half_to_float(bias[seg.tile_n * kRows + r0]);
+        b1 = half_to_float(bias[seg.tile_n * kRows + r1]);
+      }
+#pragma unroll
+      for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int row = 8 * j + 2 * t + e;
+          stg[row * St::kStride + r0] = acc[4 * j + e] + b0;
+          stg[row * St::kStride + r1] = acc[4 * j + 2 + e] + b1;
+        }
       }
     }
-  } else {
-    float b0 = 0.f, b1 = 0.f;
-    if (bias) {
-      b0 = half_to_float(bias[tile_n * kRows + r0]);
-      b1 = half_to_float(bias[tile_n * kRows + r1]);
-    }
-#pragma unroll
-    for (int j = 0; j < BT / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = 8 * j + 2 * t + e;
-        stg[row * St::kStride + r0] = acc[4 * j + e] + b0;
-        stg[row * St::kStride + r1] = acc[4 * j + 2 + e] + b1;
-      }
-    }
-  }
-  named_barrier_sync(kEpilogueBarrier, 256);
+    named_barrier_sync(kEpilogueBarrier, 256);
 
-  // Each thread stores 8 consecutive columns (16 bytes) of one token row per pass.
-  constexpr int kThrPerRow = St::kCols / 8;
-  constexpr int kRowsPerPass = 256 / kThrPerRow;
-  const int ctid = tid - 128;
-  const int c8 = (ctid % kThrPerRow) * 8, rsub = ctid / kThrPerRow;
-  const int ld_out = SWIGLU ? N / 2 : N;
-  const int col0 = tile_n * St::kCols + c8;
+    // Each thread stores 8 consecutive columns (16 bytes) of one token row per pass.
+    constexpr int kThrPerRow = St::kCols / 8;
+    constexpr int kRowsPerPass = 256 / kThrPerRow;
+    const int c8 = (ctid % kThrPerRow) * 8, rsub = ctid / kThrPerRow;
+    const int ld_out = SWIGLU ? N / 2 : N;
+    const int col0 = seg.tile_n * St::kCols + c8;
 #pragma unroll 4
-  for (int row = rsub; row < BT; row += kRowsPerPass) {
-    const int tok = tile_m * BT + row;
-    if (tok >= M) break;
-    const float4 u = *reinterpret_cast<const float4*>(stg + row * St::kStride + c8);
-    const float4 w = *reinterpret_cast<const float4*>(stg + row * St::kStride + c8 + 4);
-    float v[8] = {u.x, u.y, u.z, u.w, w.x, w.y, w.z, w.w};
-    const long idx = (long)tok * ld_out + col0;
-    if (!SWIGLU && residual) {
-      const uint4 r = *reinterpret_cast<const uint4*>(residual + idx);
-      const unsigned rw[4] = {r.x, r.y, r.z, r.w};
+    for (int row = rsub; row < BT; row += kRowsPerPass) {
+      const int tok = seg.tile_m * BT + row;
+      if (tok >= M) break;
+      const float4 u = *reinterpret_cast<const float4*>(stg + row * St::kStride + c8);
+      const float4 w = *reinterpret_cast<const float4*>(stg + row * St::kStride + c8 + 4);
+      float v[8] = {u.x, u.y, u.z, u.w, w.x, w.y, w.z, w.w};
+      const long idx = (long)tok * ld_out + col0;
+      if (!SWIGLU && residual) {
+        const uint4 r = *reinterpret_cast<const uint4*>(residual + idx);
+        const unsigned rw[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[2 * i] += half_to_float(static_cast<half_t>(rw[i] & 0xFFFF));
-        v[2 * i + 1] += half_to_float(static_cast<half_t>(rw[i] >> 16));
+        for (int i = 0; i < 4; ++i) {
+          v[2 * i] += half_to_float(static_cast<half_t>(rw[i] & 0xFFFF));
+          v[2 * i + 1] += half_to_float(static_cast<half_t>(rw[i] >> 16));
+        }
       }
+      uint4 o;
+      o.x = pack_half2(v[0], v[1]);
+      o.y = pack_half2(v[2], v[3]);
+      o.z = pack_half2(v[4], v[5]);
+      o.w = pack_half2(v[6], v[7]);
+      *reinterpret_cast<uint4*>(out + idx) = o;
     }
-    uint4 o;
-    o.x = pack_half2(v[0], v[1]);
-    o.y = pack_half2(v[2], v[3]);
-    o.z = pack_half2(v[4], v[5]);
-    o.w = pack_half2(v[6], v[7]);
-    *reinterpret_cast<uint4*>(out + idx) = o;
+    __syncwarp();
+    if (lane == 0) mbar_arrive(epi_bar);  // this warp has read the staging
   }
 }
 
