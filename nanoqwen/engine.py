@@ -269,7 +269,8 @@ class CudaBackend:
 
     def memory(self) -> dict:
         """Device memory: what we hold (weights, KV cache, workspace = decode buffers, RoPE and
-        page tables, prefill scratch sized by the longest prompt so far) against what the
+        page tables, the prefill GEMMs' stream-K parts, prefill scratch sized by the longest
+        prompt so far) against what the
         device lost since the context was made (kernel images, allocator slack included)."""
         live, (free, _) = self.gpu.live_bytes(), self.gpu.mem_info()
         used = self._free_at_start - free

@@ -326,8 +326,9 @@ class PrefillKernels:
             )
         tiles = -(-M // v.bm) * (N // v.bn)
         if v.kind == "wgmma":  # stream-K: one CTA per SM, each an equal share of the groups
-            groups = tiles * (K // GROUP_SIZE)
-            grid, extra = (min(groups, self.num_sms), 1, 1), (self._parts.ptr, self._flags.ptr)
+            iterations = tiles * (K // GROUP_SIZE)  # the kernel's Split: tiles x K groups
+            grid = (min(iterations, self.num_sms), 1, 1)
+            extra = (self._parts.ptr, self._flags.ptr)
         else:
             grid, extra = (-(-M // v.bm), N // v.bn, 1), ()
         self._launch(
