@@ -2,7 +2,7 @@
 // producer warp streams K/V pages into shared memory with Hopper's bulk async copy
 // (cp.async.bulk ... mbarrier::complete_tx), four consumer warps run QK^T and PV on mma.sync
 // with an fp32 online softmax, and the split-combine is folded in (a cluster merge through
-// distributed shared memory, then a last-cluster semaphore).
+// distributed shared memory, then a last-CTA semaphore).
 //
 // attn_decode: grid (kKVHeads, S) in clusters of (1, kAttnCluster, 1), S <= kAttnSplits a
 // multiple of kAttnCluster fixed per model (kernels.py: S = min(kAttnSplits, 128 / kKVHeads)
@@ -28,12 +28,19 @@
 // [c P / ncl, (c + 1) P / ncl), rank k the k-th C-th of that, possibly empty), so the split
 // size follows L at run time while the grid keeps its shape (it is captured in a graph).
 // Clusters with c >= ncl exit at once. Each CTA merges its warps, then the ranks of a cluster
-// merge through distributed shared memory (a cluster barrier; rank k reads column slice k of
-// every rank's partial); with ncl == 1 that writes `out`. Otherwise each cluster writes its
-// partial per query head and rank 0 bumps counters[kv head] (one acq_rel atomic after the
-// cluster barrier); rank 0 of the cluster that arrives last merges the ncl partials, writes
+// merge through distributed shared memory: every rank pushes column slice k of its partial and
+// its (m, l) into rank k's inbox with st.async, which counts the bytes on rank k's mbarrier,
+// and rank k merges what it received; with ncl == 1 that writes `out`. Otherwise each rank
+// writes its slice of the cluster's partial per query head and bumps counters[kv head] (one
+// acq_rel atomic); the last of the kv head's ncl x C CTAs merges the ncl partials, writes
 // `out`, and resets the counter to 0, reading each cluster's (m, l) with its partial sums and
 // rescaling online (a batch of clusters costs one L2 round trip).
+// The push replaced a cluster barrier on each side of ranks reading the others' partials
+// (ld.shared::cluster): barrier.cluster.arrive.release compiles to MEMBAR.ALL.GPU, which under
+// the weight streams waits out this thread's global stores. Attention 3.83 -> 2.71 us a launch
+// at 513 tokens, 8.58 -> 8.02 at 8193; whole 7B step 1486 -> 1447 us at 513, 1638 -> 1622 at
+// 8193 (tools/kernel_tune.py step, H200, 2026-11-30; the exit barrier alone, made relaxed,
+// had taken 1486 -> 1466 and 1638 -> 1630).
 // Whole 7B step on the H200 (tools/kernel_tune.py step, 2026-11-30) at 513 / 8193 / 32705
 // tokens: before the clusters (splits of >= 4 pages, 256 CTAs, the last CTA merging up to 64
 // partials from L2) 1615 / 1803 / 2136 us; clusters of 8 with >= 16 pages a CTA on 128 CTAs
@@ -77,10 +84,12 @@
 // the cache's chunk swizzle (kv_chunk), which makes every ldmatrix conflict-free.
 //
 // Epilogue. __syncthreads (all 5 warps: the ring is drained), the consumers park (m, l, o) in
-// shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps, then the
-// split logic above. Every thread of a cluster reaches every cluster barrier and every thread
-// of a CTA every __syncthreads: the early exits (an empty cluster, ncl == 1 done, not rank 0,
-// not the last cluster) are uniform over the cluster or come after its last barrier.
+// shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps and push,
+// then the split logic above. The one cluster barrier (arrived relaxed after the inboxes'
+// mbarriers are armed at the start, waited on before the first push) keeps any push ahead of
+// its inbox's arming; an empty cluster leaves before it, as a whole. Nothing reads another
+// CTA's shared memory, so no rank waits for the others to leave; every thread of a CTA
+// reaches every __syncthreads (the exits after the merge are uniform over the CTA).
 #include "common.cuh"
 #include "kv_cache.cuh"
 
@@ -111,15 +120,13 @@ static_assert(kAttnStageTx < (1u << 20), "mbarrier tx-count range");
 // older phase.
 static_assert(kAttnStages % kAttnConsumers == 0, "one consumer warp per ring slot");
 static_assert(kAttnStages >= 2 * kAttnConsumers, "each consumer keeps its next page in flight");
-// Epilogue scratch (aliases the drained ring): per consumer warp o[G][kAttnScrRow], m[G], l[G];
-// then the CTA's partial for its cluster: acc[G][kHeadDim], (m, l)[G].
+// Epilogue scratch (aliases the drained ring): per consumer warp o[G][kAttnScrRow], m[G], l[G].
 constexpr int kAttnScrO = kAttnConsumers * kGroupRatio * kAttnScrRow;
 constexpr int kAttnScrFloats = kAttnScrO + 2 * kAttnConsumers * kGroupRatio;
-constexpr int kAttnPartFloats = kGroupRatio * kHeadDim + 2 * kGroupRatio;
-static_assert((kAttnScrFloats + kAttnPartFloats) * 4 <= kAttnRingBytes,
-              "epilogue scratch must fit in the ring");
-static_assert(kAttnScrFloats % 2 == 0 && (kGroupRatio * kHeadDim) % 2 == 0, "float2 (m, l)");
-static_assert(kHeadDim % kAttnCluster == 0, "each rank of a cluster merges whole columns");
+static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
+static_assert(kHeadDim % (4 * kAttnCluster) == 0, "each rank merges whole float4 columns");
+// Bytes each CTA's recv_bar expects: every rank's slice of G x kCols floats and G (m, l).
+constexpr unsigned kAttnRecvTx = kAttnCluster * kGroupRatio * (kHeadDim / kAttnCluster + 2) * 4;
 static_assert(kAttnSplits % kAttnCluster == 0, "the splits come in whole clusters");
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
@@ -140,22 +147,16 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-__device__ __forceinline__ float ld_cluster(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
-  return v;
+// st.async: a store into rank-mapped shared memory `addr` that completes its bytes on the
+// mbarrier `bar` of the same rank (both shared::cluster addresses): no barrier, no fence.
+__device__ __forceinline__ void st_async(uint32_t addr, float4 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], "
+               "{%1, %2, %3, %4}, [%5];"
+               ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar) : "memory");
 }
-__device__ __forceinline__ float2 ld_cluster2(uint32_t addr) {
-  float2 v;
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr)
-               : "memory");
-  return v;
-}
-// Every thread of the cluster: what each wrote before (shared or global memory) is visible to
-// all of them after.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
+__device__ __forceinline__ void st_async(uint32_t addr, float2 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, "
+               "[%3];" ::"r"(addr), "f"(v.x), "f"(v.y), "r"(bar) : "memory");
 }
 // 2^x; ex2.approx(-inf) = +0, which the masking and empty-state logic rely on.
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -173,6 +174,12 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   extern __shared__ __align__(128) unsigned char ring[];  // kAttnRingBytes (dynamic)
   __shared__ __align__(8) unsigned long long full_bar[kAttnStages], empty_bar[kAttnStages];
   __shared__ int sm_last;
+  // The cluster merge's inbox: from each rank its partial's column slice [rank * kCols, + kCols)
+  // and its (m, l), pushed with st.async and counted on recv_bar.
+  constexpr int kCols = D / kAttnCluster;
+  __shared__ __align__(16) float recv_acc[kAttnCluster][G][kCols];
+  __shared__ __align__(8) float2 recv_ml[kAttnCluster][G];
+  __shared__ __align__(8) unsigned long long recv_bar;
 
   // Cluster cl of this kv head; rank = %cluster_ctarank for clusters of (1, kAttnCluster, 1).
   const int kvh = blockIdx.x, cl = blockIdx.y / kAttnCluster, rank = blockIdx.y % kAttnCluster;
@@ -184,9 +191,13 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       mbar_init(smem_addr(&full_bar[s]), 1);   // the producer's arrive.expect_tx
       mbar_init(smem_addr(&empty_bar[s]), 1);  // the consuming warp's one arrive
     }
+    mbar_init(smem_addr(&recv_bar), 1);
+    mbar_arrive_expect_tx(smem_addr(&recv_bar), kAttnRecvTx);  // its one arrival
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+  // recv_bar is armed before any rank pushes into it: the wait sits before the pushes.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 
   // Before griddepcontrol.wait: pos (written by the sampler, a step ago) and the page table are
   // not written by the preceding kernel, nor are the K/V pages before the current token's; q
@@ -340,50 +351,58 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     }
   }
   __syncthreads();
-  float* cta_acc = scr_l + kAttnConsumers * G;                         // [G][D]
-  float2* cta_ml = reinterpret_cast<float2*>(cta_acc + G * D);         // [G]
-  for (int idx = tid; idx < G * D; idx += kAttnThreads) {
-    const int g = idx / D, d = idx % D;
+  // The CTA's partial, 4 columns a thread, pushed into the cluster: columns of slice k go to
+  // rank k's recv_acc[rank], (m, l) to every rank's recv_ml[rank].
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every rank's recv_bar is set
+  constexpr int kD4 = D / 4;
+  const uint32_t acc_s = smem_addr(&recv_acc[rank][0][0]), ml_s = smem_addr(&recv_ml[rank][0]);
+  const uint32_t bar_s = smem_addr(&recv_bar);
+#pragma unroll
+  for (int it = 0; it < (G * kD4 + kAttnThreads - 1) / kAttnThreads; ++it) {
+    const int idx = tid + it * kAttnThreads;
+    if (idx >= G * kD4) break;
+    const int g = idx / kD4, d = idx % kD4 * 4;
     // A finite floor: a CTA without pages (all m = -inf) then weighs its warps 2^-inf = 0
     // and passes on m = -1e30, l = 0, acc = 0, which the cluster merge weighs 0 in turn.
     float mx = -1e30f;
 #pragma unroll
     for (int w = 0; w < kAttnConsumers; ++w) mx = fmaxf(mx, scr_m[w * G + g]);
-    float lsum = 0.f, a = 0.f;
+    float lsum = 0.f;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kAttnConsumers; ++w) {
       const float cw = attn::fast_exp2(scr_m[w * G + g] - mx);
+      const float4 v = *reinterpret_cast<const float4*>(scr_o + (w * G + g) * kAttnScrRow + d);
       lsum = fmaf(scr_l[w * G + g], cw, lsum);
-      a = fmaf(scr_o[(w * G + g) * kAttnScrRow + d], cw, a);
+      a = make_float4(fmaf(v.x, cw, a.x), fmaf(v.y, cw, a.y), fmaf(v.z, cw, a.z),
+                      fmaf(v.w, cw, a.w));
     }
-    cta_acc[g * D + d] = a;
-    if (d == 0) cta_ml[g] = make_float2(mx, lsum);
+    const int k = d / kCols;
+    attn::st_async(attn::map_rank(acc_s + (g * kCols + d % kCols) * 4, k), a,
+                   attn::map_rank(bar_s, k));
+    if (d == 0) {
+#pragma unroll
+      for (int j = 0; j < kAttnCluster; ++j)
+        attn::st_async(attn::map_rank(ml_s + g * 8, j), make_float2(mx, lsum),
+                       attn::map_rank(bar_s, j));
+    }
   }
 
-  // ---- cluster merge: rank k takes columns [k, k + 1) * D / kAttnCluster of every query head
-  // from the cluster's partials in distributed shared memory. With one cluster it writes `out`;
-  // else the cluster's partial (slot cl), and the last cluster of the kv head merges below.
-  attn::cluster_sync();  // every rank's partial is in its shared memory
-  constexpr int kCols = D / kAttnCluster;
-  const uint32_t acc_s = smem_addr(cta_acc), ml_s = smem_addr(cta_ml);
+  // ---- cluster merge: rank k merges columns [k, k + 1) * kCols of every query head from the
+  // cluster's partial slices it received. With one cluster it writes `out`; else the cluster's
+  // partial (slot cl), and the last CTA of the kv head to finish merges below.
+  mbar_wait(bar_s, 0);
   for (int idx = tid; idx < G * kCols; idx += kAttnThreads) {
     const int g = idx / kCols, d = rank * kCols + idx % kCols, hq = kvh * G + g;
-    float2 ml[kAttnCluster];
-    float v[kAttnCluster];
+    float mx = recv_ml[0][g].x;
 #pragma unroll
-    for (int k = 0; k < kAttnCluster; ++k) {
-      ml[k] = attn::ld_cluster2(attn::map_rank(ml_s + g * 8, k));
-      v[k] = attn::ld_cluster(attn::map_rank(acc_s + (g * D + d) * 4, k));
-    }
-    float mx = ml[0].x;
-#pragma unroll
-    for (int k = 1; k < kAttnCluster; ++k) mx = fmaxf(mx, ml[k].x);
+    for (int k = 1; k < kAttnCluster; ++k) mx = fmaxf(mx, recv_ml[k][g].x);
     float lsum = 0.f, a = 0.f;
 #pragma unroll
     for (int k = 0; k < kAttnCluster; ++k) {
-      const float w = attn::fast_exp2(ml[k].x - mx);
-      lsum = fmaf(ml[k].y, w, lsum);
-      a = fmaf(v[k], w, a);
+      const float w = attn::fast_exp2(recv_ml[k][g].x - mx);
+      lsum = fmaf(recv_ml[k][g].y, w, lsum);
+      a = fmaf(recv_acc[k][g][idx % kCols], w, a);
     }
     if (ncl == 1) {
       out[hq * D + d] = __float2half_rn(a / lsum);
@@ -394,21 +413,19 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
             make_float2(mx, lsum);
     }
   }
-  // No rank leaves while others read its shared memory; orders every rank's cluster partial
-  // before rank 0's release below.
-  attn::cluster_sync();
-  if (ncl == 1 || rank != 0) return;  // uniform over the CTA
+  // Nothing reads this CTA's shared memory any more: the cluster needs no barrier to leave.
+  if (ncl == 1) return;  // uniform over the cluster
 
-  // ---- semaphore over the clusters: rank 0 of the last cluster of this kv head merges the
-  // ncl cluster partials; its acquire (and the barrier after it) orders the other clusters'
-  // partials before its loads.
-  if (tid == 0) sm_last = atom_add_acq_rel(&counters[kvh], 1) == ncl - 1;
+  // ---- semaphore over the kv head's CTAs: the last of the ncl x kAttnCluster to publish its
+  // slice merges the ncl cluster partials; its acquire (and the barrier after it) orders the
+  // other CTAs' slices before its loads.
+  __syncthreads();  // this CTA's slice before its release
+  if (tid == 0) sm_last = atom_add_acq_rel(&counters[kvh], 1) == ncl * kAttnCluster - 1;
   __syncthreads();
   if (!sm_last) return;  // uniform
   // out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s: per output element,
   // online over batches of kAttnMergeLoads splits (the m, l and acc loads of a batch in flight
   // together).
-  constexpr int kD4 = D / 4;
   for (int idx = tid; idx < G * kD4; idx += kAttnThreads) {
     const int g = idx / kD4, d4 = idx % kD4, hq = kvh * G + g;
     const float2* ml = reinterpret_cast<const float2*>(part_ml) + hq * kAttnSplits;

@@ -299,8 +299,8 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
   const int half_n = (N + 1) / 2;  // kResidual: row b(p) = p + half_n
-  const int p0 = (int)((long long)blockIdx.x * pairs / gridDim.x);
-  const int p1 = (int)((long long)(blockIdx.x + 1) * pairs / gridDim.x);
+  const int p0 = (int)(blockIdx.x * (unsigned)pairs / gridDim.x);
+  const int p1 = (int)((blockIdx.x + 1) * (unsigned)pairs / gridDim.x);
   const int npairs = p1 - p0;
 
   unsigned dyn;
