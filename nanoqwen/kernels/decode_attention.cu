@@ -69,7 +69,13 @@
 // decode step on the H200, against waiting first: 2.44 -> 2.42 ms at 513 tokens of context,
 // 2.86 -> 2.79 ms at 8193; tools/kernel_tune.py step). At long context every model runs 128
 // CTAs (kernels.py ATTN_CTAS: 7B 4 kv heads x 32 splits), one per SM with 96 KB in flight; at
-// 32k a 7B CTA streams 512 KB.
+// 32k a 7B CTA streams 512 KB. What bounds that stream is not known yet (tools/kernel_tune.py
+// attention: the kernel alone over the 28 layers, H200, 2026-11-30): 25.9 us at 32700 tokens
+// (2.59 TB/s), 8.06 at 8193; with consumers that release each page unread, 23.8 / 7.1 us, so
+// the copies themselves run at ~2.8 TB/s with ~12 MB in flight, where the GEMVs' rings reach
+// 4.5. It stays so with each CTA's K and V read from contiguous addresses, with one 8 KB copy a
+// page instead of two of 4 KB, and on 256 CTAs. 16 or 20 stages are slower even alone (12.85
+// us at 8193, 33 at 32700): the next launch's CTAs no longer fit beside the running ones.
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,

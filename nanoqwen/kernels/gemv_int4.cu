@@ -55,7 +55,13 @@
 // (85% static, then units of one stage from an atomic counter): the last CTA of gate/up
 // ended 1.5 us after the median one instead of 2.6, yet the launch took as long (19.91
 // against 19.99 us) and the step no less (1683 against 1675 us); and 16 KB stages for
-// q/k/v and o (32 KB for gate/up): 1879 against 1642 us.
+// q/k/v and o (32 KB for gate/up): 1879 against 1642 us. Later (step at 1.49-1.51 ms): o with
+// its whole ring in flight before x (the others keeping one stage): o 4.49 -> 4.35 us, the
+// step within its noise (1511 -> 1494 us at 513 tokens, 1657 both ways at 8193); a dry pass
+// of the x staging, norm and fold before griddepcontrol.wait, so that its instructions are
+// cached when x lands: that phase (x landed -> folded, 0.4 us for o, 1 us with the norm, by
+// globaltimer stamps) did not shrink and the step took 50 us longer; and, as a bound, the
+// norm and the fold skipped altogether (wrong sums): 5-15 us a step.
 //
 // Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens,
 // nanoqwen bench --kernels): gate/up 18.8 (3.72 TB/s; 20.0 with one x item in registers,
