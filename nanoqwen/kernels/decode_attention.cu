@@ -130,9 +130,12 @@ static_assert(kAttnStages >= 2 * kAttnConsumers, "each consumer keeps its next p
 constexpr int kAttnScrO = kAttnConsumers * kGroupRatio * kAttnScrRow;
 constexpr int kAttnScrFloats = kAttnScrO + 2 * kAttnConsumers * kGroupRatio;
 static_assert(kAttnScrFloats * 4 <= kAttnRingBytes, "epilogue scratch must fit in the ring");
-static_assert(kHeadDim % (4 * kAttnCluster) == 0, "each rank merges whole float4 columns");
-// Bytes each CTA's recv_bar expects: every rank's slice of G x kCols floats and G (m, l).
-constexpr unsigned kAttnRecvTx = kAttnCluster * kGroupRatio * (kHeadDim / kAttnCluster + 2) * 4;
+// The cluster merge: rank k merges head-dim columns [k kAttnCols, (k + 1) kAttnCols).
+constexpr int kAttnCols = kHeadDim / kAttnCluster;
+static_assert(kAttnCols % 4 == 0 && kAttnCols * kAttnCluster == kHeadDim,
+              "each rank merges whole float4 columns");
+// Bytes each CTA's recv_bar expects: every rank's slice of G x kAttnCols floats and G (m, l).
+constexpr unsigned kAttnRecvTx = kAttnCluster * kGroupRatio * (kAttnCols + 2) * 4;
 static_assert(kAttnSplits % kAttnCluster == 0, "the splits come in whole clusters");
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
@@ -180,10 +183,9 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   extern __shared__ __align__(128) unsigned char ring[];  // kAttnRingBytes (dynamic)
   __shared__ __align__(8) unsigned long long full_bar[kAttnStages], empty_bar[kAttnStages];
   __shared__ int sm_last;
-  // The cluster merge's inbox: from each rank its partial's column slice [rank * kCols, + kCols)
-  // and its (m, l), pushed with st.async and counted on recv_bar.
-  constexpr int kCols = D / kAttnCluster;
-  __shared__ __align__(16) float recv_acc[kAttnCluster][G][kCols];
+  // The cluster merge's inbox: from each rank its partial's column slice and its (m, l), pushed
+  // with st.async and counted on recv_bar.
+  __shared__ __align__(16) float recv_acc[kAttnCluster][G][kAttnCols];
   __shared__ __align__(8) float2 recv_ml[kAttnCluster][G];
   __shared__ __align__(8) unsigned long long recv_bar;
 
@@ -383,8 +385,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       a = make_float4(fmaf(v.x, cw, a.x), fmaf(v.y, cw, a.y), fmaf(v.z, cw, a.z),
                       fmaf(v.w, cw, a.w));
     }
-    const int k = d / kCols;
-    attn::st_async(attn::map_rank(acc_s + (g * kCols + d % kCols) * 4, k), a,
+    const int k = d / kAttnCols;
+    attn::st_async(attn::map_rank(acc_s + (g * kAttnCols + d % kAttnCols) * 4, k), a,
                    attn::map_rank(bar_s, k));
     if (d == 0) {
 #pragma unroll
@@ -394,12 +396,12 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     }
   }
 
-  // ---- cluster merge: rank k merges columns [k, k + 1) * kCols of every query head from the
+  // ---- cluster merge: rank k merges columns [k, k + 1) * kAttnCols of every query head from the
   // cluster's partial slices it received. With one cluster it writes `out`; else the cluster's
   // partial (slot cl), and the last CTA of the kv head to finish merges below.
   mbar_wait(bar_s, 0);
-  for (int idx = tid; idx < G * kCols; idx += kAttnThreads) {
-    const int g = idx / kCols, d = rank * kCols + idx % kCols, hq = kvh * G + g;
+  for (int idx = tid; idx < G * kAttnCols; idx += kAttnThreads) {
+    const int g = idx / kAttnCols, d = rank * kAttnCols + idx % kAttnCols, hq = kvh * G + g;
     float mx = recv_ml[0][g].x;
 #pragma unroll
     for (int k = 1; k < kAttnCluster; ++k) mx = fmaxf(mx, recv_ml[k][g].x);
@@ -408,7 +410,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     for (int k = 0; k < kAttnCluster; ++k) {
       const float w = attn::fast_exp2(recv_ml[k][g].x - mx);
       lsum = fmaf(recv_ml[k][g].y, w, lsum);
-      a = fmaf(recv_acc[k][g][idx % kCols], w, a);
+      a = fmaf(recv_acc[k][g][idx % kAttnCols], w, a);
     }
     if (ncl == 1) {
       out[hq * D + d] = __float2half_rn(a / lsum);
