@@ -216,11 +216,18 @@ class PrefillKernels:
     """
 
     def __init__(
-        self, config: ModelConfig, gpu, variants: tuple[GemmVariant, ...] = GEMM_VARIANTS
+        self,
+        config: ModelConfig,
+        gpu,
+        variants: tuple[GemmVariant, ...] = GEMM_VARIANTS,
+        *,
+        pdl: bool = True,
     ) -> None:
         """config: the model; gpu: a nanoqwen.cuda.device.Gpu (device current, its stream the
-        default); variants: the GEMM tile table (tools/prefill_check.py passes extra ones)."""
-        self.config, self.gpu, self.variants = config, gpu, tuple(variants)
+        default); variants: the GEMM tile table (tools/prefill_check.py passes extra ones);
+        pdl: launch with programmatic stream serialization (every prefill kernel triggers its
+        dependents at entry and waits for its predecessor before touching global memory)."""
+        self.config, self.gpu, self.variants, self.pdl = config, gpu, tuple(variants), pdl
         self.num_sms = gpu.num_sms
         self.use_wgmma = wgmma_enabled()
         table = prefill_kernels(config, self.variants)
@@ -394,4 +401,4 @@ class PrefillKernels:
     # -- launch ----------------------------------------------------------------------------------
     def _launch(self, stream, what, grid, threads, smem, kernel, *args) -> None:
         with self.gpu.guard(what):  # a sticky error marks the Gpu broken
-            self.gpu.launch(kernel, grid, threads, *args, smem=smem, stream=stream)
+            self.gpu.launch(kernel, grid, threads, *args, smem=smem, pdl=self.pdl, stream=stream)

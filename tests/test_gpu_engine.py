@@ -46,6 +46,25 @@ def test_layer_and_graph(tiny):
     assert e.kv_pages_in_use == 0
 
 
+@pytest.mark.parametrize("T", [1, 17, 300])
+def test_first_token_logits_match_the_full_prefill(tiny, T):
+    """generate()'s prefill takes the last layer for the last token alone (decode attention
+    and GEMVs): its logits must match row T - 1 of the whole prefill (logits()) within the
+    graph tier's bound (both sit within ~0.012 std of the reference)."""
+    import numpy as np
+
+    from nanoqwen.sampling import SamplingParams
+
+    e, _ = tiny
+    ids = [(7 * i + 3) % e.config.vocab_size for i in range(T)]
+    full = e.logits(ids)[-1]
+    tokens = list(e.generate(ids, SamplingParams(max_tokens=1), frozenset()))
+    got = e.gpu.download(e.logits_buf, np.empty_like(full))
+    assert np.isfinite(got).all()
+    assert np.abs(got - full).max() <= LADDER["graph"]["logit_max_over_std"] * full.std()
+    assert tokens == [int(np.argmax(got))]
+
+
 def test_cancel_frees_pages(tiny):
     from nanoqwen.sampling import SamplingParams
 

@@ -391,9 +391,13 @@ def test_stream_k_schedule(tiles, groups):
 
 
 def test_wgmma_smem_formula():
-    """prefill.py's smem_bytes repeats smem_bytes<BT, STAGES, SWIGLU>() of the kernel."""
+    """prefill.py's smem_bytes is the kernel's smem_bytes<BT, STAGES, SWIGLU>() (static_asserts
+    appended to the source must compile), within one CTA's limit."""
+    text = (jit.KERNEL_DIR / WGMMA_SOURCE).read_text()
     for v in WGMMA_VARIANTS:
-        ring = v.stages * (v.bm * 128 + 128 * 32)
-        staging = v.bm * ((64 if v.swiglu else 128) + 4) * 4
-        assert v.smem_bytes == 1024 + max(ring, staging) + 16 * v.stages + 8
-        assert v.threads == 384 and v.bn == 128
+        args = f"{v.bm}, {v.stages}, {'true' if v.swiglu else 'false'}"
+        text += (
+            f'static_assert(nanoqwen_wgmma::smem_bytes<{args}>() == {v.smem_bytes}, "{v.label}");\n'
+        )
+        assert v.smem_bytes <= SMEM_LIMIT and v.threads == 384 and v.bn == 128
+    jit.compile_module(WGMMA_SOURCE, [], preset("7b"), source=text)

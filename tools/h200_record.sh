@@ -6,7 +6,8 @@
 #                                        --kernels, --plot, --baseline transformers), 8192 and
 #                                        32704 (+64); the whole validation ladder on the 7B
 #   bash tools/h200_record.sh rest       the ladder on the synthetic 1.5B, a CUDA-backed
-#                                        server timed for one client, the GPU tests
+#                                        server timed for one client, where the 7B's TTFT
+#                                        goes (tools/ttft_profile.py), the GPU tests
 #
 # The synthetic packs are seeded (identical bytes every time), so a pack already under /tmp
 # is reused. Wheels for the HTTP stack, when the machine lacks them, are installed from .whl/.
@@ -74,6 +75,7 @@ else
     step validate-1.5b nq validate /tmp/s15.nanoqwen --tier all
     pack 7b /tmp/s7b.nanoqwen
     step serve-7b serve_once
+    step ttft-7b python3 tools/ttft_profile.py /tmp/s7b.nanoqwen
     step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
-    report validate-1.5b serve-7b gpu-tests
+    report validate-1.5b serve-7b ttft-7b gpu-tests
 fi

@@ -9,6 +9,7 @@ Public API (stable; the prefill launchers and the engine build on it):
     gpu = Gpu(device_id=0)              sets the device current, refuses non-sm_90, makes a stream
     gpu.alloc(nbytes, what) -> DeviceArray   (.ptr int, .nbytes, .free()); owned by the Gpu
     gpu.upload(dst_ptr, array)          host -> device through a pinned staging buffer (chunked)
+    gpu.upload_async(dst_ptr, src, n)   queue a copy from pinned host address src (no sync)
     gpu.download(src_ptr, out_array)    device -> host (synchronous)
     gpu.memset(ptr, byte, nbytes)       stream-ordered
     gpu.launch(kernel, grid, block, *args, smem=0, pdl=False)   args: ints become uint64
@@ -277,6 +278,16 @@ class Gpu:
                     "cuMemcpyHtoDAsync",
                 )
             check(driver.cuStreamSynchronize(self.stream.handle), "cuStreamSynchronize")
+
+    def upload_async(self, dst: int, src: int, nbytes: int) -> None:
+        """Queue a copy of `nbytes` from pinned host address `src` to device address `dst` on
+        the stream; the caller leaves `src` alone until the stream has passed the copy."""
+        from cuda.bindings import driver
+
+        with self.guard("upload_async"):
+            check(
+                driver.cuMemcpyHtoDAsync(dst, src, nbytes, self.stream.handle), "cuMemcpyHtoDAsync"
+            )
 
     def download(self, src: int, out: np.ndarray) -> np.ndarray:
         """Copy `out.nbytes` bytes from device address `src` into `out` (synchronous)."""

@@ -35,6 +35,7 @@ GEMV_CTAS_PER_SM = 2
 # register-fed GEMV before them preferred 71: it needed L1 for its scale loads).
 SMEM_CARVEOUT = 100
 MISC_THREADS = 256  # kMiscThreads (decode_misc.cu)
+NORM_ROWS = MISC_THREADS // 32  # kNormRows: rmsnorm_rows takes a row a warp
 LM_WARPS = 8  # kLmWarps: lm_head runs one CTA of 8 warps an SM
 LM_MAX_SLOTS = 4  # kLmMaxSlots
 # lm_head's shared memory: each warp gets as many whole-row slots (rows in flight) as fit.
@@ -152,7 +153,9 @@ class DecodeKernels:
 
     def rmsnorm(self, x: int, w: int, y: int, T: int, stream=None) -> None:
         """x fp16 [T, H]; w fp16 [H]; y fp16 [T, H] = x * rsqrt(mean(x^2) + eps) * w."""
-        self._go(self._rmsnorm, (T, 1, 1), MISC_THREADS, x, w, y, stream=stream, label="rmsnorm")
+        grid = (-(-T // NORM_ROWS), 1, 1)
+        self._go(self._rmsnorm, grid, MISC_THREADS, x, w, y, np.int32(T), stream=stream,
+                 label="rmsnorm")  # fmt: skip
 
     def gemv(self, kind, x, norm_w, qweight, scales, out, n, stream=None) -> None:
         """One INT4 GEMV (batch 1), fp32 accumulate.

@@ -10,7 +10,11 @@
 // O += P V on mma.sync m16n8k16 (fp16 in, fp32 accumulate), an fp32 online softmax in the
 // exp2 domain, and the row sums reduced across the quad only once at the end. The causal mask
 // touches only the diagonal tile. Query tiles are issued latest first, since they have the most
-// keys, so the long CTAs start early and the short ones fill the tail.
+// keys, so the long CTAs start early and the short ones fill the tail. Tried, not kept: two
+// sets of 4 warps, each taking half of every tile's keys and merged through shared memory at
+// the end (halving the longest CTA's chain of tiles; Q fragments re-read per k-step pair to
+// stay at the 128 registers of two CTAs an SM): 0.0367 ms a launch at T = 512 against 0.0281
+// (7B, H200, tools/prefill_check.py, same run), and no better a TTFT.
 //
 // Shared-memory rows are padded by 16 bytes (D + 8 halves): the 8 row addresses of one
 // ldmatrix then fall 4 banks apart and cover all 32 banks without a swizzle.
@@ -83,6 +87,8 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   unsigned short* k_s = q_s + L::kTileHalves;  // [2][64][kRow]
   unsigned short* v_s = k_s + 2 * L::kTileHalves;
 
+  pdl_trigger();
+  pdl_wait();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int q_tile = gridDim.x - 1 - blockIdx.x;  // latest (longest) tiles first
   const int head = blockIdx.y, kv_head = head / kGroup;

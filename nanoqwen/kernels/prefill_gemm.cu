@@ -138,6 +138,8 @@ __global__ void __launch_bounds__((BM / WM) * (BN / WN) * 32, MIN_CTAS)
   using S = Smem<BM, BN, STAGES>;
 
   extern __shared__ __align__(128) unsigned char smem[];
+  pdl_trigger();
+  pdl_wait();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;  // mma groupID / thread-in-group
   const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
