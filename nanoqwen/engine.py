@@ -6,8 +6,10 @@ Life of a generation (batch 1):
               max_context (refused at start-up with needed vs free bytes), RoPE table (float64
               on the host), decode state + mapped host ring buffer
     prefill   prefill.PrefillKernels: tensor-core INT4 GEMMs + causal attention over the prompt,
-              our token-parallel kernels around them (embed, RMSNorm, RoPE + page write);
-              lm_head + sampler on the last row give the first token
+              our token-parallel kernels around them (embed, RMSNorm, RoPE + page write),
+              launched with PDL; the last layer writes every token's K/V but runs the last
+              token alone through the decode kernels; lm_head + sampler on that row give the
+              first token
     decode    ONE graph launch for the whole generation: a conditional while node whose body is
               the decode step (embed, 28 x [qkv + RoPE + K/V page write, split attention + merge,
               o, gate/up, down], lm_head, sampler). Token, position, step and the stop flag live
@@ -165,7 +167,7 @@ class CudaBackend:
         # Mapped pinned host memory: the cancel flag, [count, ring...]; then the staging of a
         # generation's inputs (decode state, prompt ids), copied to the device asynchronously:
         # every entry point ends on a stream sync, so no copy from it is pending when the next
-        # one writes it (gpu.upload's two syncs each cost ~0.1 ms of TTFT, H200).
+        # one writes it (gpu.upload syncs the stream twice a call, on the TTFT's path).
         from cuda.bindings import driver
 
         flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
@@ -258,7 +260,7 @@ class CudaBackend:
         then writes every token's K/V but takes the last token alone through attention, o
         and the MLP, with the decode kernels (its attention reads the pages at state[S_POS],
         which _init_state set to T - 1): nothing reads the other rows of its output. At
-        T = 512 that is ~0.3 ms of the 7B's prefill (its o, gate/up and down GEMMs)."""
+        T = 512 that took ~0.5 ms off the 7B's TTFT (H200, tools/ttft_profile.py)."""
         cfg, k, pk, s = self.config, self.k, self._prefill, self.gpu.stream
         T, h, qkv_n = len(ids), cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         b = {n: v.ptr for n, v in self._prefill_buffers(T).items()}

@@ -1,6 +1,7 @@
 """Where the time to first token goes (run on an sm_90 GPU).
 
     PYTHONPATH=. python3 tools/ttft_profile.py FILE.nanoqwen [--prompt-len 512] [--runs 10]
+        [--ablate]
 
 For the prefill as built, without PDL (PrefillKernels.pdl; the decode kernels it shares keep
 theirs) and with its last layer over every token (the engine takes the last token alone
@@ -9,7 +10,7 @@ median of `runs` after 3 warm-ups), then one instrumented run: a CUDA event afte
 launch (so launches no longer overlap) and the host's clock at each enqueue. Printed: the
 host's time to its first launch, to its last and to the token; the GPU span from the first
 event to the last; and per kernel label the launches and the sum of event deltas (the kernel
-plus any gap before it).
+plus any gap before it). --ablate adds the TTFT with each label's launches skipped in turn.
 """
 
 from __future__ import annotations
@@ -123,7 +124,6 @@ def instrumented_run(engine, ids) -> dict:
         wrap(obj, name, label)
     for name in ("_check_ids", "_init_state", "_prefill_buffers"):
         wrap(engine, name, None, event=False)
-    wrap(gpu, "upload", None, event=False)
     try:
         t0 = time.perf_counter()
         for _ in engine.generate(ids, SamplingParams(max_tokens=1), frozenset()):

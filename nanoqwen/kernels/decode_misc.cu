@@ -54,7 +54,8 @@ embed_gather(const int* __restrict__ ids, const uint4* __restrict__ embed, uint4
 // one rounding, like the reference). w fp16 [kHidden]. One warp a row, kNormRows rows a CTA
 // (grid ceil(T / kNormRows), block kMiscThreads): the row stays in registers, 16-byte vectors,
 // between its sum of squares and its scaling. (A CTA a row with 2-byte loads, reading x
-// twice, took 13 us a launch at T = 512 on the H200, 0.73 ms of the 512-token prefill.)
+// twice: 13.1 us a launch at T = 512 between CUDA events, gaps included, against 8.7 now;
+// H200, tools/ttft_profile.py.)
 constexpr int kNormRows = kMiscThreads / kWarp;
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
 rmsnorm_rows(const uint4* __restrict__ x, const uint4* __restrict__ w, uint4* __restrict__ y,
@@ -94,7 +95,8 @@ rmsnorm_rows(const uint4* __restrict__ x, const uint4* __restrict__ w, uint4* __
 // k_out, v_out fp16 [T, kKVHeads, kHeadDim] or null (prefill attention reads them contiguous)
 // Grid T, block kMiscThreads. A thread takes 16 bytes: 8 rotations (chunk c of a head's first
 // half and of its second) or 8 values of v; a cache chunk is 8 contiguous halves (kv_chunk).
-// (A thread a rotation with 2-byte accesses: 9.3 us a launch at T = 512 on the H200.)
+// (A thread a rotation with 2-byte accesses: 9.3 us a launch at T = 512 between CUDA events,
+// against 7.6 now; H200, tools/ttft_profile.py.)
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
 rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __restrict__ rope,
               const int* __restrict__ pages, half* kc, half* vc, half* q_out, half* k_out,
