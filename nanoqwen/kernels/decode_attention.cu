@@ -91,15 +91,12 @@
 //
 // Epilogue. __syncthreads (all 5 warps: the ring is drained), the consumers park (m, l, o) in
 // shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps and push,
-// then the split logic above. The one cluster barrier (arrived relaxed after the inboxes'
-// mbarriers are armed at the start, waited on before the first push) keeps any push ahead of
-// its inbox's arming; an empty cluster leaves before it, as a whole. Nothing reads another
-// CTA's shared memory, so no rank waits for the others to leave; every thread of a CTA
-// reaches every __syncthreads (the exits after the merge are uniform over the CTA). A second
-// relaxed cluster barrier (arrived once a rank's inbox is full, waited on before it leaves,
-// so that no push can be in flight when its sender exits) measured free: step 1435.6 /
-// 1602.5 / 1954.2 us at 513 / 8193 / 32705 tokens against 1435.5 / 1602.6 / 1951.9 without
-// (H200, tools/kernel_tune.py step, same run; branch attention-placement-experiment).
+// then the split logic above. Two relaxed cluster barriers: the first (arrived after the
+// inboxes' mbarriers are armed at the start, waited on before the first push) keeps any push
+// ahead of its inbox's arming; an empty cluster leaves before it, as a whole. The second
+// (arrived once a rank's own inbox is full, waited on before it leaves) keeps every rank
+// resident until all pushes have landed. Every thread of a CTA reaches every __syncthreads
+// (the exits after the merge are uniform over the CTA).
 // Placement (H200, 2026-11-30, tools/kernel_tune.py step): the spread cluster scheduling
 // policy changed nothing (attention 25.95 against 25.83 us a launch at 32705 tokens), and 14 KB
 // of padding that keeps two attention CTAs off one SM made it slower (34.4 us; the step 1956
@@ -411,6 +408,12 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   // cluster's partial slices it received. With one cluster it writes `out`; else the cluster's
   // partial (slot cl), and the last CTA of the kv head to finish merges below.
   mbar_wait(bar_s, 0);
+  // Every push to this CTA has landed. A relaxed cluster arrive now and its wait before
+  // leaving: no rank exits while a push it made may still be in flight (the CUDA guide asks
+  // distributed shared memory operations to finish before a block exits). It cost nothing
+  // measurable: step 1435.5 / 1602.6 / 1951.9 us at 513 / 8193 / 32705 tokens without it,
+  // 1435.6 / 1602.5 / 1954.2 with it (H200, tools/kernel_tune.py step, same run).
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   for (int idx = tid; idx < G * kAttnCols; idx += kAttnThreads) {
     const int g = idx / kAttnCols, d = rank * kAttnCols + idx % kAttnCols, hq = kvh * G + g;
     float mx = recv_ml[0][g].x;
@@ -432,7 +435,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
             make_float2(mx, lsum);
     }
   }
-  // Nothing reads this CTA's shared memory any more: the cluster needs no barrier to leave.
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   if (ncl == 1) return;  // uniform over the cluster
 
   // ---- semaphore over the kv head's CTAs: the last of the ncl x kAttnCluster to publish its
