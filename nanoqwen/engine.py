@@ -260,7 +260,14 @@ class CudaBackend:
         then writes every token's K/V but takes the last token alone through attention, o
         and the MLP, with the decode kernels (its attention reads the pages at state[S_POS],
         which _init_state set to T - 1): nothing reads the other rows of its output. At
-        T = 512 that took ~0.5 ms off the 7B's TTFT (H200, tools/ttft_profile.py)."""
+        T = 512 that took ~0.5 ms off the 7B's TTFT (H200, tools/ttft_profile.py).
+
+        RMSNorm and RoPE + K/V stay launches of their own: fused into the wgmma GEMMs (x read
+        raw, the norm weights multiplied into the dequantized weights, the factors from
+        per-128-column sums of squares; RoPE and the page writes in the q/k/v epilogue) the
+        7B's TTFT read 13.63 / 13.84 ms against 13.04 / 13.02 (H200, interleaved; branch
+        prefill-fused-epilogue-experiment): the extra work in the consumers' k-loop cost
+        gate_up more than the launches it saved."""
         cfg, k, pk, s = self.config, self.k, self._prefill, self.gpu.stream
         T, h, qkv_n = len(ids), cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         b = {n: v.ptr for n, v in self._prefill_buffers(T).items()}
