@@ -183,16 +183,23 @@ class CudaBackend:
 
     # -- one decode step (launch list; captured into graphs) -----------------------------------
     def _layer_step(self, L: _Layer, s) -> None:
-        cfg, k = self.config, self.k
         pos = self.state + 4 * S_POS
-        k.qkv_rope(self.x, L.in_norm, L.qkv_w, L.qkv_s, L.qkv_b, pos, self.rope, self.pages,
-                   L.kc, L.vc, self.q, stream=s)  # fmt: skip
-        k.attention(self.q, L.kc, L.vc, self.pages, pos, self.part_ml, self.part_acc,
-                    self.attn_count, self.attn, stream=s)  # fmt: skip
-        k.gemv("o", self.attn, 0, L.o_w, L.o_s, self.x, cfg.hidden_size, stream=s)
-        k.gemv("gate_up", self.x, L.post_norm, L.gu_w, L.gu_s, self.mlp, cfg.intermediate_size,
+        self.k.qkv_rope(self.x, L.in_norm, L.qkv_w, L.qkv_s, L.qkv_b, pos, self.rope, self.pages,
+                        L.kc, L.vc, self.q, stream=s)  # fmt: skip
+        self._token_tail(L, self.q, self.x, s)
+
+    def _token_tail(self, L: _Layer, q: int, x: int, s=None) -> None:
+        """Layer L after its q/k/v for one token, at position state[S_POS] (its K/V already in
+        the pages): attention of q (fp16 [heads, D]), o, gate/up, down; x (fp16 [H], the
+        token's residual row) updated in place. The decode step, and the prefill's last
+        layer for the last token."""
+        cfg, k = self.config, self.k
+        k.attention(q, L.kc, L.vc, self.pages, self.state + 4 * S_POS, self.part_ml,
+                    self.part_acc, self.attn_count, self.attn, stream=s)  # fmt: skip
+        k.gemv("o", self.attn, 0, L.o_w, L.o_s, x, cfg.hidden_size, stream=s)
+        k.gemv("gate_up", x, L.post_norm, L.gu_w, L.gu_s, self.mlp, cfg.intermediate_size,
                stream=s)  # fmt: skip
-        k.gemv("down", self.mlp, 0, L.d_w, L.d_s, self.x, cfg.hidden_size, stream=s)
+        k.gemv("down", self.mlp, 0, L.d_w, L.d_s, x, cfg.hidden_size, stream=s)
 
     def _step(self, s, cond=0, sample: bool = True) -> None:
         self.k.embed(self.state + 4 * S_TOKEN, self.embed, self.x, 1, stream=s)
@@ -282,14 +289,7 @@ class CudaBackend:
             k.rope_kv(b["qkv"], self.zero, self.rope, self.pages, L.kc, L.vc, b["q"], k_out,
                       v_out, T)  # fmt: skip
             if last:
-                x = b["x"] + (T - 1) * h * 2
-                k.attention(b["q"] + (T - 1) * cfg.q_size * 2, L.kc, L.vc, self.pages,
-                            self.state + 4 * S_POS, self.part_ml, self.part_acc,
-                            self.attn_count, self.attn)  # fmt: skip
-                k.gemv("o", self.attn, 0, L.o_w, L.o_s, x, h)
-                k.gemv("gate_up", x, L.post_norm, L.gu_w, L.gu_s, self.mlp,
-                       cfg.intermediate_size)  # fmt: skip
-                k.gemv("down", self.mlp, 0, L.d_w, L.d_s, x, h)
+                self._token_tail(L, b["q"] + (T - 1) * cfg.q_size * 2, b["x"] + (T - 1) * h * 2)
                 break
             pk.attention(b["q"], b["kk"], b["vv"], b["attn"], T, stream=s)
             pk.gemm(b["attn"], L.o_w, L.o_s, None, b["x"], T, h, cfg.q_size, residual=b["x"],
