@@ -371,10 +371,7 @@ def _bad_streams(tensors: dict) -> dict:
 @pytest.mark.parametrize("existing", [True, False], ids=["over-old", "fresh"])
 def test_writer_refuses_and_leaves_no_trace(tmp_path, case, existing):
     path = tmp_path / "m.nanoqwen"
-    old = None
-    if existing:
-        write_model(path)
-        old = path.read_bytes()
+    old = _old_file(path) if existing else None
     stream, fragment = _bad_streams(random_tensors(UNTIED, np.random.default_rng()))[case]
     with pytest.raises(FormatError) as info:
         write_nanoqwen(path, UNTIED, stream, TOKENIZER)
@@ -386,10 +383,7 @@ def test_writer_refuses_and_leaves_no_trace(tmp_path, case, existing):
 @pytest.mark.parametrize("existing", [True, False], ids=["over-old", "fresh"])
 def test_iterator_raising_midway_leaves_no_trace(tmp_path, error, existing):
     path = tmp_path / "m.nanoqwen"
-    old = None
-    if existing:
-        write_model(path)
-        old = path.read_bytes()
+    old = _old_file(path) if existing else None
     tensors = random_tensors(UNTIED, np.random.default_rng())
     cut = int(np.random.default_rng().integers(1, len(tensors)))
 
@@ -402,6 +396,12 @@ def test_iterator_raising_midway_leaves_no_trace(tmp_path, error, existing):
     with pytest.raises(type(error)):
         write_nanoqwen(path, UNTIED, stream(), TOKENIZER)
     _assert_untouched(tmp_path, path, old)
+
+
+def _old_file(path: Path) -> bytes:
+    """A valid file at `path` (the one a failed write over it must leave as it was)."""
+    write_model(path)
+    return path.read_bytes()
 
 
 def _assert_untouched(directory: Path, path: Path, old: bytes | None) -> None:

@@ -54,6 +54,15 @@ class ServerProcess:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def wait_healthy(self, timeout: float = 120.0) -> None:
+        """Until /health answers 200; if it never does (or the wait is interrupted), the
+        process is stopped before the error propagates."""
+        try:
+            self._poll_health(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _poll_health(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"server exited:\n{self.log.read_text()}"
@@ -110,11 +119,7 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("log") / "serve.log", "--api-key", KEY)
-    try:
-        proc.wait_healthy()
-    except BaseException:
-        proc.stop()
-        raise
+    proc.wait_healthy()
     yield proc
     # Graceful shutdown on SIGTERM, the engine closed, then the conventional 128 + TERM.
     assert proc.stop() == 128 + signal.SIGTERM, proc.log.read_text()

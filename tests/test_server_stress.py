@@ -43,11 +43,7 @@ sys.exit(main(sys.argv[1:]))
 def server(tiny_model, tmp_path_factory):  # noqa: F811 (the imported fixture is its argument)
     log = tmp_path_factory.mktemp("log") / "serve.log"
     proc = ServerProcess(tiny_model, log, "--max-queue", str(MAX_QUEUE))
-    try:
-        proc.wait_healthy()
-    except BaseException:
-        proc.stop()
-        raise
+    proc.wait_healthy()
     yield proc
     proc.stop()
     assert "Traceback" not in log.read_text(), log.read_text()
