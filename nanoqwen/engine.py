@@ -274,7 +274,10 @@ class CudaBackend:
         per-128-column sums of squares; RoPE and the page writes in the q/k/v epilogue) the
         7B's TTFT read 13.63 / 13.84 ms against 13.04 / 13.02 (H200, interleaved; branch
         prefill-fused-epilogue-experiment): the extra work in the consumers' k-loop cost
-        gate_up more than the launches it saved."""
+        gate_up more than the launches it saved. A second form left the k-loop alone (x
+        written pre-multiplied by the next norm's weights, rsqrt applied in the epilogue,
+        correct on the GPU tests): 13.005 / 13.023 ms against 12.914 / 12.928 apart (same run,
+        tools/ttft_profile.py, 2026-11-30)."""
         cfg, k, pk, s = self.config, self.k, self._prefill, self.gpu.stream
         T, h, qkv_n = len(ids), cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
         b = {n: v.ptr for n, v in self._prefill_buffers(T).items()}

@@ -100,6 +100,15 @@
 //     28.6 latency). So neither the copies nor the tensor pipe bound a GEMV: the consumers'
 //     instruction stream does (ncu on the chain: 1.7 IPC an SM, 4.2 warps a scheduler with
 //     0.9 eligible; stalls: barrier 24%, wait 15%, not selected 12%, math throttle 10%).
+//   - the same chain again with this kernel's CTAs (two an SM of 8 consumer warps + the
+//     producer, 264 CTAs; one byte ring across o, gate/up, down and the next q/k/v, grid
+//     barriers between; branch decode-chain): correct, still slower (H200, tools/kernel_tune.py
+//     step, 513 tokens): 48.7 us a layer against 39.1 for the four launches, step 1696 against
+//     1435 us (8193: 1878 against 1610). With the barriers made no-ops (timing only) 45.0 us:
+//     a CTA running the GEMVs back to back streams no better than the launches do. What each
+//     op costs inside the step (its launches skipped, experiments/ablate.py there): o 4.74 us
+//     a layer, q/k/v 5.45, attention 2.89, gate/up 18.13, down 10.48: its whole per-launch
+//     time, so nothing of one launch overlaps the next beyond what these figures hold.
 //
 // Epilogues:
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
