@@ -86,6 +86,9 @@
 //     2 us longer and the whole step 20 us longer (1.98 -> 2.00 ms on that machine); and
 //     each CTA's own next 2 / 4 / 8 stages as its producer starts, while the ring is held
 //     back for x (HBM -> L2 only): the step 1615 -> 1672 / 1700 / 1773 us at 513 tokens;
+//     later (step at 1438 us), a kernel of one warp a CTA on a graph branch beside attention
+//     and o, loading the first 15% / 30% of every gate/up CTA's rows with the 256-byte L2
+//     prefetch size (branch l2-prefetch): 1534 / 1562 us (8193 tokens: 1611 -> 1640 / 1668);
 //   - one persistent launch per layer for o -> gate/up -> down -> the next q/k/v (a grid
 //     barrier between the GEMVs, one CTA of 16 consumer warps + the producer per SM, one byte
 //     ring across the GEMVs so the next GEMV's weights stream during the barrier; branch
@@ -109,6 +112,10 @@
 //     op costs inside the step (its launches skipped, experiments/ablate.py there): o 4.74 us
 //     a layer, q/k/v 5.45, attention 2.89, gate/up 18.13, down 10.48: its whole per-launch
 //     time, so nothing of one launch overlaps the next beyond what these figures hold.
+//   - releasing the held-back ring once x is requested rather than landed: o 4.37 -> 4.27 us,
+//     down 10.97 -> 11.0..11.3, the step 1448 -> 1452..1460 us at 513 tokens (1622 -> 1630 at
+//     8193); one CTA an SM for o, q/k/v or down alone (the other slot free for the next
+//     kernel's first CTA): o 4.38 -> 4.15 us a launch, every such step 6-60 us slower.
 //
 // Epilogues:
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
