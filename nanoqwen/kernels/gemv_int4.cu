@@ -132,7 +132,9 @@ constexpr int kGvCtasPerSm = 2;  // = GEMV_CTAS_PER_SM: 2 x 9 warps leave 96 reg
 // Weight bytes per stage to aim for (gate/up: twice). Whole-row stages of 7B's K = 3584 on the
 // H200 (us per launch, tools/kernel_tune.py step): q/k/v 6.2 at 8 KB, 7.0 at 16 KB; o 5.0, 5.4;
 // gate/up 26.7 at 8 KB, 23.2 at 16 KB, 23.8 at 32 KB (small launches want the first stage
-// early, the long one fewer, larger copies).
+// early, the long one fewer, larger copies). Again with the ring held back for x (2026-11-30,
+// step 1435-1446 us at 513 tokens): 16 KB for q/k/v and o took o 4.38 -> 4.02 us and q/k/v
+// 5.40 -> 5.65, the step within its noise (1444 / 1623 us at 513 / 8193 tokens).
 constexpr int kGvStageTarget = 8192;
 constexpr int kGvMaxStages = 8;
 // Stages the producer keeps in flight until x has landed in shared memory: x (an L2 hit) queues
