@@ -136,8 +136,8 @@ constexpr int kGvCtasPerSm = 2;  // = GEMV_CTAS_PER_SM: 2 x 9 warps leave 96 reg
 // step 1435-1446 us at 513 tokens): 16 KB for q/k/v and o took o 4.38 -> 4.02 us and q/k/v
 // 5.40 -> 5.65, the step within its noise (1444 / 1623 us at 513 / 8193 tokens); for o alone
 // (7B ladder 43/43) o 4.39 -> 3.99 us a launch, yet the step 1454 -> 1451 / 1452 us at 513
-// tokens and 1628 -> 1633 / 1632 at 8193: the earlier start of gate/up that o's saving would
-// buy does not come.
+// tokens and 1628 -> 1633 / 1632 at 8193 (bench --kernels times o after o; in the step it
+// follows attention).
 constexpr int kGvStageTarget = 8192;
 constexpr int kGvMaxStages = 8;
 // Stages the producer keeps in flight until x has landed in shared memory: x (an L2 hit) queues
