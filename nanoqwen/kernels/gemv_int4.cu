@@ -107,11 +107,11 @@
 //     producer, 264 CTAs; one byte ring across o, gate/up, down and the next q/k/v, grid
 //     barriers between; branch decode-chain): correct, still slower (H200, tools/kernel_tune.py
 //     step, 513 tokens): 48.7 us a layer against 39.1 for the four launches, step 1696 against
-//     1435 us (8193: 1878 against 1610). With the barriers made no-ops (timing only) 45.0 us:
-//     a CTA running the GEMVs back to back streams no better than the launches do. What each
-//     op costs inside the step (its launches skipped, experiments/ablate.py there): o 4.74 us
-//     a layer, q/k/v 5.45, attention 2.89, gate/up 18.13, down 10.48: its whole per-launch
-//     time, so nothing of one launch overlaps the next beyond what these figures hold.
+//     1435 us (8193: 1878 against 1610). With the barriers made no-ops (timing only) 45.0 us,
+//     still above the launches' 39.1 (its ring is 64 KB a CTA, down's x taking 37 KB of the
+//     rest; 48 bytes of spills at 96 registers). What each op costs inside the step (its
+//     launches skipped, experiments/ablate.py there): o 4.74 us a layer, q/k/v 5.45,
+//     attention 2.89, gate/up 18.13, down 10.48, each its whole per-launch time.
 //   - releasing the held-back ring once x is requested rather than landed: o 4.37 -> 4.27 us,
 //     down 10.97 -> 11.0..11.3, the step 1448 -> 1452..1460 us at 513 tokens (1622 -> 1630 at
 //     8193); one CTA an SM for o, q/k/v or down alone (the other slot free for the next
