@@ -1,12 +1,12 @@
 """Prefill launchers: INT4 tensor-core GEMM and causal GQA attention over a whole prompt.
 
 The kernels live in `kernels/prefill_gemm.cu` (mma.sync), `kernels/prefill_gemm_wgmma.cu`
-(Hopper wgmma, warp-specialized) and `kernels/prefill_attention.cu`. Construction
-compiles the explicit table of (kernel, template arguments) in `prefill_kernels(config)` through
-`nanoqwen.cuda.jit` (disk cache; NANOQWEN_NO_COMPILE=1 makes a miss an error), loads them, sets
-their shared-memory limits and reads their occupancy; `gemm` and `attention` then only check
-shapes and launch: no compilation, no allocation. Every launcher checks shapes in Python and
-raises ValueError with the numbers before anything reaches the GPU.
+(Hopper wgmma, warp-specialized) and `kernels/prefill_attention.cu` (wgmma; head_dim 64 or 128).
+Construction compiles the explicit table of (kernel, template arguments) in
+`prefill_kernels(config)` through `nanoqwen.cuda.jit` (disk cache; NANOQWEN_NO_COMPILE=1 makes a
+miss an error), loads them, sets their shared-memory limits and reads their occupancy; `gemm` and
+`attention` then only check shapes and launch: no compilation, no allocation. Every launcher
+checks shapes in Python and raises ValueError with the numbers before anything reaches the GPU.
 
 Pointers: every buffer argument is a device address: an int (a `DeviceArray.ptr`), an object
 with `.ptr` (a DeviceArray), `.data_ptr()` (a torch tensor) or `.handle` (a cuda.core Buffer).
@@ -163,7 +163,9 @@ def attention_variant(config: ModelConfig) -> str:
 
 
 def attention_smem_bytes(head_dim: int) -> int:
-    return 5 * _ATTN_TILE * (head_dim + 8) * 2  # Q + 2 K + 2 V tiles, rows padded by 16 bytes
+    """prefill_attention.cu's Layout<D>::kSmemBytes: 1024 bytes of alignment slack + Q, two K
+    and two V tiles of 64 rows x head_dim halves."""
+    return 1024 + 5 * _ATTN_TILE * head_dim * 2
 
 
 def prefill_kernels(
@@ -392,7 +394,7 @@ class PrefillKernels:
         ptrs = [_ptr(x) for x in (q, k, v, out)]
         if any(p % 16 for p in ptrs):
             raise ValueError(f"prefill attention: pointers must be 16-byte aligned, got {ptrs}")
-        grid = (-(-T // _ATTN_TILE), self.config.num_heads, 1)
+        grid = (self.config.num_heads, -(-T // _ATTN_TILE), 1)
         self._launch(
             stream, "prefill attention", grid, _ATTN_THREADS, self._attn_smem, self._attn, *ptrs,
             np.int32(T),

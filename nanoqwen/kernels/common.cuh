@@ -12,6 +12,12 @@ constexpr int kWarp = 32;
 constexpr float kLog2e = 1.4426950408889634f;
 // -inf without math.h (NVRTC): the empty-set value of a running max.
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+// 2^x; ex2.approx(-inf) = +0, which the attention kernels' masking and empty states rely on.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Programmatic dependent launch (PDL). `pdl_wait` blocks until the previous kernel in the stream
 // has finished (or triggered) and its writes are visible; `pdl_trigger` lets the next kernel

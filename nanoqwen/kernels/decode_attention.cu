@@ -175,12 +175,6 @@ __device__ __forceinline__ void st_async(uint32_t addr, float2 v, uint32_t bar) 
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, "
                "[%3];" ::"r"(addr), "f"(v.x), "f"(v.y), "r"(bar) : "memory");
 }
-// 2^x; ex2.approx(-inf) = +0, which the masking and empty-state logic rely on.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 }  // namespace attn
 
 extern "C" __global__ void __launch_bounds__(kAttnThreads, 3) __cluster_dims__(1, kAttnCluster, 1)
@@ -320,12 +314,12 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the quad shares row r
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float alpha = attn::fast_exp2(m_run - mx);  // 0 on the first page (m_run = -inf)
+      const float alpha = fast_exp2(m_run - mx);  // 0 on the first page (m_run = -inf)
       m_run = mx;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        s[j][0] = attn::fast_exp2(s[j][0] - mx);
-        s[j][1] = attn::fast_exp2(s[j][1] - mx);
+        s[j][0] = fast_exp2(s[j][0] - mx);
+        s[j][1] = fast_exp2(s[j][1] - mx);
       }
       l_run = l_run * alpha + (s[0][0] + s[0][1] + s[1][0] + s[1][1]);
 #pragma unroll
@@ -387,7 +381,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kAttnConsumers; ++w) {
-      const float cw = attn::fast_exp2(scr_m[w * G + g] - mx);
+      const float cw = fast_exp2(scr_m[w * G + g] - mx);
       const float4 v = *reinterpret_cast<const float4*>(scr_o + (w * G + g) * kAttnScrRow + d);
       lsum = fmaf(scr_l[w * G + g], cw, lsum);
       a = make_float4(fmaf(v.x, cw, a.x), fmaf(v.y, cw, a.y), fmaf(v.z, cw, a.z),
@@ -422,7 +416,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     float lsum = 0.f, a = 0.f;
 #pragma unroll
     for (int k = 0; k < kAttnCluster; ++k) {
-      const float w = attn::fast_exp2(recv_ml[k][g].x - mx);
+      const float w = fast_exp2(recv_ml[k][g].x - mx);
       lsum = fmaf(recv_ml[k][g].y, w, lsum);
       a = fmaf(recv_acc[k][g][idx % kAttnCols], w, a);
     }
@@ -467,12 +461,12 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       float bm = mx;  // finite from the first batch on: every cluster has a token
 #pragma unroll
       for (int u = 0; u < kAttnMergeLoads; ++u) bm = fmaxf(bm, m[u].x);
-      const float r = attn::fast_exp2(mx - bm);  // 0 on the first batch (mx = -inf)
+      const float r = fast_exp2(mx - bm);  // 0 on the first batch (mx = -inf)
       lsum *= r;
       a = make_float4(a.x * r, a.y * r, a.z * r, a.w * r);
 #pragma unroll
       for (int u = 0; u < kAttnMergeLoads; ++u) {
-        const float w = attn::fast_exp2(m[u].x - bm);
+        const float w = fast_exp2(m[u].x - bm);
         lsum = fmaf(m[u].y, w, lsum);
         a = make_float4(fmaf(w, v[u].x, a.x), fmaf(w, v[u].y, a.y), fmaf(w, v[u].z, a.z),
                         fmaf(w, v[u].w, a.w));

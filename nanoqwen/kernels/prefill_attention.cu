@@ -1,23 +1,43 @@
-// prefill_attention.cu — causal grouped-query attention over a prompt (flash-attention-2 style).
+// prefill_attention.cu — causal grouped-query attention over a prompt (flash-attention style,
+// Hopper wgmma).
 //
 //   out[i, h, :] = sum_{j <= i} softmax_j(q[i, h, :] . k[j, h / G, :] / sqrt(D)) v[j, h / G, :]
 //   with G = HQ / HKV query heads per KV head.
 //
-// Why this shape. Prefill attention is a small share of the prompt's work (about 2 GFLOP per
-// layer at T = 512 against ~240 GFLOP of GEMMs), so this kernel aims to be correct and plainly
-// tensor-core bound rather than clever: one CTA per (64-query tile, query head), 4 warps of 16
-// query rows each, K/V tiles of 64 keys double-buffered through cp.async, S = Q K^T and
-// O += P V on mma.sync m16n8k16 (fp16 in, fp32 accumulate), an fp32 online softmax in the
-// exp2 domain, and the row sums reduced across the quad only once at the end. The causal mask
-// touches only the diagonal tile. Query tiles are issued latest first, since they have the most
-// keys, so the long CTAs start early and the short ones fill the tail. Tried, not kept: two
-// sets of 4 warps, each taking half of every tile's keys and merged through shared memory at
-// the end (halving the longest CTA's chain of tiles; Q fragments re-read per k-step pair to
-// stay at the 128 registers of two CTAs an SM): 0.0367 ms a launch at T = 512 against 0.0281
-// (7B, H200, tools/prefill_check.py, same run), and no better a TTFT.
+// One CTA = one warpgroup per (64-query tile, query head). Per 64-key tile: S = Q K^T as
+// wgmma m64n64k16 with both operands in shared memory (Q and K tiles are K-major: the head dim
+// runs along their rows), an fp32 online softmax in the exp2 domain on the accumulators (the
+// 1/sqrt(D) scale folded into the exponent, the causal mask on the diagonal tile only), then
+// O += P V as wgmma m64nDk16 with P straight from the accumulator registers (wgmma's D layout
+// per 8 columns is mma.m16n8k16's, so S's n8 tiles 2kk, 2kk+1 are the A fragment of k-step kk)
+// and V N-major from shared memory (keys along its rows: the transposed-B form, no transpose in
+// memory). Row sums are reduced across the quad once, at the end. K/V tiles are double-buffered
+// through cp.async, one tile ahead. Query tiles are issued latest first (they have the most
+// keys), every head of a tile before the next tile (the grid's x is the head), so the long CTAs
+// start early, the short ones fill the tail, and in a single wave (T = 512: 224 CTAs, two an
+// SM) the second CTA an SM gets is a shorter one than the first (13.6-14.0 us against
+// 14.5-18.7 with the query tile as x; T = 2048 83 against 100 us).
 //
-// Shared-memory rows are padded by 16 bytes (D + 8 halves): the 8 row addresses of one
-// ldmatrix then fall 4 banks apart and cover all 32 banks without a swizzle.
+// Shared memory: every tile is 64 rows x D halves, stored as D / 64 blocks of 64 rows x 128
+// bytes in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7); blocks 8 KB
+// apart, 1024-byte aligned), the layout wgmma's descriptors name: K-major operands step 32 bytes
+// per k16 inside a block and a block per 64 of K; V's descriptor (N-major) has the leading
+// byte offset 8 KB (the next 64 head dims) and the stride byte offset 1024 (the next 8 keys);
+// the reverse reads garbage (H200, 2026-11-30).
+//
+// Measured (H200, 2026-11-30, 7B shapes, 20 calls queued back to back, both kernels in one
+// process): T = 512 13.6 / 13.9 us a launch against 20.9 / 20.8 for the mma.sync kernel this
+// replaces (4 warps of 16 query rows, ldmatrix fragments, 249 registers; ncu: 1.6 warps a
+// scheduler, issue active 16%, tensor pipe 15%: latency bound), T = 2048 83 / 85 against
+// 154 / 158 us, T = 8192 1.23 / 1.23 against 1.91 / 1.95 ms (391 against 250 TFLOP/s).
+// Tried, not kept: issuing S(kb) and O += P(kb-1) V(kb-1) together to take the softmax while
+// P V runs: ptxas hoists the wait for P V above the softmax (pinning P's registers with a
+// later use did not change that), 15.5 / 107 / 1410 us at T = 512 / 2048 / 8192 against
+// 14.7 / 98 / 1263 for this loop (then with the query tile as the grid's x); in the same run
+// the second round of an SM's CTAs taken in reverse order (the longest tile paired with the
+// shortest by %nsmid arithmetic) measured the same as the head-major grid. ncu at T = 512
+// (query-tile-major grid): the SMs busy 60% of the launch, stalls spread over the tile waits,
+// the wgmma waits and the stores.
 //
 // Arguments (device pointers, 16-byte aligned, row-major, fp16 bits):
 //   q    fp16 [T, HQ, D]    query (RoPE already applied), row stride HQ * D
@@ -25,45 +45,43 @@
 //   v    fp16 [T, HKV, D]   value
 //   out  fp16 [T, HQ, D]    may not alias q, k or v
 //   T >= 1 tokens, positions 0..T-1 (the whole prompt; no earlier context).
-// Grid (ceil(T / 64), HQ), 128 threads, dynamic shared memory kSmemBytes<D>.
+// Grid (HQ, ceil(T / 64)), 128 threads, dynamic shared memory Layout<D>::kSmemBytes.
 
 #ifndef NANOQWEN_PREFILL_ATTENTION_CU
 #define NANOQWEN_PREFILL_ATTENTION_CU
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace nanoqwen_prefill_attention {
 
-constexpr int kTileQ = 64;   // query rows per CTA (4 warps x 16)
-constexpr int kTileK = 64;   // keys per K/V tile
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kPad = 8;      // halves of padding per shared row (16 bytes; see above)
-static_assert(kTileQ == kWarps * 16, "each warp owns one m16 slice of the query tile");
+constexpr int kTileQ = 64;    // query rows per CTA: the warpgroup's m64
+constexpr int kTileK = 64;    // keys per K/V tile
+constexpr int kThreads = 128; // one warpgroup
+constexpr int kBlockBytes = 64 * 128;  // 64 rows x 128 bytes, 128-byte swizzled (8 KB)
 
 template <int D>
 struct Layout {
-  static_assert(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32 (<= 256)");
-  static constexpr int kRow = D + kPad;               // halves per shared row
-  static constexpr int kTileHalves = kTileK * kRow;   // one Q, K or V tile
-  static constexpr int kSmemBytes = 5 * kTileHalves * 2;  // Q + 2 x K + 2 x V
-  static constexpr int kUnitsPerRow = D / 8;          // 16-byte units per row
+  static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
+  static constexpr int kBlocks = D / 64;                 // 128-byte column blocks of a row
+  static constexpr int kTileBytes = kBlocks * kBlockBytes;  // one Q, K or V tile
+  static constexpr int kSmemBytes = 1024 + 5 * kTileBytes;  // alignment + Q + 2 x K + 2 x V
+  // (nanoqwen/prefill.py repeats this formula)
 };
 
-
-
-// Copy 64 token rows of one head (row stride `stride` halves) into a padded shared tile;
-// tokens >= T are zero-filled (masked later, never stored).
+// Rows tok0..tok0+63 of one head (row stride `stride` halves) into a swizzled tile: 16-byte
+// chunk c of row r at block c / 8, row r, chunk (c % 8) ^ (r & 7). Rows >= T read as zeros.
 template <int D>
-__device__ __forceinline__ void load_rows(unsigned short* dst, const unsigned short* src,
+__device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned short* src,
                                           int tok0, int T, int stride) {
-  using L = Layout<D>;
-  static_assert(kTileK * L::kUnitsPerRow % kThreads == 0, "tile copy must split evenly");
+  constexpr int kChunks = D / 8;
+  static_assert(kTileK * kChunks % kThreads == 0, "tile copy must split evenly");
 #pragma unroll
-  for (int i = 0; i < kTileK * L::kUnitsPerRow / kThreads; ++i) {
-    const int q = threadIdx.x + i * kThreads, row = q / L::kUnitsPerRow;
-    const int unit = q % L::kUnitsPerRow, tok = tok0 + row;
-    const unsigned short* s = src + (long)(tok < T ? tok : 0) * stride + unit * 8;
-    cp_async16(dst + row * L::kRow + unit * 8, s, tok < T ? 16 : 0);
+  for (int i = 0; i < kTileK * kChunks / kThreads; ++i) {
+    const int u = threadIdx.x + i * kThreads, row = u / kChunks, c = u % kChunks;
+    const int tok = tok0 + row;
+    const unsigned short* s = src + (long)(tok < T ? tok : 0) * stride + c * 8;
+    cp_async16(dst + (c / 8) * kBlockBytes + row * 128 + (((c % 8) ^ (row & 7)) << 4), s,
+               tok < T ? 16 : 0);
   }
 }
 
@@ -78,87 +96,82 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   using L = Layout<D>;
   static_assert(HQ % HKV == 0, "query heads must be a multiple of KV heads (GQA)");
   constexpr int kGroup = HQ / HKV;
-  constexpr int kDSteps = D / 16;   // mma k-steps over the head dim (S = Q K^T)
-  constexpr int kDTiles = D / 8;    // n8 tiles over the head dim (O)
-  constexpr int kKeyTiles = kTileK / 8;  // n8 tiles over the keys (S)
+  constexpr int kDSteps = D / 16;   // k16 steps of S = Q K^T
+  constexpr int kKSteps = kTileK / 16;  // k16 steps of O += P V
 
-  extern __shared__ __align__(128) unsigned short smem_h[];
-  unsigned short* q_s = smem_h;
-  unsigned short* k_s = q_s + L::kTileHalves;  // [2][64][kRow]
-  unsigned short* v_s = k_s + 2 * L::kTileHalves;
+  extern __shared__ unsigned char smem_raw[];
+  const unsigned raw = smem_addr(smem_raw);
+  unsigned char* q_s = smem_raw + ((raw + 1023) & ~1023u) - raw;
+  unsigned char* k_s = q_s + L::kTileBytes;      // [2] tiles
+  unsigned char* v_s = k_s + 2 * L::kTileBytes;  // [2] tiles
+  const unsigned q_a = smem_addr(q_s), k_a = smem_addr(k_s), v_a = smem_addr(v_s);
 
   pdl_trigger();
   pdl_wait();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int q_tile = gridDim.x - 1 - blockIdx.x;  // latest (longest) tiles first
-  const int head = blockIdx.y, kv_head = head / kGroup;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int q_tile = gridDim.y - 1 - blockIdx.y;  // latest (longest) tiles first
+  const int head = blockIdx.x, kv_head = head / kGroup;
   const int q0 = q_tile * kTileQ;
   const unsigned short* k_head = k + kv_head * D;
   const unsigned short* v_head = v + kv_head * D;
   constexpr int kQStride = HQ * D, kKVStride = HKV * D;
 
-  load_rows<D>(q_s, q + head * D, q0, T, kQStride);
-  load_rows<D>(k_s, k_head, 0, T, kKVStride);
-  load_rows<D>(v_s, v_head, 0, T, kKVStride);
+  load_tile<D>(q_s, q + head * D, q0, T, kQStride);
+  load_tile<D>(k_s, k_head, 0, T, kKVStride);
+  load_tile<D>(v_s, v_head, 0, T, kKVStride);
   cp_async_commit();
 
-  // Row ids of this thread's two rows (c0,c1 -> row g; c2,c3 -> row g + 8 of the warp slice).
-  const int row_a = q0 + warp * 16 + g, row_b = row_a + 8;
+  const int row_a = q0 + warp * 16 + (lane >> 2), row_b = row_a + 8;
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(D));
 
-  unsigned qf[kDSteps][4];
-  float o[kDTiles][4];
+  float o[D / 2];
 #pragma unroll
-  for (int n = 0; n < kDTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;
 
   const int n_kv = q_tile + 1;  // causal: key tiles 0..q_tile
   for (int kb = 0; kb < n_kv; ++kb) {
     const int buf = kb & 1;
     cp_async_wait<0>();
-    __syncthreads();  // tile kb landed; buffer buf ^ 1 no longer read
+    fence_proxy_async_smem();
+    __syncthreads();  // tile kb landed and visible to wgmma; buffer buf ^ 1 no longer read
     if (kb + 1 < n_kv) {
-      load_rows<D>(k_s + (buf ^ 1) * L::kTileHalves, k_head, (kb + 1) * kTileK, T, kKVStride);
-      load_rows<D>(v_s + (buf ^ 1) * L::kTileHalves, v_head, (kb + 1) * kTileK, T, kKVStride);
+      load_tile<D>(k_s + (buf ^ 1) * L::kTileBytes, k_head, (kb + 1) * kTileK, T, kKVStride);
+      load_tile<D>(v_s + (buf ^ 1) * L::kTileBytes, v_head, (kb + 1) * kTileK, T, kKVStride);
     }
     cp_async_commit();
-    if (kb == 0) {  // Q fragments (A operand) once: rows (mi & 1) * 8 + r, cols (mi >> 1) * 8
-      const int mi = lane >> 3, r = lane & 7;
-#pragma unroll
-      for (int s = 0; s < kDSteps; ++s)
-        ldmatrix_x4(qf[s], q_s + (warp * 16 + (mi & 1) * 8 + r) * L::kRow + s * 16 + (mi >> 1) * 8);
-    }
-    const unsigned short* kt_s = k_s + buf * L::kTileHalves;
-    const unsigned short* vt_s = v_s + buf * L::kTileHalves;
 
-    // S = Q K^T: K rows are keys, so a non-transposed ldmatrix yields B fragments
-    // (k = head dim, n = key); matrices 0..3 = dims +0, +8, +16, +24 of 8 keys.
-    float s[kKeyTiles][4];
+    // S = Q K^T: A = the Q tile, B = the K tile, both K-major (head dim along the rows).
+    float s[kTileK / 2];
+    const unsigned kt_a = k_a + buf * L::kTileBytes;
+    wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < kKeyTiles; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int st = 0; st < kDSteps; ++st) {
+      const unsigned off = (st / 4) * kBlockBytes + (st % 4) * 32;
+      WgmmaSS<kTileK>::mma(s, make_desc_sw128(q_a + off), make_desc_sw128(kt_a + off), st > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(s);
+
+    // Online softmax in the log2 domain, on the raw scores (the scale folded into the
+    // exponent); keys after the query are masked on the diagonal tile only.
+    if (kb == q_tile) {
 #pragma unroll
-      for (int p = 0; p < kDSteps / 2; ++p) {
-        unsigned b[4];
-        ldmatrix_x4(b, kt_s + (j * 8 + (lane & 7)) * L::kRow + p * 32 + (lane >> 3) * 8);
-        mma_16816(s[j], qf[2 * p], b[0], b[1]);
-        mma_16816(s[j], qf[2 * p + 1], b[2], b[3]);
+      for (int j = 0; j < kTileK / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = kb * kTileK + j * 8 + 2 * t + e;
+          if (key > row_a) s[4 * j + e] = neg_inf();
+          if (key > row_b) s[4 * j + 2 + e] = neg_inf();
+        }
       }
     }
-
-    // Online softmax in the log2 domain; mask keys after the query on the diagonal tile.
-    const bool diagonal = kb == q_tile;
     float mx_a = m_a, mx_b = m_b;
 #pragma unroll
-    for (int j = 0; j < kKeyTiles; ++j) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = kb * kTileK + j * 8 + 2 * t + e;
-        s[j][e] = (diagonal && key > row_a) ? neg_inf() : s[j][e] * scale_log2;
-        s[j][2 + e] = (diagonal && key > row_b) ? neg_inf() : s[j][2 + e] * scale_log2;
-        mx_a = fmaxf(mx_a, s[j][e]);
-        mx_b = fmaxf(mx_b, s[j][2 + e]);
-      }
+    for (int j = 0; j < kTileK / 8; ++j) {
+      mx_a = fmaxf(mx_a, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
     }
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {  // the 4 lanes of a quad share a row
@@ -166,46 +179,43 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
       mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
     }
     // Every row has key 0 <= its own position unmasked, so mx_* is finite from tile 0 on.
-    const float alpha_a = exp2f(m_a - mx_a), alpha_b = exp2f(m_b - mx_b);
+    const float alpha_a = fast_exp2((m_a - mx_a) * scale_log2);
+    const float alpha_b = fast_exp2((m_b - mx_b) * scale_log2);
     m_a = mx_a;
     m_b = mx_b;
+    const float base_a = -mx_a * scale_log2, base_b = -mx_b * scale_log2;
     l_a *= alpha_a;
     l_b *= alpha_b;
 #pragma unroll
-    for (int n = 0; n < kDTiles; ++n) {
-      o[n][0] *= alpha_a;
-      o[n][1] *= alpha_a;
-      o[n][2] *= alpha_b;
-      o[n][3] *= alpha_b;
+    for (int n = 0; n < D / 8; ++n) {
+      o[4 * n] *= alpha_a;
+      o[4 * n + 1] *= alpha_a;
+      o[4 * n + 2] *= alpha_b;
+      o[4 * n + 3] *= alpha_b;
     }
+    unsigned p[kKSteps][4];
 #pragma unroll
-    for (int j = 0; j < kKeyTiles; ++j) {
-      s[j][0] = exp2f(s[j][0] - m_a);
-      s[j][1] = exp2f(s[j][1] - m_a);
-      s[j][2] = exp2f(s[j][2] - m_b);
-      s[j][3] = exp2f(s[j][3] - m_b);
-      l_a += s[j][0] + s[j][1];
-      l_b += s[j][2] + s[j][3];
+    for (int j = 0; j < kTileK / 8; ++j) {
+      const float p0 = fast_exp2(fmaf(s[4 * j], scale_log2, base_a));
+      const float p1 = fast_exp2(fmaf(s[4 * j + 1], scale_log2, base_a));
+      const float p2 = fast_exp2(fmaf(s[4 * j + 2], scale_log2, base_b));
+      const float p3 = fast_exp2(fmaf(s[4 * j + 3], scale_log2, base_b));
+      l_a += p0 + p1;
+      l_b += p2 + p3;
+      p[j / 2][2 * (j % 2)] = pack_half2(p0, p1);      // row g, keys 8j + 2t..
+      p[j / 2][2 * (j % 2) + 1] = pack_half2(p2, p3);  // row g + 8
     }
 
-    // O += P V: the S accumulators of n8 tiles 2kk, 2kk+1 are exactly the A fragment of
-    // k-step kk; V rows are keys, so a transposed ldmatrix yields B (k = key, n = dim).
+    // O += P V: A = P from registers, B = the V tile N-major (keys along the rows).
+    const unsigned vt_a = v_a + buf * L::kTileBytes;
+    fence_acc(o);
+    wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kTileK / 16; ++kk) {
-      const unsigned a[4] = {pack_half2(s[2 * kk][0], s[2 * kk][1]),
-                             pack_half2(s[2 * kk][2], s[2 * kk][3]),
-                             pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const int mi = lane >> 3, r = lane & 7;
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        unsigned b[4];
-        const int key = kk * 16 + (mi & 1) * 8 + r;
-        ldmatrix_x4_trans(b, vt_s + key * L::kRow + dp * 16 + (mi >> 1) * 8);
-        mma_16816(o[2 * dp], a, b[0], b[1]);
-        mma_16816(o[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    for (int kk = 0; kk < kKSteps; ++kk)
+      WgmmaRS<D, 1>::mma(o, p[kk], make_desc_sw128(vt_a + kk * 16 * 128, kBlockBytes, 1024), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(o);
   }
 
 #pragma unroll
@@ -215,14 +225,14 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   }
   const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;
 #pragma unroll
-  for (int n = 0; n < kDTiles; ++n) {
+  for (int n = 0; n < D / 8; ++n) {
     const int col = head * D + n * 8 + 2 * t;
     if (row_a < T)
       *reinterpret_cast<unsigned*>(out + (long)row_a * kQStride + col) =
-          pack_half2(o[n][0] * inv_a, o[n][1] * inv_a);
+          pack_half2(o[4 * n] * inv_a, o[4 * n + 1] * inv_a);
     if (row_b < T)
       *reinterpret_cast<unsigned*>(out + (long)row_b * kQStride + col) =
-          pack_half2(o[n][2] * inv_b, o[n][3] * inv_b);
+          pack_half2(o[4 * n + 2] * inv_b, o[4 * n + 3] * inv_b);
   }
 }
 
