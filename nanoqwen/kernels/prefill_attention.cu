@@ -25,15 +25,17 @@
 // byte offset 8 KB (the next 64 head dims) and the stride byte offset 1024 (the next 8 keys);
 // the reverse reads garbage (H200, 2026-11-30).
 //
-// Measured (H200, 2026-11-30, 7B shapes, 20 calls queued back to back, both kernels in one
-// process): T = 512 13.6 / 13.9 us a launch against 20.9 / 20.8 for the mma.sync kernel this
+// Measured (H200, 2026-11-30, 7B shapes): tools/prefill_check.py (20 calls queued behind a
+// spin kernel) 13.4 us a launch at T = 512, 82 at 2048, 1.07 ms at 8192 (449 TFLOP/s). Both
+// kernels in one process (20 calls queued, no spin: at T = 512 the new one is near the
+// host's launch pace): T = 512 13.6 / 13.9 us against 20.9 / 20.8 for the mma.sync kernel this
 // replaces (4 warps of 16 query rows, ldmatrix fragments, 249 registers; ncu: 1.6 warps a
 // scheduler, issue active 16%, tensor pipe 15%: latency bound), T = 2048 83 / 85 against
 // 154 / 158 us, T = 8192 1.23 / 1.23 against 1.91 / 1.95 ms (391 against 250 TFLOP/s).
 // Tried, not kept: issuing S(kb) and O += P(kb-1) V(kb-1) together to take the softmax while
 // P V runs: ptxas hoists the wait for P V above the softmax (pinning P's registers with a
 // later use did not change that), 15.5 / 107 / 1410 us at T = 512 / 2048 / 8192 against
-// 14.7 / 98 / 1263 for this loop (then with the query tile as the grid's x); in the same run
+// 14.7 / 98 / 1263 for this loop (no spin; then with the query tile as the grid's x); in a run
 // the second round of an SM's CTAs taken in reverse order (the longest tile paired with the
 // shortest by %nsmid arithmetic) measured the same as the head-major grid. ncu at T = 512
 // (query-tile-major grid): the SMs busy 60% of the launch, stalls spread over the tile waits,
