@@ -63,3 +63,27 @@ def test_sm90_available_never_raises():
     from nanoqwen.cuda.device import sm90_available
 
     assert sm90_available() in (True, False)
+
+
+def test_launcher_constants_match_the_kernels():
+    """kernels.py's block sizes and rings repeat constexpr values of the .cu files (a launch
+    with more threads than __launch_bounds__ fails; fewer skips rows): they must agree."""
+    import re
+
+    from nanoqwen.cuda import kernels
+
+    pairs = {
+        "decode_misc.cu": {
+            "kMiscThreads": kernels.MISC_THREADS,
+            "kLmWarps": kernels.LM_WARPS,
+            "kLmMaxSlots": kernels.LM_MAX_SLOTS,
+            "kSampleThreads": kernels.SAMPLE_THREADS,
+        },
+        "gemv_int4.cu": {"kGvCtasPerSm": kernels.GEMV_CTAS_PER_SM},
+    }
+    for source, names in pairs.items():
+        text = (jit.KERNEL_DIR / source).read_text()
+        for name, value in names.items():
+            found = re.search(rf"constexpr int {name} = (\d+);", text)
+            assert found, f"{source}: no constexpr int {name}"
+            assert int(found.group(1)) == value, f"{source} {name} = {found.group(1)}, not {value}"

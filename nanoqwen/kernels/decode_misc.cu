@@ -55,7 +55,9 @@ embed_gather(const int* __restrict__ ids, const uint4* __restrict__ embed, uint4
 // (grid ceil(T / kNormRows), block kMiscThreads): the row stays in registers, 16-byte vectors,
 // between its sum of squares and its scaling. (A CTA a row with 2-byte loads, reading x
 // twice: 13.1 us a launch at T = 512 between CUDA events, gaps included, against 8.7 now;
-// H200, tools/ttft_profile.py.)
+// H200, tools/ttft_profile.py. Two rows a CTA, 256 CTAs at T = 512 on every SM instead of 64:
+// 7.9-8.1 us a launch either way, TTFT 12.65 / 12.89 and 12.65 / 12.88 against 12.48 / 12.71,
+// interleaved in one run, 2026-11-30: the launch and its gaps, not the CTAs, set its time.)
 constexpr int kNormRows = kMiscThreads / kWarp;
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
 rmsnorm_rows(const uint4* __restrict__ x, const uint4* __restrict__ w, uint4* __restrict__ y,
