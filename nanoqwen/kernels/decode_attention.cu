@@ -76,6 +76,10 @@
 // 4.5. It stays so with each CTA's K and V read from contiguous addresses, with one 8 KB copy a
 // page instead of two of 4 KB, and on 256 CTAs. 16 or 20 stages are slower even alone (12.85
 // us at 8193, 33 at 32700): the next launch's CTAs no longer fit beside the running ones.
+// ncu of one launch at 32700 tokens (the same tool, 2026-11-30; ncu's base clocks): 29.5 us,
+// DRAM 49% of its peak (2.27 TB/s read, 0.5% L2 hits), the SMs active 70% of the launch and
+// 8.4% achieved occupancy against 15.6% possible: while the CTAs stream, ~3.2 TB/s; the rest
+// of the launch is its head and tail (CTAs not yet or no longer resident), the place to look.
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
