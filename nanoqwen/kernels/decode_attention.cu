@@ -78,8 +78,10 @@
 // us at 8193, 33 at 32700): the next launch's CTAs no longer fit beside the running ones.
 // ncu of one launch at 32700 tokens (the same tool, 2026-11-30; ncu's base clocks): 29.5 us,
 // DRAM 49% of its peak (2.27 TB/s read, 0.5% L2 hits), the SMs active 70% of the launch and
-// 8.4% achieved occupancy against 15.6% possible: while the CTAs stream, ~3.2 TB/s; the rest
-// of the launch is its head and tail (CTAs not yet or no longer resident), the place to look.
+// 8.4% achieved occupancy against 15.6% possible. Per SM, cycles with a CTA resident: 30.0K
+// on average over the 128 that get one, 37.7K at most, of 41.3K: CTAs with the same number of
+// pages finish up to ~25% apart, and the launch waits for the slowest. A split that hands out
+// pages as CTAs ask for them (so the fast ones take more) is the next thing to try here.
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
