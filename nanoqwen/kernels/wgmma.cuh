@@ -47,6 +47,8 @@ __device__ __forceinline__ unsigned long long make_desc_sw128(unsigned addr, uns
          (static_cast<unsigned long long>(sbo >> 4) << 32) | (1ull << 62);
 }
 
+// The forms below differ only in N, so in how many accumulator operands their asm names: inline
+// asm spells every operand out, hence one specialization per N the kernels use.
 // A from registers, B from shared memory (TRANS_B = 0: K-major; 1: N-major, fp16 only).
 template <int N, int TRANS_B>
 struct WgmmaRS;
