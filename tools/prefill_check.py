@@ -14,7 +14,7 @@ HANG line naming the kernel. The reference dequantizes exactly as the kernel doe
 (q * scale rounded once to fp16; the packing is checked against nanoqwen.quant on a slice) and
 multiplies in fp32, so what is left is fp32 summation order (~1e-6 relative) and the final
 fp16 rounding (2^-11 relative): the tolerance is max|out - ref| <= 2e-3 * max|ref|.
-Attention: T in (1, 15, 16, 17, 100, 512), GQA 7:1 (7B, D 128), 2:1 (D 128) and 2:1 (tiny,
+Attention: T in (1, 15, 16, 17, 100, 512, 1000), GQA 7:1 (7B, D 128), 2:1 (D 128) and 2:1 (tiny,
 D 64), against an fp32 causal softmax; P is rounded to fp16 before P V, so the tolerance is
 max abs error <= 4e-3 on outputs of magnitude ~1.
 
@@ -48,7 +48,7 @@ from nanoqwen.prefill import GEMM_VARIANTS, GemmVariant, PrefillKernels, wgmma_v
 from nanoqwen.quant import dequantize_packed
 
 GEMM_M = (1, 3, 17, 128, 511, 512, 513)
-ATTN_T = (1, 15, 16, 17, 100, 512)
+ATTN_T = (1, 15, 16, 17, 100, 512, 1000)
 ATTN_TIMED_T = (512, 2048, 8192)  # the prompt lengths the attention is timed at (7B shapes)
 SPIN_CYCLES = 4_000_000  # torch.cuda._sleep ahead of a timed batch: ~2 ms at ~2 GHz
 GEMM_REL_TOL = 2e-3
