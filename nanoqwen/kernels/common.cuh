@@ -92,6 +92,11 @@ __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
                : "memory");
   return old;
 }
+// Orders this thread's generic-proxy accesses to shared memory (loads, st.shared, cp.async
+// writes) before later async-proxy ones (bulk copies, wgmma operand reads) of the same bytes.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 // 1-D bulk copy global -> shared, completing `bytes` of transactions on mbarrier `bar`.
 __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes,
                                          uint32_t bar) {

@@ -246,7 +246,7 @@ lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
       }
     }
     __syncwarp();  // every lane has read the slot: its next row may land there
-    if (lane == 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    if (lane == 0) fence_proxy_async_smem();
     request(k + slots);
     const float v = warp_sum(acc);
     if (lane == 0) logits[row] = v;

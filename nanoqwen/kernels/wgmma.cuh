@@ -1,5 +1,6 @@
 // wgmma.cuh: Hopper warpgroup MMA (wgmma.mma_async) helpers shared by the prefill kernels:
-// fences, commit/wait, shared-memory matrix descriptors and the instruction forms we use.
+// fences, commit/wait, shared-memory matrix descriptors and the instruction forms we use
+// (common.cuh: fence_proxy_async_smem, before wgmma reads what cp.async wrote).
 //
 // Shapes (PTX ISA "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): D[64 x N] fp32
 // (+)= A[64 x 16] fp16 x B[16 x N] fp16 for one warpgroup. Accumulator D, per warp w of the
@@ -25,11 +26,6 @@ template <int NACC>
 __device__ __forceinline__ void fence_acc(float (&d)[NACC]) {
 #pragma unroll
   for (int i = 0; i < NACC; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy
-// that wgmma reads through; then a barrier publishes them to the warpgroup.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
 // Shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format") of a 128-byte-swizzled
