@@ -87,3 +87,21 @@ def test_launcher_constants_match_the_kernels():
             found = re.search(rf"constexpr int {name} = (\d+);", text)
             assert found, f"{source}: no constexpr int {name}"
             assert int(found.group(1)) == value, f"{source} {name} = {found.group(1)}, not {value}"
+
+
+def test_chain_latency_probes_compile():
+    """tools/chain_latency.py's probe kernels build without spills, at the block size the tool
+    launches."""
+    import importlib.util
+    from pathlib import Path
+
+    tool = Path(__file__).parents[1] / "tools" / "chain_latency.py"
+    spec = importlib.util.spec_from_file_location("chain_latency", tool)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = tool.with_suffix(".cu").read_text()
+    assert f"constexpr int kProbeThreads = {mod.THREADS};" in src
+    res = jit.compile_module(tool.with_suffix(".cu").name, ["probe_link", "probe_persist"],
+                             source=src).resources()  # fmt: skip
+    assert set(res) == {"probe_link", "probe_persist"}
+    assert all(r.spill_bytes == 0 for r in res.values())

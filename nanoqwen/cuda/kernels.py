@@ -44,7 +44,10 @@ SAMPLE_THREADS = 1024  # kSampleThreads
 ATTN_THREADS = 160  # kAttnThreads: 4 consumer warps + 1 producer warp (decode_attention.cu)
 # Attention grid target at long context: one CTA per SM. 256 (two a SM, more bytes in flight)
 # was faster with one CTA per split, but 32 clusters of 8 do not all fit at once (7B step at
-# 32705 tokens 2299 us against 2073; decode_attention.cu).
+# 32705 tokens 2299 us against 2073; decode_attention.cu). In clusters of 2 or 4 (all resident;
+# H200, 2026-11-30, tools/kernel_tune.py step, one run): attention alone at 32705 tokens 21.5 /
+# 25.8 us a launch against 25.65, yet the step 1988 / 2135 us against 1970, and at 513 tokens
+# 1538 / 1472 against 1444; clusters of 4 with 8 stages 22.9 us alone, the step 1994.
 ATTN_CTAS = 128
 
 # Decode state words (decode_misc.cu: enum StateWord).

@@ -116,6 +116,19 @@
 //     down 10.97 -> 11.0..11.3, the step 1448 -> 1452..1460 us at 513 tokens (1622 -> 1630 at
 //     8193); one CTA an SM for o, q/k/v or down alone (the other slot free for the next
 //     kernel's first CTA): o 4.38 -> 4.15 us a launch, every such step 6-60 us slower.
+//   - two CTAs an SM as now, with less shared memory for o (44 KB: its 3-4 stages of a CTA's
+//     work still fit) and q/k/v (52 KB), so that the next kernel's first CTA fits beside them
+//     (gate/up's beside o's, attention's beside q/k/v's; registers allow it): the step within
+//     its noise at 513 / 8193 / 32705 tokens (1444-1465 / 1626-1636 / 1957-1979 us, shipped
+//     1453-1457 / 1627-1632 / 1974-1978, interleaved in one run), q/k/v 5.4 -> 6.5 us a launch.
+// Why no layout of the launches gets far below ~3 us a kernel + its bytes at ~4.5 TB/s (gate/up
+// 18.4 us, down 11.1, q/k/v 5.4, o 4.4 at 513 tokens): a dependency itself is cheap, but not
+// free, and a grid barrier is dearer than a launch. tools/chain_latency.py (H200, 2026-11-30),
+// chains of 112 dependent links of 264 CTAs that stage x and write a slice of the next x, us a
+// link: PDL launch + griddepcontrol.wait 1.42 (0.96 with no x, 2.13 with down's 37 KB x); the
+// same rounds in one persistent launch with a grid barrier between them 1.64 (1.17, 2.41);
+// stream order without PDL 1.85. Then x queues behind the weights in flight (kGvEarlyStages),
+// and the ring held back for it restarts the stream one HBM latency late.
 //
 // Epilogues:
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
@@ -143,6 +156,12 @@ constexpr int kGvMaxStages = 8;
 // Stages the producer keeps in flight until x has landed in shared memory: x (an L2 hit) queues
 // behind every weight byte already requested, so a full ring ahead of it delays the consumers'
 // start. Landed stages do not count: a ring filled during a long wait costs x nothing.
+// Measured apart (tools/chain_latency.py, H200, 2026-11-30; 264 CTAs staging a 7 KB x right
+// after griddepcontrol.wait): x lands 448 ns after the wait with nothing in flight, 800 / 1216
+// / 1792 ns behind 16 / 32 / 48 KB of bulk copies a CTA requested just before it, and as late
+// in the CTAs that requested none while every other CTA asked for twice as much (1184 against
+// 1248 ns at 32 KB): the queue is the memory system's, so weights requested anywhere (another
+// CTA's ring, an L2 prefetch) delay every x.
 constexpr int kGvEarlyStages = 1;
 constexpr int kGroupBytes = kGroupSize / 2;
 // offset_word's form (x folded) for K up to this; above it dequant_word (see offset_word).

@@ -1,0 +1,128 @@
+"""What a data dependency between two decode kernels costs on an sm_90 GPU, with nothing else
+running: a PDL launch boundary against a grid barrier inside one persistent launch, and how
+long x takes to land when weight copies were requested just before it.
+
+    PYTHONPATH=. python3 tools/chain_latency.py [--links 112] [--json PATH]
+
+Probe kernels (tools/chain_latency.cu) are shaped like the decode GEMVs: 264 CTAs of 288
+threads on the H200 (two an SM, 110 KB of dynamic shared memory each). A "link" stages x
+(k halves: 3584 = hidden, 18944 = down's input) into shared memory with 16-byte cp.async,
+sums it (a block reduction) and writes its 1/grid slice of the next x, so every link depends
+on every CTA of the one before. Timed as one CUDA graph (bench.time_graph: CUDA events,
+median of 7 launches), per link:
+
+  boundary   `links` launches with PDL and griddepcontrol.wait before x (the decode step's
+             form); the same without the wait (wrong results, the bound for the launches);
+             plain stream order (no PDL); one launch of `links` rounds with a grid barrier
+             (one counter: release arrive, acquire spin) between rounds.
+  x behind weights
+             PDL + wait, each CTA first requesting W KB of bulk copies of memory nothing else
+             reads (the next kernel's weights), then x: the link's time, and the median and
+             90th percentile over CTAs of thread 0's time from the wait to x landed. Also with
+             every other CTA requesting 2W: whether x waits on its own SM's copies or on
+             everyone's shows in those CTAs' x times against the CTAs with none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from nanoqwen.bench import time_graph
+from nanoqwen.cuda import jit
+from nanoqwen.cuda.device import Gpu
+
+THREADS = 288  # kProbeThreads
+SMEM = 110 * 1024  # = GEMV_SMEM: two CTAs an SM
+WEIGHT_KB = (0, 16, 32, 48)  # per CTA; every other CTA then requests twice this
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--links", type=int, default=112, help="links a chain (4 a layer: 28 layers)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    src = Path(__file__).with_suffix(".cu")
+    mod = jit.compile_module(src.name, ["probe_link", "probe_persist"], source=src.read_text())
+    gpu = Gpu()
+    link, persist = mod.kernel("probe_link"), mod.kernel("probe_persist")
+    for kern in (link, persist):
+        gpu.set_max_dynamic_smem(kern, SMEM)
+    ctas = 2 * gpu.num_sms
+    n = args.links
+    xs = [gpu.alloc(18944 * 2, "x") for _ in range(2)]
+    for x in xs:
+        gpu.memset(x.ptr, 0, 18944 * 2)
+    bar = gpu.alloc(4, "barrier")
+    gpu.memset(bar.ptr, 0, 4)
+    lat = gpu.alloc(n * ctas * 4, "x latency")
+    w_link = 2 * max(WEIGHT_KB) * 1024 * (ctas // 2)  # the bytes one link may request
+    w = gpu.alloc(n * w_link, "weights")
+    gpu.memset(w.ptr, 1, n * w_link)
+    rows: list[dict] = []
+
+    def chain(k: int, wait: bool, pdl: bool, w_bytes: int = 0, w_every: int = 1) -> float:
+        def body(s) -> None:
+            for i in range(n):
+                gpu.launch(link, (ctas, 1, 1), THREADS, xs[i % 2].ptr, xs[1 - i % 2].ptr,
+                           np.int32(k), np.int32(wait), w.ptr + i * w_link, np.uint32(w_bytes),
+                           np.int32(w_every), lat.ptr + 4 * i * ctas, smem=SMEM, pdl=pdl,
+                           stream=s)  # fmt: skip
+
+        return 1e6 * time_graph(gpu, body, 1, timed=7) / n
+
+    def barrier(k: int) -> float:
+        def body(s) -> None:
+            gpu.launch(persist, (ctas, 1, 1), THREADS, xs[0].ptr, xs[1].ptr, np.int32(k),
+                       np.int32(n), bar.ptr, smem=SMEM, stream=s)  # fmt: skip
+
+        return 1e6 * time_graph(gpu, body, 1, timed=7) / n
+
+    print(f"{gpu.name}: {ctas} CTAs x {THREADS} threads, {SMEM >> 10} KB shared memory each, "
+          f"{n} links a chain\n\nboundary (us a link)")  # fmt: skip
+    print(f"{'x halves':>9} {'PDL+wait':>9} {'no wait':>8} {'no PDL':>7} {'barrier':>8}")
+    for k in (0, 3584, 18944):
+        r = dict(test="boundary", k=k, pdl_wait=chain(k, True, True),
+                 pdl_no_wait=chain(k, False, True), no_pdl=chain(k, True, False),
+                 grid_barrier=barrier(k))  # fmt: skip
+        rows.append(r)
+        print(f"{k:9} {r['pdl_wait']:9.2f} {r['pdl_no_wait']:8.2f} {r['no_pdl']:7.2f} "
+              f"{r['grid_barrier']:8.2f}")  # fmt: skip
+
+    print("\nx behind weights (PDL + wait; x latency: wait -> x landed, ns over CTAs)")
+    print(f"{'x halves':>9} {'W KB':>5} {'CTAs':>6} {'us a link':>10} {'median':>7} {'p90':>6}"
+          f" | without copies: {'median':>6} {'p90':>6}")  # fmt: skip
+    for k in (3584, 18944):
+        for kb in WEIGHT_KB:
+            for every in (1, 2) if kb else (1,):
+                if k * 2 + every * kb * 1024 > SMEM:  # x and the copies share the CTA's room
+                    continue
+                us = chain(k, True, True, every * kb * 1024, every)
+                ns = np.empty((n, ctas), np.uint32)
+                gpu.download(lat.ptr, ns)
+                mine = (np.arange(ctas) % every == 0) if kb else np.ones(ctas, bool)
+                a, b = ns[:, mine].ravel(), ns[:, ~mine].ravel()
+                r = dict(test="x_behind_weights", k=k, kb=every * kb, every=every, us=us,
+                         median_ns=float(np.median(a)),
+                         p90_ns=float(np.percentile(a, 90)))  # fmt: skip
+                line = (f"{k:9} {every * kb:5} {'1 in ' + str(every):>6} {us:10.2f} "
+                        f"{r['median_ns']:7.0f} {r['p90_ns']:6.0f}")  # fmt: skip
+                if b.size:
+                    r.update(other_median_ns=float(np.median(b)),
+                             other_p90_ns=float(np.percentile(b, 90)))  # fmt: skip
+                    line += f" | {'':16} {r['other_median_ns']:6.0f} {r['other_p90_ns']:6.0f}"
+                rows.append(r)
+                print(line, flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"gpu": gpu.name, "ctas": ctas, "links": n, "rows": rows}, fh, indent=1)
+    gpu.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
