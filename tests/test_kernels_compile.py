@@ -89,19 +89,19 @@ def test_launcher_constants_match_the_kernels():
             assert int(found.group(1)) == value, f"{source} {name} = {found.group(1)}, not {value}"
 
 
-def test_chain_latency_probes_compile():
-    """tools/chain_latency.py's probe kernels build without spills, at the block size the tool
+def test_decode_probes_compile():
+    """tools/decode_probes.py's probe kernels build without spills, at the block size the tool
     launches."""
     import importlib.util
     from pathlib import Path
 
-    tool = Path(__file__).parents[1] / "tools" / "chain_latency.py"
-    spec = importlib.util.spec_from_file_location("chain_latency", tool)
+    tool = Path(__file__).parents[1] / "tools" / "decode_probes.py"
+    spec = importlib.util.spec_from_file_location("decode_probes", tool)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     src = tool.with_suffix(".cu").read_text()
     assert f"constexpr int kProbeThreads = {mod.THREADS};" in src
-    res = jit.compile_module(tool.with_suffix(".cu").name, ["probe_link", "probe_persist"],
-                             source=src).resources()  # fmt: skip
-    assert set(res) == {"probe_link", "probe_persist"}
+    names = ["probe_link", "probe_persist", "probe_stream"]
+    res = jit.compile_module(tool.with_suffix(".cu").name, names, source=src).resources()
+    assert set(res) == set(names)
     assert all(r.spill_bytes == 0 for r in res.values())

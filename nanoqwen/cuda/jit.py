@@ -53,6 +53,8 @@ ATTN_SPLITS = 64
 ATTN_STAGES = 12  # decode attention's K/V ring: pages in flight per CTA (3 per consumer warp)
 # CTAs of one kv head that merge their partials through distributed shared memory (a thread
 # block cluster along the splits): ATTN_SPLITS and the launch's split count are multiples of it.
+# Clusters of 2 make the 32k attention faster alone and the 513-token step slower
+# (decode_attention.cu).
 ATTN_CLUSTER = 8
 
 

@@ -82,6 +82,17 @@
 // on average over the 128 that get one, 37.7K at most, of 41.3K: CTAs with the same number of
 // pages finish up to ~25% apart, and the launch waits for the slowest. A split that hands out
 // pages as CTAs ask for them (so the fast ones take more) is the next thing to try here.
+// Since (H200, 2026-11-30): a ring of bulk copies and nothing else (tools/decode_probes.py,
+// copy streams; 128 CTAs, a 96 KB ring) streams 1.87 TB/s with one 4 KB copy an mbarrier
+// handshake, 3.14 with two (this kernel's page: its K and V tiles), 4.06 with four or one of
+// 16 KB; with two producer warps 2.63 / 3.85 / 4.02: the handshake costs, not the copy. Two
+// producer warps here (pages alternating between them, 192 threads) did not help: 26.31
+// against 25.89 us alone at 32700 tokens, the step 2003 / 2004 against 1981 / 1982 us
+// (tools/kernel_tune.py, interleaved); with the consumers releasing each page unread still
+// 24.8 us (2.7 TB/s), so the handshake is not what bounds this stream either. Clusters of 1 /
+// 2 / 4 (kAttnMinPages 4 or 16, one run): 22.9 / 21.0 / 26.7 us alone at 32705 tokens against
+// 25.8, the step 2034 / 1958 / 1982 us against 1982, but 1514-1551 against 1451 at 513 tokens
+// (the merge across clusters) and 1626-1680 against 1626 at 8193.
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,

@@ -123,7 +123,7 @@
 //     1453-1457 / 1627-1632 / 1974-1978, interleaved in one run), q/k/v 5.4 -> 6.5 us a launch.
 // Why no layout of the launches gets far below ~3 us a kernel + its bytes at ~4.5 TB/s (gate/up
 // 18.4 us, down 11.1, q/k/v 5.4, o 4.4 at 513 tokens): a dependency itself is cheap, but not
-// free, and a grid barrier is dearer than a launch. tools/chain_latency.py (H200, 2026-11-30),
+// free, and a grid barrier is dearer than a launch. tools/decode_probes.py (H200, 2026-11-30),
 // chains of 112 dependent links of 264 CTAs that stage x and write a slice of the next x, us a
 // link: PDL launch + griddepcontrol.wait 1.42 (0.96 with no x, 2.13 with down's 37 KB x); the
 // same rounds in one persistent launch with a grid barrier between them 1.64 (1.17, 2.41);
@@ -156,7 +156,7 @@ constexpr int kGvMaxStages = 8;
 // Stages the producer keeps in flight until x has landed in shared memory: x (an L2 hit) queues
 // behind every weight byte already requested, so a full ring ahead of it delays the consumers'
 // start. Landed stages do not count: a ring filled during a long wait costs x nothing.
-// Measured apart (tools/chain_latency.py, H200, 2026-11-30; 264 CTAs staging a 7 KB x right
+// Measured apart (tools/decode_probes.py, H200, 2026-11-30; 264 CTAs staging a 7 KB x right
 // after griddepcontrol.wait): x lands 448 ns after the wait with nothing in flight, 800 / 1216
 // / 1792 ns behind 16 / 32 / 48 KB of bulk copies a CTA requested just before it, and as late
 // in the CTAs that requested none while every other CTA asked for twice as much (1184 against

@@ -1,4 +1,4 @@
-// chain_latency.cu: the probe kernels of tools/chain_latency.py (not part of the engine).
+// decode_probes.cu: the probe kernels of tools/decode_probes.py (not part of the engine).
 // Shaped like the decode GEMVs: 288 threads, two CTAs an SM (the launch's dynamic shared
 // memory decides), x of k halves staged into shared memory with 16-byte cp.async.
 #include "common.cuh"
@@ -88,5 +88,45 @@ probe_persist(half* xa, half* xb, int k, int rounds, unsigned* bar) {
       } while ((int)(now - target) < 0);
     }
     __syncthreads();
+  }
+}
+
+// A ring of bulk copies and nothing else: np producer warps (lane 0 of warps 0..np-1) take
+// slots i = p, p + np, ..., each `cpi` copies of `copy` bytes (this CTA's contiguous range)
+// landing on the slot's full mbarrier; lane 0 of warp np releases every slot as it lands.
+constexpr int kProbeMaxSlots = 64;
+extern "C" __global__ void __launch_bounds__(kProbeThreads, 1)
+probe_stream(const unsigned char* src, long long per_cta, unsigned copy, int cpi, int slots,
+             int np) {
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ __align__(8) unsigned long long full[kProbeMaxSlots], empty[kProbeMaxSlots];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) {
+      mbar_init(smem_addr(&full[s]), 1);
+      mbar_init(smem_addr(&empty[s]), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const unsigned chunk = copy * cpi;
+  const long long n = per_cta / chunk;
+  const unsigned char* base = src + (size_t)blockIdx.x * per_cta;
+  if (warp < np && lane == 0) {
+    for (long long i = warp; i < n; i += np) {
+      const int slot = (int)(i % slots);
+      const unsigned round = (unsigned)(i / slots), bar = smem_addr(&full[slot]);
+      if (round > 0) mbar_wait(smem_addr(&empty[slot]), (round - 1) & 1);
+      mbar_arrive_expect_tx(bar, chunk);
+      for (int c = 0; c < cpi; ++c)
+        bulk_g2s(smem_addr(ring + (size_t)slot * chunk + c * copy), base + i * chunk + c * copy,
+                 copy, bar);
+    }
+  } else if (warp == np && lane == 0) {
+    for (long long i = 0; i < n; ++i) {
+      const int slot = (int)(i % slots);
+      mbar_wait(smem_addr(&full[slot]), (unsigned)(i / slots) & 1);
+      mbar_arrive(smem_addr(&empty[slot]));
+    }
   }
 }
