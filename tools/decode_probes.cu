@@ -1,6 +1,7 @@
 // decode_probes.cu: the probe kernels of tools/decode_probes.py (not part of the engine).
-// Shaped like the decode GEMVs: 288 threads, two CTAs an SM (the launch's dynamic shared
-// memory decides), x of k halves staged into shared memory with 16-byte cp.async.
+// probe_link and probe_persist are shaped like the decode GEMVs: 288 threads, two CTAs an SM
+// (the launch's dynamic shared memory decides), x of k halves staged into shared memory with
+// 16-byte cp.async. probe_stream is a bare ring of bulk copies.
 #include "common.cuh"
 
 constexpr int kProbeThreads = 288;
