@@ -121,6 +121,18 @@
 //     (gate/up's beside o's, attention's beside q/k/v's; registers allow it): the step within
 //     its noise at 513 / 8193 / 32705 tokens (1444-1465 / 1626-1636 / 1957-1979 us, shipped
 //     1453-1457 / 1627-1632 / 1974-1978, interleaved in one run), q/k/v 5.4 -> 6.5 us a launch.
+//   - gate/up and down in one launch (branch mlp-fused, experiments/mlp_variants): each CTA
+//     keeps its 72 SwiGLU outputs in shared memory, its ring streams on into down_proj's
+//     columns for those features (a tile layout made at upload) and the 3584-row partials go
+//     split-K into an fp32 row with float4 atomics, which the next q/k/v adds to the residual.
+//     Correct (validate unit 2.5e-4, layer 2.3e-3) but 34.7 us a launch against 18.5 + 11.3
+//     for the two, the step 1617 against 1460 us at 513 tokens (H200, tools/kernel_tune.py
+//     step, 2026-11-30). Probes of the same kernel: 19.0 us without the down phase, 24.5 with
+//     down streamed but not multiplied, 27.4 with its mma and no atomics (the step then 1420
+//     us): the reduction of 264 x 3584 partials costs ~7 us in every form tried (float4 red
+//     per pass, float4s spread 8 or 32 floats apart, cp.reduce.async.bulk; clusters of 2 / 4
+//     pushing scalar st.async to the rank that reduces 47.9 / 68.1 us), more than the launch
+//     boundary it removes.
 // Why no layout of the launches gets far below ~3 us a kernel + its bytes at ~4.5 TB/s (gate/up
 // 18.4 us, down 11.1, q/k/v 5.4, o 4.4 at 513 tokens): a dependency itself is cheap, but not
 // free, and a grid barrier is dearer than a launch. tools/decode_probes.py (H200, 2026-11-30),
