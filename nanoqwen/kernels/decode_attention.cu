@@ -80,8 +80,15 @@
 // DRAM 49% of its peak (2.27 TB/s read, 0.5% L2 hits), the SMs active 70% of the launch and
 // 8.4% achieved occupancy against 15.6% possible. Per SM, cycles with a CTA resident: 30.0K
 // on average over the 128 that get one, 37.7K at most, of 41.3K: CTAs with the same number of
-// pages finish up to ~25% apart, and the launch waits for the slowest. A split that hands out
-// pages as CTAs ask for them (so the fast ones take more) is the next thing to try here.
+// pages finish up to ~25% apart, and the launch waits for the slowest. Handing pages out as
+// CTAs ask for them (so the fast ones take more) does not pay: each CTA owning 85 / 75 / 50% of
+// its fair share and the rest going out 2 pages at a time from an atomic pool per kv head
+// (taken after griddepcontrol.wait, since a launch may begin before the previous attention
+// launch has ended; branch attention-page-pool) was correct but no longer deterministic, 26.0-
+// 29.0 us alone at 32705 tokens against 27.1 without the pool, and the step 2080 / 2099 / 2179
+// us against 1982 (8193 tokens: 1652 / 1653 / 1680 against 1628; 513: 1477-1488 against 1452;
+// tools/kernel_tune.py, one run): pooled pages cannot be copied before the wait, and the
+// stream's rate, not its split, is what bounds the launch.
 // Since (H200, 2026-11-30): a ring of bulk copies and nothing else (tools/decode_probes.py,
 // copy streams; 128 CTAs, a 96 KB ring) streams 1.87 TB/s with one 4 KB copy an mbarrier
 // handshake, 3.14 with two (this kernel's page: its K and V tiles), 4.06 with four or one of
@@ -92,7 +99,12 @@
 // 24.8 us (2.7 TB/s), so the handshake is not what bounds this stream either. Clusters of 1 /
 // 2 / 4 (kAttnMinPages 4 or 16, one run): 22.9 / 21.0 / 26.7 us alone at 32705 tokens against
 // 25.8, the step 2034 / 1958 / 1982 us against 1982, but 1514-1551 against 1451 at 513 tokens
-// (the merge across clusters) and 1626-1680 against 1626 at 8193.
+// (the merge across clusters) and 1626-1680 against 1626 at 8193 (again with this kernel:
+// clusters of 2 / 4, step 1964 / 1989 us against 1999 at 32705 tokens, 1524 / 1464 against
+// 1443 at 513). Two or four pages a stage (one handshake for 16 / 32 KB, 4 / 8 copies; branch
+// attention-stage-pages): 25.9 / 25.1 us alone at 32705 tokens against 26.8, 7.71 / 7.77 at
+// 8193 against 7.25, and the step unchanged (1996 / 1987 us against 1980 at 32705, 1625 / 1622
+// against 1629 at 8193, 1449 / 1446 against 1455 at 513; one run, 2026-11-30).
 //
 // Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
 // barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
