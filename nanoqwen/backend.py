@@ -13,7 +13,45 @@ from typing import Protocol
 import numpy as np
 
 from .config import ModelConfig
+from .errors import ContextError
 from .sampling import SamplingParams
+
+# Positions a backend holds when not told: the cuda engine sizes its KV pool for the model's
+# usual 32k; the reference keeps float32 weights and KV in CPU memory.
+DEFAULT_CONTEXT = {"cuda": 32768, "reference": 4096}
+
+
+def check_max_context(max_context: int, config: ModelConfig) -> int:
+    """A backend's context size: 1 .. the model's max_position_embeddings."""
+    limit = config.max_position_embeddings
+    if not 0 < max_context <= limit:
+        raise ContextError(
+            f"max_context {max_context} must be in [1, {limit}] (the model's "
+            "max_position_embeddings)"
+        )
+    return max_context
+
+
+def check_prompt(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Prompt ids -> int64 [T]: refuses an empty prompt and ids outside the vocabulary."""
+    ids = np.asarray(list(token_ids), dtype=np.int64)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ContextError("empty prompt: at least one token id is needed")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise ContextError(f"token id {int(ids[at])} at index {at} outside [0, {vocab_size})")
+    return ids
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """prompt + max_tokens must fit the context."""
+    total = prompt_tokens + max_tokens
+    if total > max_context:
+        raise ContextError(
+            f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = {total} exceeds "
+            f"the context of {max_context} tokens"
+        )
 
 
 class Backend(Protocol):
@@ -26,9 +64,9 @@ class Backend(Protocol):
     ) -> Iterator[int]:
         """Yield generated token ids, one per decode step.
 
-        Stops after yielding a token in `stop_ids` or after `params.max_tokens` tokens. The
-        caller checks `len(prompt_ids) + params.max_tokens <= max_context` first (raising
-        ContextError); the backend re-checks. Closing the iterator early (generator.close(),
+        Stops after yielding a token in `stop_ids` or after `params.max_tokens` tokens.
+        check_prompt and check_fits run at the call (ContextError), before the first token
+        is asked for. Closing the iterator early (generator.close(),
         or dropping it) cancels the generation within one decode step and frees its KV pages.
         One generation at a time per backend (batch 1).
         """

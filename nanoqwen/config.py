@@ -16,6 +16,9 @@ from typing import Any
 from .errors import NanoqwenError
 
 GROUP_SIZE = 128  # INT4 quantization group along K (input features)
+# Tokens per KV-cache page: the unit the engine allocates and the kernels address (a page of
+# one KV head is one m16n8k16 key tile in decode attention).
+PAGE_TOKENS = 16
 
 # The seven INT4 projections of a decoder layer, in file order.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -214,7 +217,6 @@ PRESETS: dict[str, ModelConfig] = {
     "14b": ModelConfig("14b", _QWEN_VOCAB_LARGE, 5120, 13824, 48, 40, 8, 128),
     "32b": ModelConfig("32b", _QWEN_VOCAB_LARGE, 5120, 27648, 64, 40, 8, 128),
 }
-DEFAULT_PRESET = "7b"
 
 
 def preset(name: str) -> ModelConfig:

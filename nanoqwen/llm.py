@@ -19,14 +19,13 @@ from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .backend import DEFAULT_CONTEXT, check_fits, check_max_context
 from .config import ModelConfig
 from .errors import ContextError, NanoqwenError
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 BACKENDS = ("auto", "cuda", "reference")
-REFERENCE_DEFAULT_CONTEXT = 4096  # the reference keeps fp32 weights and KV in CPU memory
-CUDA_DEFAULT_CONTEXT = 32768
 
 
 @dataclass(frozen=True)
@@ -94,18 +93,9 @@ class LLM:
         self.model_name = str(self._file.metadata.get("model_name") or self.path.stem)
 
     def _resolve_context(self, requested: int | None) -> int:
-        limit = self.config.max_position_embeddings
         if requested is None:
-            default = REFERENCE_DEFAULT_CONTEXT
-            if self.backend_name == "cuda":
-                default = CUDA_DEFAULT_CONTEXT
-            return min(default, limit)
-        if not 0 < requested <= limit:
-            raise ContextError(
-                f"max_context {requested} must be in [1, {limit}] "
-                f"(the model's max_position_embeddings)"
-            )
-        return requested
+            return min(DEFAULT_CONTEXT[self.backend_name], self.config.max_position_embeddings)
+        return check_max_context(requested, self.config)
 
     def _open_backend(self):
         if self.backend_name == "cuda":
@@ -145,12 +135,7 @@ class LLM:
         return ids
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
-        total = prompt_len + max_tokens
-        if total > self.max_context:
-            raise ContextError(
-                f"prompt of {prompt_len} tokens + max_tokens {max_tokens} = {total} exceeds "
-                f"the context of {self.max_context} tokens"
-            )
+        check_fits(prompt_len, max_tokens, self.max_context)
 
     # Generation --------------------------------------------------------------------------
     def stream(self, ids: Sequence[int], params: SamplingParams) -> Iterator[Delta]:

@@ -13,9 +13,8 @@ being obviously right over being fast:
   sequence, pages taken before the step that writes them and returned when the sequence ends.
   Prefill and decode both write K/V into the pages and read the whole context back through the
   page table, so the indirection is exercised on every step.
-- RoPE is the NEOX form (rotate the halves [..., :d/2] and [..., d/2:]). Its cos/sin table is
-  formed in float64 and rounded once to float32: an angle `pos * inv_freq` formed in float32
-  is off by ~pos * 6e-8 radians, 2e-3 at position 32k.
+- RoPE is the NEOX form (rotate the halves [..., :d/2] and [..., d/2:]), its angles formed in
+  float64 (nanoqwen.rope, shared with the engine) and rounded once.
 """
 
 from __future__ import annotations
@@ -29,28 +28,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
+from .config import PAGE_TOKENS, ModelConfig
 from .errors import ContextError, NanoqwenError
 from .quant import dequantize_packed
+from .rope import rope_angles
 from .sampling import SamplingParams, make_generator, sample
 
 if TYPE_CHECKING:
     from .fileformat import NanoqwenFile
-
-PAGE_TOKENS = 16  # tokens per KV page, as in the engine
-
-
-def _check_tokens(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """Token ids -> int64 [T]; refuses an empty list and ids outside the vocabulary."""
-    ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
-    if ids.numel() == 0:
-        raise NanoqwenError("empty prompt: at least one token id is needed")
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        at = int(bad.nonzero()[0, 0])
-        raise NanoqwenError(f"token id {int(ids[at])} at index {at} outside [0, {vocab_size})")
-    return ids
-
 
 # --- Paged KV cache -------------------------------------------------------------------------
 
@@ -161,11 +147,9 @@ def _load_layer(file: NanoqwenFile, i: int, dtype: torch.dtype, device) -> Layer
 
 
 def rope_table(config: ModelConfig, positions: int, dtype: torch.dtype, device):
-    """cos, sin: [positions, head_dim / 2], formed in float64 (module docstring), then rounded
-    to float32 or to `dtype` if that is wider."""
-    half = config.head_dim // 2
-    inv_freq = config.rope_theta ** (-torch.arange(half, dtype=torch.float64) / half)
-    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    """cos, sin: [positions, head_dim / 2] of nanoqwen.rope's float64 angles, rounded to
+    float32 or to `dtype` if that is wider."""
+    angles = torch.from_numpy(rope_angles(config, positions))
     out = torch.promote_types(dtype, torch.float32)
     return angles.cos().to(device, out), angles.sin().to(device, out)
 
@@ -267,17 +251,12 @@ class ReferenceBackend:
     def __init__(
         self,
         file: NanoqwenFile,
-        max_context: int = 4096,
+        max_context: int = DEFAULT_CONTEXT["reference"],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ):
         self.config: ModelConfig = file.config
-        if not 0 < max_context <= self.config.max_position_embeddings:
-            raise ContextError(
-                f"max_context {max_context} must be in [1, "
-                f"{self.config.max_position_embeddings}] (the model's max_position_embeddings)"
-            )
-        self.max_context = max_context
+        self.max_context = check_max_context(max_context, self.config)
         self.device = torch.device(device)
         with torch.inference_mode():
             self.model = Qwen2Reference(file, max_context, dtype, self.device)
@@ -292,20 +271,14 @@ class ReferenceBackend:
         if self.model is None:
             raise NanoqwenError("the reference backend is closed")
 
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
-        if prompt_tokens + max_tokens > self.max_context:
-            raise ContextError(
-                f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = "
-                f"{prompt_tokens + max_tokens} exceeds the context limit of {self.max_context}"
-            )
-
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
     ) -> Iterator[int]:
         """Prefill the prompt, then decode one token per step (see backend.Backend)."""
         self._require_open()
-        prompt = _check_tokens(prompt_ids, self.config.vocab_size).to(self.device)
-        self.check_fits(len(prompt), params.max_tokens)
+        prompt = torch.from_numpy(check_prompt(prompt_ids, self.config.vocab_size))
+        check_fits(len(prompt), params.max_tokens, self.max_context)
+        prompt = prompt.to(self.device)
         return self._generate(prompt, params, stop_ids)
 
     def _generate(self, prompt: torch.Tensor, params: SamplingParams, stop_ids) -> Iterator[int]:
@@ -335,8 +308,9 @@ class ReferenceBackend:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits, one prefill over the whole sequence: float32 [T, V]."""
         self._require_open()
-        tokens = _check_tokens(token_ids, self.config.vocab_size).to(self.device)
-        self.check_fits(len(tokens), 0)
+        tokens = torch.from_numpy(check_prompt(token_ids, self.config.vocab_size))
+        check_fits(len(tokens), 0, self.max_context)
+        tokens = tokens.to(self.device)
         page_table: list[int] = []
         try:
             self.cache.reserve(page_table, len(tokens))

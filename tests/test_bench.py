@@ -9,12 +9,18 @@ import sys
 import numpy as np
 import pytest
 
-from nanoqwen import bench
-from nanoqwen.baseline import TokenTimer, bench_baseline, compare, print_baseline, run_baseline
 from nanoqwen.cli import build_parser, main
 from nanoqwen.config import preset
 from nanoqwen.cuda.device import sm90_available
 from nanoqwen.errors import NanoqwenError
+from nanoqwen.harness import bench
+from nanoqwen.harness.baseline import (
+    TokenTimer,
+    bench_baseline,
+    compare,
+    print_baseline,
+    run_baseline,
+)
 
 
 # -- max context and flags ----------------------------------------------------------------------
@@ -180,7 +186,7 @@ def test_token_timer_is_a_transformers_streamer():
     pytest.importorskip("transformers")
     from transformers.generation.streamers import BaseStreamer
 
-    from nanoqwen.baseline import _streamer_class
+    from nanoqwen.harness.baseline import _streamer_class
 
     assert issubclass(_streamer_class(), BaseStreamer)
 
@@ -211,7 +217,7 @@ def test_compare_is_theirs_over_ours():
 def test_baseline_runs_on_the_cpu_with_tiny_shapes(capsys):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from nanoqwen.baseline import build_model
+    from nanoqwen.harness.baseline import build_model
 
     cfg = preset("tiny")
     m = build_model(cfg, device="cpu", dtype="bfloat16")
@@ -233,13 +239,9 @@ def test_baseline_runs_on_the_cpu_with_tiny_shapes(capsys):
 # -- on the GPU: the whole command on the tiny synthetic model ----------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not sm90_available(), reason="needs an sm_90 GPU")
-def test_bench_kernels_on_tiny(tmp_path, capsys):
-    from nanoqwen.convert import pack_synthetic
-
-    path = tmp_path / "tiny.nanoqwen"
-    pack_synthetic("tiny", path, progress=False)
+def test_bench_kernels_on_tiny(tiny_model, tmp_path, capsys):
     out = tmp_path / "b.json"
-    rc = main(["bench", str(path), "--prompt-len", "40", "--gen-len", "9", "--warmup", "1",
+    rc = main(["bench", str(tiny_model), "--prompt-len", "40", "--gen-len", "9", "--warmup", "1",
                "--runs", "2", "--kernels", "--kernel-reps", "5", "--json", str(out)])  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out

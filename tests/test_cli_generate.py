@@ -314,10 +314,13 @@ def test_pip_download_command_and_failure(tmp_path, monkeypatch):
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    from nanoqwen.paths import cache_dir
+
     monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
-    assert fetch.cache_dir() == tmp_path
+    assert cache_dir() == tmp_path
+    assert cache_dir("kernels") == tmp_path / "kernels" and (tmp_path / "kernels").is_dir()
     monkeypatch.delenv("NANOQWEN_CACHE")
-    assert fetch.cache_dir() == Path.home() / ".cache" / "nanoqwen"
+    assert cache_dir() == Path.home() / ".cache" / "nanoqwen"
 
 
 def test_marker_records_size_mtime_and_hash(wheels, fake_pip, tmp_path):

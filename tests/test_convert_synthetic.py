@@ -118,9 +118,9 @@ def tiny_tensors() -> dict[str, np.ndarray]:
 def test_logits_are_stable_with_clear_margins_and_use_every_branch():
     """256 teacher-forced positions at tiny widths with 12 layers (2 are too few to show
     chaos); seed 0, ids seed 1. Measured: fp16 activations move the logits by at most 0.007
-    std and flip no top-1 (the previous design: 0.66 std, 1 flip); top-1 margins p1 3.8 std
-    (before: 0.02); 255 distinct predictions, each the input token's partner; dropping layer
-    6's attention (MLP) moves the logits by 0.90 (0.67) std: a broken kernel cannot hide."""
+    std and flip no top-1; top-1 margins p1 3.8 std; 255 distinct predictions, each the input
+    token's partner; dropping layer 6's attention (MLP) moves the logits by 0.90 (0.67) std: a
+    broken kernel cannot hide."""
     config = dataclasses.replace(preset("tiny"), num_layers=12)
     tensors = dict(synthetic_tensors(config, seed=0))
     ids = np.random.default_rng(1).integers(0, config.vocab_size, (8, 32))

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nanoqwen.config import ModelConfig
 from nanoqwen.errors import FormatError
 from nanoqwen.fileformat import (
     ALIGNMENT,
@@ -30,47 +29,11 @@ from nanoqwen.fileformat import (
     write_nanoqwen,
 )
 
-UNTIED = ModelConfig("t", 300, 128, 256, 2, 2, 1, 64)
-TIED = ModelConfig("t-tied", 301, 256, 384, 3, 4, 2, 64, tie_word_embeddings=True)
-TOKENIZER = TokenizerSpec(
-    tokenizer_json=json.dumps({"model": {"vocab": {"a": 0, "é": 1, "Ġ𝄞": 2}}}, ensure_ascii=False),
-    chat_template="{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}",
-    special_tokens={"endoftext": 297, "im_start": 298, "im_end": 299},
-    eos_token_ids=(299, 297),
-)
 
-
-def random_tensors(config: ModelConfig, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Fresh random tensors of every name/dtype/shape the config lists."""
-    out = {}
-    for name, (dtype, shape) in config.tensor_shapes().items():
-        if dtype == "uint32":
-            out[name] = rng.integers(0, 1 << 32, size=shape, dtype=np.uint32)
-        else:
-            out[name] = (rng.standard_normal(shape) * 3).astype(np.float16)
-    return out
-
-
-def write_model(path: Path, config=UNTIED, tokenizer=TOKENIZER, seed=None) -> dict:
-    """Write a valid file with tensors in a random order; return the tensors."""
-    rng = np.random.default_rng(seed)
-    tensors = random_tensors(config, rng)
-    order = list(tensors.items())
-    rng.shuffle(order)
-    write_nanoqwen(path, config, order, tokenizer, {"source": "test"})
-    return tensors
-
-
-def read_header(data: bytes) -> tuple[int, dict]:
-    """(header_offset, header dict) of a valid file's bytes."""
-    offset, length = struct.unpack_from("<QQ", data, 16)
-    return offset, json.loads(data[offset : offset + length])
-
-
-def forge(path: Path, mutate: Callable[[dict], object]) -> None:
+def forge(files, path: Path, mutate: Callable[[dict], object]) -> None:
     """Rewrite the header of a valid file in place after `mutate(header)`."""
     data = path.read_bytes()
-    offset, header = read_header(data)
+    offset, header = files.read_header(data)
     mutate(header)
     encoded = _encode_header(header)
     path.write_bytes(_pack_preamble(offset, encoded) + data[PREAMBLE_SIZE:offset] + encoded)
@@ -92,18 +55,20 @@ def refused(path: Path, *fragments: str) -> str:
 
 
 @pytest.fixture
-def model(tmp_path) -> Path:
+def model(files, tmp_path) -> Path:
     path = tmp_path / "m.nanoqwen"
-    write_model(path)
+    files.write_model(path)
     return path
 
 
 # Round trips ------------------------------------------------------------------------------
-@pytest.mark.parametrize("config", [UNTIED, TIED], ids=["untied", "tied"])
-@pytest.mark.parametrize("tokenizer", [TOKENIZER, None], ids=["tokenizer", "no-tokenizer"])
-def test_round_trip(tmp_path, config, tokenizer):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("with_tokenizer", [True, False], ids=["tokenizer", "no-tokenizer"])
+def test_round_trip(files, tmp_path, tied, with_tokenizer):
+    config = files.TIED if tied else files.UNTIED
+    tokenizer = files.TOKENIZER if with_tokenizer else None
     path = tmp_path / "m.nanoqwen"
-    tensors = write_model(path, config, tokenizer)
+    tensors = files.write_model(path, config, tokenizer)
     with NanoqwenFile(path) as f:
         assert (f.version, f.layout_id, f.quant) == (FORMAT_VERSION, 1, QUANT)
         assert f.config == config and f.tokenizer == tokenizer
@@ -136,10 +101,14 @@ def test_views_outlive_close(model):
         f.tensor("embed_tokens")
 
 
-def test_progress_bar_names_tensors(tmp_path, capsys):
+def test_progress_bar_names_tensors(files, tmp_path, capsys):
     path = tmp_path / "m.nanoqwen"
     write_nanoqwen(
-        path, UNTIED, random_tensors(UNTIED, np.random.default_rng()).items(), None, progress=True
+        path,
+        files.UNTIED,
+        files.random_tensors(files.UNTIED, np.random.default_rng()).items(),
+        None,
+        progress=True,
     )
     assert "B/s" in capsys.readouterr().err
     NanoqwenFile(path).verify(progress=True)
@@ -162,24 +131,24 @@ def test_verify_names_every_corrupt_tensor(model):
         assert f"tensor {victim} " in str(info.value)
 
 
-def test_corrupt_tokenizer_blob_refused_at_open(model):
-    offset, header = read_header(model.read_bytes())
+def test_corrupt_tokenizer_blob_refused_at_open(files, model):
+    offset, header = files.read_header(model.read_bytes())
     blob = header["tokenizer"]["blob"]
     patch(model, blob["offset"] + blob["nbytes"] // 2, b"\xff")
     refused(model, "tokenizer blob checksum")
 
 
-def test_corrupt_header_byte_refused(model):
-    offset, _ = read_header(model.read_bytes())
+def test_corrupt_header_byte_refused(files, model):
+    offset, _ = files.read_header(model.read_bytes())
     patch(model, offset + 30, b"#")
     refused(model, "header checksum")
 
 
-def test_tokenizer_blob_must_be_utf8(model):
-    offset, header = read_header(model.read_bytes())
+def test_tokenizer_blob_must_be_utf8(files, model):
+    offset, header = files.read_header(model.read_bytes())
     blob = header["tokenizer"]["blob"]
     patch(model, blob["offset"], b"\xc3\x28")
-    forge(model, lambda h: h["tokenizer"]["blob"].update(crc32=_crc_at(model, blob)))
+    forge(files, model, lambda h: h["tokenizer"]["blob"].update(crc32=_crc_at(model, blob)))
     refused(model, "not valid UTF-8 at byte 0")
 
 
@@ -229,13 +198,13 @@ def test_trailing_bytes_and_reserved_field(model):
     refused(model, "reserved")
 
 
-def test_truncated_at_every_boundary(model):
+def test_truncated_at_every_boundary(files, model):
     data = model.read_bytes()
     with NanoqwenFile(model) as f:
         ends = {0, 7, PREAMBLE_SIZE - 1, PREAMBLE_SIZE, ALIGNMENT}
         for t in f.tensors.values():
             ends |= {t.offset, t.offset + 1, t.offset + t.nbytes}
-    header_offset, _ = read_header(data)
+    header_offset, _ = files.read_header(data)
     ends |= {header_offset, header_offset + 1, (header_offset + len(data)) // 2, len(data) - 1}
     for end in sorted(ends):
         model.write_bytes(data[:end])
@@ -304,17 +273,17 @@ FORGERIES = {
 
 
 @pytest.mark.parametrize("mutate, fragment", FORGERIES.values(), ids=FORGERIES.keys())
-def test_forged_header_refused(model, mutate, fragment):
+def test_forged_header_refused(files, model, mutate, fragment):
     NanoqwenFile(model).close()  # the unforged file opens
-    forge(model, mutate)
+    forge(files, model, mutate)
     refused(model, fragment)
 
 
-def test_overlapping_tensors_named(model):
+def test_overlapping_tensors_named(files, model):
     def overlap(header):
         _entry(header, "layers.0.o_proj.qweight")["offset"] = _entry(header, "lm_head")["offset"]
 
-    forge(model, overlap)
+    forge(files, model, overlap)
     message = refused(model, "overlaps")
     assert "layers.0.o_proj.qweight" in message and "lm_head" in message
 
@@ -333,8 +302,8 @@ def test_overlapping_tensors_named(model):
     ],
     ids=["nan", "inf", "dup-key", "surrogate", "deep", "long-int", "not-utf8", "array"],
 )
-def test_malformed_header_json(model, text, fragment):
-    offset, _ = read_header(model.read_bytes())
+def test_malformed_header_json(files, model, text, fragment):
+    offset, _ = files.read_header(model.read_bytes())
     data = model.read_bytes()
     model.write_bytes(_pack_preamble(offset, text) + data[PREAMBLE_SIZE:offset] + text)
     refused(model, fragment)
@@ -369,22 +338,24 @@ def _bad_streams(tensors: dict) -> dict:
     ["unknown", "duplicate", "missing", "float32", "big-endian", "shape", "list", "nan", "inf"],
 )
 @pytest.mark.parametrize("existing", [True, False], ids=["over-old", "fresh"])
-def test_writer_refuses_and_leaves_no_trace(tmp_path, case, existing):
+def test_writer_refuses_and_leaves_no_trace(files, tmp_path, case, existing):
     path = tmp_path / "m.nanoqwen"
-    old = _old_file(path) if existing else None
-    stream, fragment = _bad_streams(random_tensors(UNTIED, np.random.default_rng()))[case]
+    old = _old_file(files, path) if existing else None
+    stream, fragment = _bad_streams(files.random_tensors(files.UNTIED, np.random.default_rng()))[
+        case
+    ]
     with pytest.raises(FormatError) as info:
-        write_nanoqwen(path, UNTIED, stream, TOKENIZER)
+        write_nanoqwen(path, files.UNTIED, stream, files.TOKENIZER)
     assert fragment in str(info.value)
     _assert_untouched(tmp_path, path, old)
 
 
 @pytest.mark.parametrize("error", [RuntimeError("source went away"), KeyboardInterrupt()])
 @pytest.mark.parametrize("existing", [True, False], ids=["over-old", "fresh"])
-def test_iterator_raising_midway_leaves_no_trace(tmp_path, error, existing):
+def test_iterator_raising_midway_leaves_no_trace(files, tmp_path, error, existing):
     path = tmp_path / "m.nanoqwen"
-    old = _old_file(path) if existing else None
-    tensors = random_tensors(UNTIED, np.random.default_rng())
+    old = _old_file(files, path) if existing else None
+    tensors = files.random_tensors(files.UNTIED, np.random.default_rng())
     cut = int(np.random.default_rng().integers(1, len(tensors)))
 
     def stream():
@@ -394,13 +365,13 @@ def test_iterator_raising_midway_leaves_no_trace(tmp_path, error, existing):
             yield item
 
     with pytest.raises(type(error)):
-        write_nanoqwen(path, UNTIED, stream(), TOKENIZER)
+        write_nanoqwen(path, files.UNTIED, stream(), files.TOKENIZER)
     _assert_untouched(tmp_path, path, old)
 
 
-def _old_file(path: Path) -> bytes:
+def _old_file(files, path: Path) -> bytes:
     """A valid file at `path` (the one a failed write over it must leave as it was)."""
-    write_model(path)
+    files.write_model(path)
     return path.read_bytes()
 
 
@@ -410,20 +381,20 @@ def _assert_untouched(directory: Path, path: Path, old: bytes | None) -> None:
         assert path.read_bytes() == old
 
 
-def test_writer_checks_tokenizer(tmp_path):
-    tensors = random_tensors(UNTIED, np.random.default_rng()).items()
+def test_writer_checks_tokenizer(files, tmp_path):
+    tensors = files.random_tensors(files.UNTIED, np.random.default_rng()).items()
     bad = TokenizerSpec("{}", None, {"im_end": 300}, (299,))
     with pytest.raises(FormatError, match="special token 'im_end' = 300 is outside"):
-        write_nanoqwen(tmp_path / "m.nanoqwen", UNTIED, tensors, bad)
+        write_nanoqwen(tmp_path / "m.nanoqwen", files.UNTIED, tensors, bad)
     assert os.listdir(tmp_path) == []
 
 
-def test_overwrite_replaces_atomically(tmp_path):
+def test_overwrite_replaces_atomically(files, tmp_path):
     path = tmp_path / "m.nanoqwen"
-    write_model(path, UNTIED)
-    tensors = write_model(path, TIED, None)
+    files.write_model(path, files.UNTIED)
+    tensors = files.write_model(path, files.TIED, None)
     with NanoqwenFile(path) as f:
-        assert f.config == TIED and f.tokenizer is None
+        assert f.config == files.TIED and f.tokenizer is None
         assert f.tensor("embed_tokens").tobytes() == tensors["embed_tokens"].tobytes()
     assert os.listdir(tmp_path) == [path.name]
 
@@ -437,29 +408,29 @@ def cli(monkeypatch):
     return cli
 
 
-def test_inspect_text(cli, model, capsys):
+def test_inspect_text(files, cli, model, capsys):
     assert cli.main(["inspect", str(model)]) == 0
     out = capsys.readouterr().out
     assert "layout_id 1" in out and "INT4 symmetric, group 128" in out
     assert "vocab 3, " in out and "chat template yes" in out and "eos [299, 297]" in out
     assert "tensors     41: float16 x27" in out and "uint32 x14" in out
     assert "per layer   2 x " in out and "source=test" in out
-    assert f"({UNTIED.weight_bytes_per_token():,} bytes)" in out
+    assert f"({files.UNTIED.weight_bytes_per_token():,} bytes)" in out
 
 
-def test_inspect_json_verify(cli, model, capsys):
+def test_inspect_json_verify(files, cli, model, capsys):
     assert cli.main(["inspect", str(model), "--json", "--verify"]) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out)
     assert summary["verified"] is True and summary["file_size"] == model.stat().st_size
-    assert summary["config"] == UNTIED.to_dict() and len(summary["tensors"]) == 41
+    assert summary["config"] == files.UNTIED.to_dict() and len(summary["tensors"]) == 41
     assert summary["tensor_bytes"] == sum(t["nbytes"] for t in summary["tensors"])
     assert summary["tokenizer"]["vocab_size"] == 3
     assert "B/s" in captured.err  # the progress bar
 
 
-def test_inspect_verify_fails_on_corruption(cli, model, capsys):
-    offset, header = read_header(model.read_bytes())
+def test_inspect_verify_fails_on_corruption(files, cli, model, capsys):
+    offset, header = files.read_header(model.read_bytes())
     entry = _entry(header, "layers.1.down_proj.qweight")
     patch(model, entry["offset"] + entry["nbytes"] - 1, b"\x5a")
     assert cli.main(["inspect", str(model)]) == 0  # the header is fine

@@ -3,12 +3,18 @@
 Every case must either open (and then every tensor view lies inside the file, and verify()
 either passes or raises FormatError) or raise a NanoqwenError. Any other exception fails, and
 so does an open whose peak Python allocation exceeds the file size plus a small constant: no
-header number may size an allocation. The longer run is `tools/fuzz_reader.py`.
+header number may size an allocation.
+
+Each test runs NANOQWEN_FUZZ_CASES cases when that is set, its CI count (300 preambles, 800
+header byte edits, 1000 header JSON mutations) otherwise; the long run:
+
+    NANOQWEN_FUZZ_CASES=200000 python -m pytest -q tests/test_fileformat_fuzz.py
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import tracemalloc
 from dataclasses import dataclass, field
@@ -17,7 +23,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_fileformat import TOKENIZER, UNTIED, read_header, write_model
 
 from nanoqwen.errors import NanoqwenError
 from nanoqwen.fileformat import PREAMBLE_SIZE, NanoqwenFile, _encode_header, _pack_preamble
@@ -25,9 +30,10 @@ from nanoqwen.fileformat import PREAMBLE_SIZE, NanoqwenFile, _encode_header, _pa
 SLACK = 256 << 10  # bytes beyond the file size an open may allocate (JSON objects, tables)
 
 
-def fuzz_settings(max_examples: int) -> settings:
-    checks = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-    return settings(max_examples=max_examples, deadline=None, suppress_health_check=checks)
+def fuzz_settings(ci_cases: int) -> settings:
+    """`ci_cases` examples, or NANOQWEN_FUZZ_CASES when set."""
+    cases = int(os.environ.get("NANOQWEN_FUZZ_CASES") or ci_cases)
+    return settings(max_examples=cases, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 INTERESTING = [0, 1, -1, 7, 40, 4095, 4096, 4097, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63]
@@ -44,11 +50,11 @@ class Base:
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Base:
+def base(tmp_path_factory, files) -> Base:
     path = tmp_path_factory.mktemp("fuzz") / "case.nanoqwen"
-    write_model(path, UNTIED, TOKENIZER)
+    files.write_model(path, files.UNTIED, files.TOKENIZER)
     data = path.read_bytes()
-    return Base(path, data, read_header(data)[0])
+    return Base(path, data, files.read_header(data)[0])
 
 
 def check(base: Base, preamble: bytes, header: bytes) -> bool:
@@ -198,17 +204,17 @@ def mutate(header, draw) -> None:
 
 @fuzz_settings(1000)
 @given(data=st.data(), count=st.integers(1, 4))
-def test_fuzz_header_json(base, data, count):
-    _, header = read_header(base.data)
+def test_fuzz_header_json(files, base, data, count):
+    _, header = files.read_header(base.data)
     for _ in range(count):
         mutate(header, data.draw)
     encoded = _encode_header(header)
     check(base, _pack_preamble(base.offset, encoded), encoded)
 
 
-def test_fuzz_harness_accepts_the_valid_file(base):
+def test_fuzz_harness_accepts_the_valid_file(files, base):
     assert check(base, base.data[:PREAMBLE_SIZE], base.data[base.offset :])
-    _, header = read_header(base.data)
+    _, header = files.read_header(base.data)
     encoded = _encode_header(header)
     assert encoded == base.data[base.offset :]  # the forged encoding is the writer's
     assert check(base, _pack_preamble(base.offset, encoded), encoded)

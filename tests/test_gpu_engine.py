@@ -1,5 +1,6 @@
 """GPU (sm_90): the decode kernels' unit tier and the engine on a tiny synthetic model
-(layer + graph tiers, pages freed). Skipped cleanly without an sm_90 device."""
+(layer + graph tiers, pages freed, PDL off and geometry variants giving the same tokens).
+Skipped cleanly without an sm_90 device."""
 
 import pytest
 
@@ -8,11 +9,12 @@ from nanoqwen.cuda.device import sm90_available
 if not sm90_available():
     pytest.skip("needs an sm_90 GPU", allow_module_level=True)
 
-from nanoqwen import validate as v  # noqa: E402
 from nanoqwen.config import preset  # noqa: E402
+from nanoqwen.harness import load_protocol  # noqa: E402
+from nanoqwen.harness import validate as v  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-LADDER = v.load_ladder()["ladder"]
+LADDER = load_protocol()["ladder"]
 
 
 @pytest.mark.parametrize("name", ["tiny", "7b"])
@@ -23,14 +25,11 @@ def test_unit_tier(name):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from nanoqwen.convert import pack_synthetic
+def tiny(tiny_model):
     from nanoqwen.engine import CudaBackend
     from nanoqwen.fileformat import NanoqwenFile
 
-    path = tmp_path_factory.mktemp("m") / "tiny.nanoqwen"
-    pack_synthetic("tiny", path, progress=False)
-    f = NanoqwenFile(path)
+    f = NanoqwenFile(tiny_model)
     e = CudaBackend(f, max_context=1024)
     yield e, f
     e.close()
@@ -59,7 +58,7 @@ def test_first_token_logits_match_the_full_prefill(tiny, T):
     ids = [(7 * i + 3) % e.config.vocab_size for i in range(T)]
     full = e.logits(ids)[-1]
     tokens = list(e.generate(ids, SamplingParams(max_tokens=1), frozenset()))
-    got = e.gpu.download(e.logits_buf, np.empty_like(full))
+    got = e.gpu.download(e.forward.logits, np.empty_like(full))
     assert np.isfinite(got).all()
     assert np.abs(got - full).max() <= LADDER["graph"]["logit_max_over_std"] * full.std()
     assert tokens == [int(np.argmax(got))]
@@ -76,18 +75,16 @@ def test_cancel_frees_pages(tiny):
     assert e.kv_pages_in_use == 0
 
 
-def test_generate_on_another_thread(tmp_path):
+def test_generate_on_another_thread(tiny_model):
     """The server builds the engine on its main thread and generates on a worker thread: the
     first generation there allocates prefill scratch and captures the decode graph."""
     import threading
 
-    from nanoqwen.convert import pack_synthetic
     from nanoqwen.engine import CudaBackend
     from nanoqwen.fileformat import NanoqwenFile
     from nanoqwen.sampling import SamplingParams
 
-    pack_synthetic("tiny", tmp_path / "t.nanoqwen", progress=False)
-    with NanoqwenFile(tmp_path / "t.nanoqwen") as f:
+    with NanoqwenFile(tiny_model) as f:
         e = CudaBackend(f, max_context=1024)
         out: list = []
         errors: list = []
@@ -106,3 +103,36 @@ def test_generate_on_another_thread(tmp_path):
             assert len(out) == 8 and e.kv_pages_in_use == 0
         finally:
             e.close()
+
+
+@pytest.mark.parametrize(
+    "pdl, overrides",
+    [(False, {}), (True, {"kGvEarlyStages": 0, "kAttnStages": 8, "kGvStageTarget": 16384})],
+    ids=["pdl-off", "geometry-variant"],
+)
+def test_variants_generate_the_same_tokens(tiny, tiny_model, pdl, overrides):
+    """Launches without PDL (validate's unit tier, dev/ttft_profile.py) and a geometry variant
+    (dev/kernel_tune.py) compute what the shipped engine does: the same greedy tokens and
+    logits within the graph tier's bound."""
+    import numpy as np
+
+    from nanoqwen.cuda.registry import DEFAULT_GEOMETRY
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.sampling import SamplingParams
+
+    e, _ = tiny
+    ids = [(11 * i + 5) % e.config.vocab_size for i in range(40)]
+    params = SamplingParams(max_tokens=16)
+    want = list(e.generate(ids, params, frozenset()))
+    want_logits = e.decode_logits(ids[:8])
+    with NanoqwenFile(tiny_model) as f:
+        other = CudaBackend(f, max_context=1024, geometry=DEFAULT_GEOMETRY.override(overrides),
+                            pdl=pdl)  # fmt: skip
+        try:
+            assert list(other.generate(ids, params, frozenset())) == want
+            got = other.decode_logits(ids[:8])
+        finally:
+            other.close()
+    bound = LADDER["graph"]["logit_max_over_std"] * want_logits.std()
+    assert np.abs(got - want_logits).max() <= bound

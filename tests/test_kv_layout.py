@@ -3,7 +3,7 @@ unit tier uses to read what the kernels wrote and to upload caches for attention
 
 import numpy as np
 
-from nanoqwen.cuda.kernels import kv_cache_from_device, kv_cache_to_device
+from nanoqwen.engine.kv_cache import kv_cache_from_device, kv_cache_to_device
 
 
 def test_layout_matches_kv_offset():

@@ -1,47 +1,36 @@
 """Prefill kernels on the CPU: they compile with NVRTC for sm_90a (7b, 1.5b and tiny) through
-nanoqwen.cuda.jit, use tensor cores (mma.sync, and wgmma with setmaxnreg in
-prefill_gemm_wgmma.cu) and spill nothing; the GEMMs' register dequantization, K permutation and
-(wgmma) swizzled shared-memory layout, A fragments and epilogue mapping, emulated in numpy lane
-by lane, reproduce A @ dequant(W)^T; pick_gemm prefers wgmma and falls back to mma.sync."""
+the registry, use tensor cores (wgmma, with setmaxnreg in prefill_gemm_wgmma.cu) and spill
+nothing; the GEMM's register dequantization, swizzled shared-memory layout, A fragments and
+epilogue mapping, emulated in numpy lane by lane, reproduce A @ dequant(W)^T; the stream-K
+schedule covers every tile once; pick_gemm takes the measured tile; the host's shared-memory
+formulas are the kernels'."""
 
 import numpy as np
 import pytest
 
 from nanoqwen.config import preset
-from nanoqwen.prefill import (
-    ATTENTION_SOURCE,
-    GEMM_SOURCE,
-    GEMM_VARIANTS,
-    MMA_VARIANTS,
-    WGMMA_SOURCE,
-    WGMMA_VARIANTS,
-    PrefillKernels,
-    attention_smem_bytes,
-    prefill_kernels,
-)
+from nanoqwen.cuda import registry
+from nanoqwen.cuda.prefill import PrefillKernels
 from nanoqwen.quant import dequantize_packed, pack_value_shuffle, quantize_pack
 
 pytest.importorskip("cuda.bindings.nvrtc")
 jit = pytest.importorskip("nanoqwen.cuda.jit")
 
 SMEM_LIMIT = 227 * 1024  # Hopper: largest dynamic shared memory one CTA may opt into
+GEMM, ATTENTION = registry.PREFILL_GEMM, registry.PREFILL_ATTENTION
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
+def _cache(kernel_cache):
+    return kernel_cache
+
+
+def _ptx(source_name: str, names: list[str], cfg, tmp_path, monkeypatch) -> str:
+    """The PTX of a module, through jit's NANOQWEN_DUMP_PTX switch (in a private cache, so the
+    one .ptx there is this module's)."""
     monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
-    monkeypatch.delenv("NANOQWEN_NO_COMPILE", raising=False)
-
-
-def _ptx(source_name: str, names: list[str], cfg) -> str:
-    """The PTX of a module, through jit's NANOQWEN_DUMP_PTX switch."""
-    import os
-
-    os.environ["NANOQWEN_DUMP_PTX"] = names[0]
-    try:
-        jit.compile_module(source_name, names, cfg)
-    finally:
-        del os.environ["NANOQWEN_DUMP_PTX"]
+    monkeypatch.setenv("NANOQWEN_DUMP_PTX", names[0])
+    jit.compile_module(source_name, names, registry.header(cfg))
     (path,) = jit.cache_dir().glob(f"{source_name.split('.')[0]}-*.ptx")
     return path.read_text(errors="replace")
 
@@ -49,23 +38,24 @@ def _ptx(source_name: str, names: list[str], cfg) -> str:
 @pytest.mark.parametrize("name", ["7b", "1.5b", "tiny"])
 def test_prefill_kernels_compile_without_spills(name):
     cfg = preset(name)
-    for source, names in prefill_kernels(cfg).items():
-        res = jit.compile_module(source, names, cfg).resources()
+    specs = registry.prefill_specs(cfg)
+    modules = registry.compile_specs(specs, cfg)
+    for source, names in registry.sources(specs).items():
+        res = modules[source].resources()
         assert set(res) == set(names), f"{source}: ptxas reported {sorted(res)}"
         for kernel, r in res.items():
             assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{kernel} uses local memory: {r}"
             assert r.registers <= 255, f"{kernel}: {r.registers} registers"
-    assert all(v.smem_bytes <= SMEM_LIMIT for v in GEMM_VARIANTS)
-    assert attention_smem_bytes(cfg.head_dim) <= SMEM_LIMIT
+    assert all(s.smem <= SMEM_LIMIT for s in specs)
 
 
 def test_wgmma_kernel_ptxas_report():
     """setmaxnreg honoured (no C7508), wgmma not serialized by ptxas (no C7515-style
-    advisory), every instantiation of the table and the --extra candidates spill-free."""
+    advisory), every tile of the table and two deeper candidates spill-free."""
     cfg = preset("7b")
-    names = sorted({v.name for v in WGMMA_VARIANTS})
+    names = sorted({s.expression for s in registry.prefill_specs(cfg) if s.tile})
     names += ["prefill_gemm_wgmma<128, 8, false>", "prefill_gemm_wgmma<256, 5, true>"]
-    mod = jit.compile_module(WGMMA_SOURCE, names, cfg)
+    mod = jit.compile_module(GEMM, names, registry.header(cfg))
     for kernel, r in mod.resources().items():
         assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{kernel} uses local memory: {r}"
     log = mod.log.lower()
@@ -73,15 +63,12 @@ def test_wgmma_kernel_ptxas_report():
     assert "serializ" not in log and "performance loss" not in log, mod.log
 
 
-def test_kernels_use_tensor_cores():
+def test_kernels_use_tensor_cores(tmp_path, monkeypatch):
     cfg = preset("tiny")
-    table = prefill_kernels(cfg)
-    gemm = _ptx(GEMM_SOURCE, table[GEMM_SOURCE], cfg)
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in gemm
-    assert "cp.async.cg.shared.global" in gemm
-    wg = _ptx(WGMMA_SOURCE, table[WGMMA_SOURCE], cfg)
-    for bt in sorted({v.bm for v in WGMMA_VARIANTS}):
-        assert f"wgmma.mma_async.sync.aligned.m64n{bt}k16.f32.f16.f16" in wg
+    table = registry.sources(registry.prefill_specs(cfg))
+    wg = _ptx(GEMM, table[GEMM], cfg, tmp_path / "gemm", monkeypatch)
+    for tokens in sorted({t.tokens for t in registry.GEMM_TILES}):
+        assert f"wgmma.mma_async.sync.aligned.m64n{tokens}k16.f32.f16.f16" in wg
     for needle in (
         "setmaxnreg.dec.sync.aligned.u32 40",
         "setmaxnreg.inc.sync.aligned.u32 232",
@@ -89,7 +76,7 @@ def test_kernels_use_tensor_cores():
         "wgmma.wait_group.sync.aligned 1",
     ):
         assert needle in wg, needle
-    attn = _ptx(ATTENTION_SOURCE, table[ATTENTION_SOURCE], cfg)
+    attn = _ptx(ATTENTION, table[ATTENTION], cfg, tmp_path / "attn", monkeypatch)
     d = cfg.head_dim  # S = Q K^T from shared memory; O += P V with P in registers, V N-major
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in attn
     assert f"wgmma.mma_async.sync.aligned.m64n{d}k16.f32.f16.f16" in attn
@@ -100,12 +87,13 @@ def test_attention_wgmma_not_serialized(name):
     """ptxas keeps the attention's wgmma asynchronous (no C7514-style advisory) at both head
     dims the kernel takes (128 and 64)."""
     cfg = preset(name)
-    mod = jit.compile_module(ATTENTION_SOURCE, prefill_kernels(cfg)[ATTENTION_SOURCE], cfg)
+    names = registry.sources(registry.prefill_specs(cfg))[ATTENTION]
+    mod = jit.compile_module(ATTENTION, names, registry.header(cfg))
     log = mod.log.lower()
     assert "serializ" not in log and "performance loss" not in log, mod.log
 
 
-# -- numpy emulation of prefill_gemm.cu's fragment assembly ----------------------------------
+# -- the magic-number dequantization (common.cuh dequant_word, the GEMM's dequant_pair) ------
 def _halves(u: int) -> np.ndarray:
     return np.array([u & 0xFFFF, u >> 16], dtype=np.uint16).view(np.float16)
 
@@ -121,45 +109,20 @@ def _op(a, b, c=None, kind="mul"):
     return _word(*r.astype(np.float16))  # one fp16 rounding, as the f16x2 instructions
 
 
-def _dequant_word(w: int, scale2: int) -> list[int]:
-    """prefill_gemm.cu dequant_word: magic-number int4 -> fp16 pairs, times the scale."""
+def _dequant_word(w: int) -> list[int]:
+    """common.cuh dequant_word: pairs 0, 2 through 1024 + u - 1032, pairs 1, 3 taken in place
+    (16 x larger) and brought back with one fma (x / 16 - 72)."""
     p0, p1 = (w & 0x000F000F) ^ 0x64086408, (w & 0x00F000F0) ^ 0x64806480
     w >>= 8
     p2, p3 = (w & 0x000F000F) ^ 0x64086408, (w & 0x00F000F0) ^ 0x64806480
     lo = [_op(p, 0x64086408, kind="sub") for p in (p0, p2)]
     hi = [_op(p, 0x2C002C00, 0xD480D480, kind="fma") for p in (p1, p3)]
-    return [_op(x, scale2) for x in (lo[0], hi[0], lo[1], hi[1])]
+    return [lo[0], hi[0], lo[1], hi[1]]
 
 
-def test_gemm_fragment_emulation_matches_matmul():
-    rng = np.random.default_rng()
-    m, n, k = 16, 8, 128  # one m16n8 mma tile over one 128-wide k-tile
-    a = rng.standard_normal((m, k)).astype(np.float16)
-    qweight, scales = quantize_pack(rng.standard_normal((n, k)).astype(np.float32))
-    w16 = dequantize_packed(qweight, scales).astype(np.float16)  # the kernel rounds here too
-    a_bits = a.view(np.uint16).astype(np.uint32)
-    c = np.zeros((m, n), np.float32)
-    for w in range(4):  # word w of each lane's 16-byte chunk
-        for q in range(2):  # mma k-step within the word
-            la, lb = np.zeros((16, 16), np.float32), np.zeros((16, 8), np.float32)
-            for lane in range(32):
-                g, t = lane >> 2, lane & 3
-                cols = [32 * t + 8 * w + 2 * e for e in range(4)]
-                lo = [int(a_bits[g, x] | (a_bits[g, x + 1] << 16)) for x in cols]
-                hi = [int(a_bits[g + 8, x] | (a_bits[g + 8, x + 1] << 16)) for x in cols]
-                regs = [lo[2 * q], hi[2 * q], lo[2 * q + 1], hi[2 * q + 1]]
-                s = int(scales[g, 0].view(np.uint16))
-                b = _dequant_word(int(qweight[g, 4 * t + w]), s | (s << 16))
-                # PTX m16n8k16 fragment layouts: where each register's two halves live.
-                la[g, 2 * t : 2 * t + 2] = _halves(regs[0])
-                la[g + 8, 2 * t : 2 * t + 2] = _halves(regs[1])
-                la[g, 2 * t + 8 : 2 * t + 10] = _halves(regs[2])
-                la[g + 8, 2 * t + 8 : 2 * t + 10] = _halves(regs[3])
-                lb[2 * t : 2 * t + 2, g] = _halves(b[2 * q])
-                lb[2 * t + 8 : 2 * t + 10, g] = _halves(b[2 * q + 1])
-            c += la @ lb
-    ref = a.astype(np.float32) @ w16.astype(np.float32).T
-    np.testing.assert_allclose(c, ref, rtol=1e-5, atol=1e-4)
+def _dequant_pair(w: int, shift: int) -> int:
+    """prefill_gemm_wgmma.cu dequant_pair before the scale: (w >> shift) & 0x000F000F."""
+    return _op(((w >> shift) & 0x000F000F) ^ 0x64086408, 0x64086408, kind="sub")
 
 
 @pytest.mark.parametrize("value", range(-8, 8))
@@ -167,8 +130,8 @@ def test_dequant_magic_numbers_exact(value):
     q = np.full((1, 8), value, dtype=np.int8)
     q[0, 1::2] = -1 - value  # odd lanes: a different value in the high half-word
     word = int(pack_value_shuffle(q)[0, 0])
-    one = 0x3C003C00  # fp16 1.0 in both halves: no scaling
-    pairs = [_halves(p) for p in _dequant_word(word, one)]
+    pairs = [_halves(p) for p in _dequant_word(word)]
+    pairs += [_halves(_dequant_pair(word, 4 * i)) for i in range(4)]
     assert all(p[0] == value and p[1] == -1 - value for p in pairs)
 
 
@@ -305,49 +268,31 @@ def test_wgmma_emulation_matches_matmul(swiglu):
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
 
 
-# -- tile choice (no GPU: the occupancy numbers are what the H200 reports) ----------------------
-def _fake_kernels(variants, use_wgmma=True, num_sms=132):
+# -- tile choice --------------------------------------------------------------------------------
+def _picker() -> PrefillKernels:
+    """A PrefillKernels with the table's GEMM specs and nothing on a device (pick_gemm reads
+    only them)."""
     pk = PrefillKernels.__new__(PrefillKernels)
-    pk.variants, pk.num_sms, pk.use_wgmma = tuple(variants), num_sms, use_wgmma
-    pk._per_sm = {v: (1 if v.kind == "wgmma" else 2) for v in variants}
+    pk.gemms = [s for s in registry.prefill_specs(preset("7b")) if s.tile]
     return pk
 
 
-@pytest.mark.parametrize("m", [1, 17, 512, 513, 4096])
-def test_pick_gemm_prefers_wgmma_and_falls_back(m):
-    cfg = preset("7b")
-    shapes = [
-        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False),
-        (cfg.hidden_size, cfg.q_size, False),
-        (2 * cfg.intermediate_size, cfg.hidden_size, True),
-        (cfg.hidden_size, cfg.intermediate_size, False),
-    ]
-    on, off = _fake_kernels(GEMM_VARIANTS), _fake_kernels(GEMM_VARIANTS, use_wgmma=False)
-    for n, k, swiglu in shapes:
-        v = on.pick_gemm(m, n, swiglu, k)
-        assert v.swiglu == swiglu and v.fits(n, k)
-        if m in (512, 4096):  # whole waves of wgmma tiles: the tensor-core kernel wins
-            assert v.kind == "wgmma"
-        assert off.pick_gemm(m, n, swiglu, k) in MMA_VARIANTS
-    mma_only = _fake_kernels(MMA_VARIANTS)
-    assert mma_only.pick_gemm(m, 4608, False, 3584).kind == "mma"
+@pytest.mark.parametrize("m", [1, 17, 128, 512, 513, 4096])
+def test_pick_gemm_matches_swiglu(m):
+    pk = _picker()
+    for swiglu in (False, True):
+        spec = pk.pick_gemm(m, swiglu)
+        assert spec.tile.swiglu == swiglu and spec.key in {s.key for s in pk.gemms}
 
 
 def test_pick_gemm_takes_the_measured_winners():
-    """At M = 512 on the 7B shapes the picker takes the tile prefill_check.py timed fastest
-    (prefill.py's tile table) or one within 5% of it: 256 tokens for q/k/v, gate_up and down,
-    256 for o (0.031 ms against 0.029 for 128); 128 for a short prompt (less padding)."""
-    cfg = preset("7b")
-    pk = _fake_kernels(GEMM_VARIANTS)
-    for n, k, swiglu, bm in [
-        (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size, False, 256),
-        (cfg.hidden_size, cfg.q_size, False, 256),
-        (2 * cfg.intermediate_size, cfg.hidden_size, True, 256),
-        (cfg.hidden_size, cfg.intermediate_size, False, 256),
-    ]:
-        v = pk.pick_gemm(512, n, swiglu, k)
-        assert (v.kind, v.bm) == ("wgmma", bm), (n, k, v.label)
-        assert pk.pick_gemm(17, n, swiglu, k).bm == 128
+    """At M = 512 the 256-token tile, whose measured rate is the higher (registry.GEMM_TILES);
+    below 256 tokens the 128-token one (less padding)."""
+    pk = _picker()
+    for swiglu in (False, True):
+        assert pk.pick_gemm(512, swiglu).tile.tokens == 256
+        assert pk.pick_gemm(17, swiglu).tile.tokens == 128
+        assert pk.pick_gemm(129, swiglu).tile.tokens == 256
 
 
 def _stream_k_segments(tiles: int, groups: int, parts: int, c: int) -> list[tuple[int, int, int]]:
@@ -402,14 +347,21 @@ def test_stream_k_schedule(tiles, groups):
         assert all(c < owner for c in collected)
 
 
-def test_wgmma_smem_formula():
-    """prefill.py's smem_bytes is the kernel's smem_bytes<BT, STAGES, SWIGLU>() (static_asserts
-    appended to the source must compile), within one CTA's limit."""
-    text = (jit.KERNEL_DIR / WGMMA_SOURCE).read_text()
-    for v in WGMMA_VARIANTS:
-        args = f"{v.bm}, {v.stages}, {'true' if v.swiglu else 'false'}"
-        text += (
-            f'static_assert(nanoqwen_wgmma::smem_bytes<{args}>() == {v.smem_bytes}, "{v.label}");\n'
-        )
-        assert v.smem_bytes <= SMEM_LIMIT and v.threads == 384 and v.bn == 128
-    jit.compile_module(WGMMA_SOURCE, [], preset("7b"), source=text)
+def test_smem_formulas_are_the_kernels():
+    """registry.gemm_smem_bytes is prefill_gemm_wgmma.cu's smem_bytes<BT, STAGES, SWIGLU>() and
+    registry.prefill_attention_smem_bytes is prefill_attention.cu's Layout<D>::kSmemBytes
+    (static_asserts appended to the sources must compile), within one CTA's limit."""
+    cfg = preset("7b")
+    text = (jit.KERNEL_DIR / GEMM).read_text()
+    for t in registry.GEMM_TILES:
+        args = f"{t.tokens}, {t.stages}, {'true' if t.swiglu else 'false'}"
+        want = registry.gemm_smem_bytes(t)
+        text += f'static_assert(nanoqwen_wgmma::smem_bytes<{args}>() == {want}, "{args}");\n'
+        assert want <= SMEM_LIMIT
+    jit.compile_module(GEMM, [], registry.header(cfg), source=text)
+    text = (jit.KERNEL_DIR / ATTENTION).read_text()
+    for d in (64, 128):
+        want = registry.prefill_attention_smem_bytes(d)
+        text += f"static_assert(nanoqwen_prefill_attention::Layout<{d}>::kSmemBytes == {want});\n"
+        assert want <= SMEM_LIMIT
+    jit.compile_module(ATTENTION, [], registry.header(cfg), source=text)

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from nanoqwen.config import BIASED_PROJECTIONS, PROJECTIONS, ModelConfig
+from nanoqwen.config import BIASED_PROJECTIONS, PAGE_TOKENS, PROJECTIONS, ModelConfig
 from nanoqwen.errors import ContextError, NanoqwenError
 from nanoqwen.fileformat import NanoqwenFile, write_nanoqwen
 from nanoqwen.quant import dequantize_packed, quantize_pack
-from nanoqwen.reference import PAGE_TOKENS, ReferenceBackend
+from nanoqwen.reference import ReferenceBackend
 from nanoqwen.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")

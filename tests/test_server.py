@@ -11,13 +11,8 @@ the protocol, token counts and sampling controls (seed, stop), not content.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,98 +23,11 @@ openai = pytest.importorskip("openai")
 KEY = "sk-test-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = [{"role": "user", "content": "Write is_prime(n)."}]
-REPO = Path(__file__).resolve().parents[1]
-CLI = ("-m", "nanoqwen.cli")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """`python <launch> serve MODEL --port P --backend reference ...` with its log in a file."""
-
-    def __init__(self, model: Path, log: Path, *args: str, launch: tuple[str, ...] = ()) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        launch = launch or CLI
-        cmd = [sys.executable, *launch, "serve", str(model), "--port", str(self.port)]
-        cmd += ["--backend", "reference", "--log-level", "warning", *args]
-        # One torch thread: the tiny model's ops are too small to split, and CI has 2 cores.
-        env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def wait_healthy(self, timeout: float = 120.0) -> None:
-        """Until /health answers 200; if it never does (or the wait is interrupted), the
-        process is stopped before the error propagates."""
-        try:
-            self._poll_health(timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _poll_health(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited:\n{self.log.read_text()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"server not healthy after {timeout} s:\n{self.log.read_text()}")
-
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=5.0).json()
-
-    def wait_idle(self, timeout: float = 10.0) -> dict:
-        """/health once nothing runs or waits and every KV page is free."""
-        deadline = time.monotonic() + timeout
-        while True:
-            health = self.health()
-            idle = (health["running"], health["queue_depth"], health["kv_pages_in_use"]) == (
-                0,
-                0,
-                0,
-            )
-            if idle or time.monotonic() > deadline:
-                return health
-            time.sleep(0.02)
-
-    def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS line")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            return self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"server ignored SIGTERM:\n{self.log.read_text()}") from None
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from nanoqwen.convert import pack_synthetic
-
-    path = tmp_path_factory.mktemp("tiny") / "tiny.nanoqwen"
-    pack_synthetic("tiny", path, seed=0, progress=False)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    proc = ServerProcess(tiny_model, tmp_path_factory.mktemp("log") / "serve.log", "--api-key", KEY)
-    proc.wait_healthy()
+def server(serve, tiny_model):
+    proc = serve(tiny_model, "--api-key", KEY)
     yield proc
     # Graceful shutdown on SIGTERM, the engine closed, then the conventional 128 + TERM.
     assert proc.stop() == 128 + signal.SIGTERM, proc.log.read_text()
@@ -128,17 +36,6 @@ def server(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def sse_events(text: str) -> list:
-    """The JSON payloads of an SSE body, with "[DONE]" kept as a string; checks the framing."""
-    assert text.endswith("\n\n")
-    events = []
-    for block in text[:-2].split("\n\n"):
-        assert block.startswith("data: "), block
-        data = block[len("data: ") :]
-        events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # Well-formed requests --------------------------------------------------------------------------
@@ -193,7 +90,7 @@ def test_completion_and_fim(client):
     assert isinstance(fim.choices[0].text, str)
 
 
-def test_completion_stream_raw_sse(server):
+def test_completion_stream_raw_sse(server, sse_events):
     body = {"model": "tiny", "prompt": "x = ", "suffix": "\n", "max_tokens": 3, "stream": True}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -206,7 +103,7 @@ def test_completion_stream_raw_sse(server):
     assert usage["usage"]["completion_tokens"] >= 1
 
 
-def test_stream_without_usage_when_declined(server):
+def test_stream_without_usage_when_declined(server, sse_events):
     body = {"model": "tiny", "messages": CHAT, "max_tokens": 2, "stream": True}
     body["stream_options"] = {"include_usage": False}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)

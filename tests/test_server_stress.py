@@ -3,23 +3,20 @@
 A real server process on the tiny model (reference backend, `--max-queue 5`). Clients that
 leave mid-request (before the first byte, or after a few events) must leave no generation
 running and no KV page held; a burst larger than the queue gets clean 429s; the load generator
-(tools/load_test.py, 6 clients x 10 requests) sees every request end in 200/429/503 with the
-server's RSS flat across the run; a backend raising DeviceError gets its request a 500 and
+(6 streaming clients, 60 requests) sees every request end in 200/429/503 with the server's RSS
+flat across the run; a backend raising DeviceError gets its request a 500 and
 makes the process exit non-zero.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import subprocess
-import sys
 import time
+from collections import Counter
 
 import httpx
 import pytest
-from test_server import REPO, ServerProcess, sse_events, tiny_model  # noqa: F401 (fixture)
 
 MAX_QUEUE = 5  # 6 load clients fit (1 running + 5 waiting); a burst of 12 does not
 RSS_GROWTH_BOUND_KIB = 24 * 1024  # across 60 loaded requests, after a warm-up run
@@ -40,13 +37,11 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):  # noqa: F811 (the imported fixture is its argument)
-    log = tmp_path_factory.mktemp("log") / "serve.log"
-    proc = ServerProcess(tiny_model, log, "--max-queue", str(MAX_QUEUE))
-    proc.wait_healthy()
+def server(serve, tiny_model):
+    proc = serve(tiny_model, "--max-queue", str(MAX_QUEUE))
     yield proc
     proc.stop()
-    assert "Traceback" not in log.read_text(), log.read_text()
+    assert "Traceback" not in proc.log.read_text(), proc.log.read_text()
 
 
 def body(route: str, max_tokens: int, stream: bool) -> tuple[str, dict]:
@@ -117,34 +112,61 @@ def test_burst_beyond_the_queue_gets_429(server):
     assert server.wait_idle()["kv_pages_in_use"] == 0
 
 
-def run_load_tool(server: ServerProcess, requests: int) -> dict:
-    cmd = [sys.executable, str(REPO / "tools" / "load_test.py"), "--url", server.url, "--json"]
-    cmd += ["--concurrency", "6", "--requests", str(requests), "--max-tokens", "4"]
-    cmd += ["--timeout", "60", "--endpoint", "completions", "--temperature", "0.8"]
-    cmd += ["--retries", "30"]  # a finished client may re-send before the queue moves on
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return json.loads(out.stdout)
+def run_load(url: str, requests: int, clients: int = 6, retries: int = 30) -> tuple[Counter, float]:
+    """`clients` clients each send streamed completions one after another until `requests` were
+    sent in all; a 429 is sent again after its Retry-After, up to `retries` times (a finished
+    client may re-send before the queue moves on). Every request ends in one outcome: its last
+    HTTP status or the name of a transport error. Returns (outcome counts, slowest seconds)."""
+    path, payload = body("completion", 4, stream=True)
+    payload["temperature"] = 0.8
+    outcomes: Counter = Counter()
+    slowest, left = 0.0, [requests]
+
+    async def send(client: httpx.AsyncClient) -> tuple[str, float]:
+        try:
+            async with client.stream("POST", path, json=payload) as r:
+                async for _ in r.aiter_lines():
+                    pass
+                return str(r.status_code), float(r.headers.get("retry-after", 0))
+        except httpx.HTTPError as exc:
+            return type(exc).__name__, 0.0
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal slowest
+        while left[0] > 0:
+            left[0] -= 1
+            t0 = time.monotonic()
+            for attempt in range(retries + 1):
+                outcome, wait = await send(client)
+                if outcome != "429" or attempt == retries:
+                    break
+                await asyncio.sleep(wait)
+            outcomes[outcome] += 1
+            slowest = max(slowest, time.monotonic() - t0)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            await asyncio.gather(*(worker(client) for _ in range(clients)))
+
+    asyncio.run(main())
+    return outcomes, slowest
 
 
 def test_load_completes_and_rss_is_flat(server):
-    run_load_tool(server, 6)  # warm-up: allocator pools, lazy imports, code paths
+    run_load(server.url, 6)  # warm-up: allocator pools, lazy imports, code paths
     before = server.rss_kib()
-    summary = run_load_tool(server, 60)
+    outcomes, slowest = run_load(server.url, 60)
     after = server.rss_kib()
-    outcomes = summary["outcomes"]
     assert sum(outcomes.values()) == 60 and set(outcomes) <= {"200", "429", "503"}, outcomes
-    assert outcomes.get("200", 0) >= 54 and summary["latency_s"]["max"] < 60
+    assert outcomes.get("200", 0) >= 54 and slowest < 60
     assert after - before < RSS_GROWTH_BOUND_KIB, (before, after)
-    print(f"\nload: {json.dumps(summary)}\nRSS {before} -> {after} KiB")
+    print(f"\nload: {dict(outcomes)}, slowest {slowest:.2f} s\nRSS {before} -> {after} KiB")
     assert server.wait_idle()["kv_pages_in_use"] == 0
 
 
-def test_device_error_answers_500_and_exits_nonzero(tiny_model, tmp_path):  # noqa: F811
-    log = tmp_path / "faulty.log"
-    proc = ServerProcess(tiny_model, log, launch=("-c", FAULTY_LAUNCH))
+def test_device_error_answers_500_and_exits_nonzero(serve, tiny_model):
+    proc = serve(tiny_model, launch=("-c", FAULTY_LAUNCH))
     try:
-        proc.wait_healthy()
         path, payload = body("chat", 4, stream=True)
         r = httpx.post(proc.url + path, json=payload, timeout=30)
         assert r.status_code == 500 and r.json()["error"]["code"] == "device_error"
@@ -152,4 +174,4 @@ def test_device_error_answers_500_and_exits_nonzero(tiny_model, tmp_path):  # no
         code = proc.proc.wait(timeout=30)
     finally:
         proc.stop()
-    assert code != 0 and "injected cudaErrorIllegalAddress" in log.read_text()
+    assert code != 0 and "injected cudaErrorIllegalAddress" in proc.log.read_text()

@@ -22,13 +22,17 @@ def _at_least(lo: int):
 
 
 def add_arguments(p) -> None:
+    from ..harness import load_protocol
+
+    protocol = load_protocol()["benchmark"]  # the defaults: config/nanoqwen.yaml
     p.add_argument("file", help=".nanoqwen model file")
-    p.add_argument(
-        "--prompt-len", type=_at_least(1), default=512, help="prompt tokens (random ids)"
-    )
-    p.add_argument("--gen-len", type=_at_least(2), default=128, help="generated tokens per run")
-    p.add_argument("--warmup", type=_at_least(0), default=3, help="untimed runs first")
-    p.add_argument("--runs", type=_at_least(1), default=10, help="timed runs")
+    p.add_argument("--prompt-len", type=_at_least(1), default=protocol["prompt_len"],
+                   help="prompt tokens (random ids)")  # fmt: skip
+    p.add_argument("--gen-len", type=_at_least(2), default=protocol["gen_len"],
+                   help="generated tokens per run")  # fmt: skip
+    p.add_argument("--warmup", type=_at_least(0), default=protocol["warmup"],
+                   help="untimed runs first")  # fmt: skip
+    p.add_argument("--runs", type=_at_least(1), default=protocol["runs"], help="timed runs")
     p.add_argument(
         "--max-context",
         type=_at_least(1),
@@ -63,7 +67,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ..bench import (
+    from ..engine import CudaBackend
+    from ..fileformat import NanoqwenFile
+    from ..harness.bench import (
         default_max_context,
         format_kernels,
         kernel_breakdown,
@@ -73,8 +79,6 @@ def run(args) -> int:
         run_bench,
         save,
     )
-    from ..engine import CudaBackend
-    from ..fileformat import NanoqwenFile
 
     if args.plot:
         require_matplotlib()  # before minutes of benchmarking, not after
@@ -98,7 +102,7 @@ def run(args) -> int:
         print(f"plot: {args.plot}")
     rc = 0
     if args.baseline:
-        from ..baseline import bench_baseline, print_baseline
+        from ..harness.baseline import bench_baseline, print_baseline
 
         res["baseline"] = bench_baseline(
             cfg, res, warmup=args.baseline_warmup, runs=args.baseline_runs

@@ -24,11 +24,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from .. import validate as v
     from ..engine import CudaBackend
     from ..fileformat import NanoqwenFile
+    from ..harness import load_protocol
+    from ..harness import validate as v
 
-    ladder = v.load_ladder()["ladder"]
+    ladder = load_protocol()["ladder"]
     checks = []
     with NanoqwenFile(args.file) as f:
         if args.tier in ("unit", "all"):

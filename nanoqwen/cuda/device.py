@@ -8,6 +8,7 @@ Public API (stable; the prefill launchers and the engine build on it):
                                         raises DeviceError naming `what` and the error
     gpu = Gpu(device_id=0)              sets the device current, refuses non-sm_90, makes a stream
     gpu.alloc(nbytes, what) -> DeviceArray   (.ptr int, .nbytes, .free()); owned by the Gpu
+    gpu.alloc_mapped(nbytes) -> (host, device)  pinned host memory the GPU addresses directly
     gpu.upload(dst_ptr, array)          host -> device through a pinned staging buffer (chunked)
     gpu.upload_async(dst_ptr, src, n)   queue a copy from pinned host address src (no sync)
     gpu.download(src_ptr, out_array)    device -> host (synchronous)
@@ -18,6 +19,9 @@ Public API (stable; the prefill launchers and the engine build on it):
                                         kernel argument) of a row-major fp16 (128-byte
                                         swizzle) or uint32 matrix
     gpu.sync(what)                      stream sync inside `guard`
+    gpu.stream_idle(what) -> bool       whether the stream's work is done (raises on an error)
+    gpu.record() -> Event               a timing event on the stream (e1 - e0: milliseconds)
+    gpu.graph_builder() -> GraphBuilder a graph being built on the stream (cuda.core)
     with gpu.guard("what"): ...         turns CUDA errors into DeviceError; a sticky error (an
                                         illegal address, a trap) marks the Gpu broken and every
                                         later call raises DeviceError at once
@@ -163,6 +167,7 @@ class Gpu:
         self._thread = threading.local()  # .bound: cuda.core's device state set on this thread
         self._thread.bound = True
         self._staging_ptr = 0
+        self._mapped: list[int] = []
         self._configs: dict = {}
 
     # -- errors -------------------------------------------------------------------------------
@@ -261,6 +266,18 @@ class Gpu:
             self._staging_ptr = int(check(driver.cuMemAllocHost(STAGING_BYTES), "cuMemAllocHost"))
         return self._staging_ptr
 
+    def alloc_mapped(self, nbytes: int) -> tuple[int, int]:
+        """Pinned host memory of `nbytes` mapped into the device's address space: (host
+        address, device address). Kernels write it and the host reads it with no copy (the
+        decode loop's token ring); freed by close()."""
+        from cuda.bindings import driver
+
+        flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
+        host = int(check(driver.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc"))
+        self._mapped.append(host)
+        dev = int(check(driver.cuMemHostGetDevicePointer(host, 0), "cuMemHostGetDevicePointer"))
+        return host, dev
+
     def upload(self, dst: int, array: np.ndarray) -> None:
         """Copy a host array to device address `dst` through pinned staging, in chunks."""
         from cuda.bindings import driver
@@ -353,6 +370,29 @@ class Gpu:
         with self.guard(what):
             self.stream.sync()
 
+    def stream_idle(self, what: str) -> bool:
+        """True once every queued piece of work has finished, False while some runs; an
+        error of that work raises DeviceError naming `what`."""
+        from cuda.bindings import driver
+
+        (err,) = driver.cuStreamQuery(self.stream.handle)
+        if err == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        with self.guard(what):
+            check((err,), what)
+        return True
+
+    def record(self):
+        """A timing event recorded on the stream now; `(e1 - e0)` is milliseconds after
+        e1.sync()."""
+        from cuda.core import EventOptions
+
+        return self.stream.record(options=EventOptions(timing_enabled=True))
+
+    def graph_builder(self):
+        """A cuda.core GraphBuilder capturing onto the stream (begin_building() called)."""
+        return self.stream.create_graph_builder().begin_building()
+
     def close(self) -> None:
         from cuda.bindings import driver
 
@@ -360,7 +400,9 @@ class Gpu:
             with contextlib.suppress(Exception):
                 arr.free()
         self._arrays.clear()
-        if self._staging_ptr:
-            with contextlib.suppress(Exception):
-                driver.cuMemFreeHost(self._staging_ptr)
-            self._staging_ptr = 0
+        for host in [self._staging_ptr, *self._mapped]:
+            if host:
+                with contextlib.suppress(Exception):
+                    driver.cuMemFreeHost(host)
+        self._staging_ptr = 0
+        self._mapped.clear()

@@ -1,9 +1,9 @@
 // common.cuh: helpers shared by the decode and prefill kernels (sm_90a, fp16 activations, fp32
 // math): PDL, reductions, cp.async, ldmatrix, mma.sync, fp16x2 arithmetic, INT4 dequantization.
 //
-// The model dims (kHidden, kHeadDim, ...) arrive as constexpr from the generated header
-// nanoqwen_model.h, which nanoqwen.cuda.jit prepends to every source; nothing here hard-codes
-// a model.
+// The model dims (kHidden, kHeadDim, ...) and the kernels' geometry arrive as constexpr from the
+// generated header (nanoqwen/cuda/registry.py header()), which nanoqwen.cuda.jit prepends to
+// every source; nothing here hard-codes a model.
 #pragma once
 #include <cuda_fp16.h>
 typedef unsigned int uint32_t;  // NVRTC has no libc headers (stdint.h)

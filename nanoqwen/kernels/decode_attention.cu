@@ -5,9 +5,10 @@
 // distributed shared memory, then a last-CTA semaphore).
 //
 // attn_decode: grid (kKVHeads, S) in clusters of (1, kAttnCluster, 1), S <= kAttnSplits a
-// multiple of kAttnCluster fixed per model (kernels.py: S = min(kAttnSplits, 128 / kKVHeads)
-// rounded down to whole clusters), block kAttnThreads = 5 warps, the K/V ring in dynamic
-// shared memory (kAttnStages pages: 96 KB at D = 128, 48 KB at D = 64), <= 136 registers.
+// multiple of kAttnCluster fixed per model (nanoqwen/cuda/decode.py: S = min(kAttnSplits,
+// attn_ctas / kKVHeads) rounded down to whole clusters, one cluster at least), block
+// kAttnThreads = 5 warps, the K/V ring in dynamic shared memory (kAttnStages pages: 96 KB at
+// D = 128, 48 KB at D = 64), <= 136 registers.
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [kHeads, kHeadDim]             query of the current token, RoPE applied
@@ -34,115 +35,34 @@
 // writes its slice of the cluster's partial per query head and bumps counters[kv head] (one
 // acq_rel atomic); the last of the kv head's ncl x C CTAs merges the ncl partials, writes
 // `out`, and resets the counter to 0, reading each cluster's (m, l) with its partial sums and
-// rescaling online (a batch of clusters costs one L2 round trip).
-// The push replaced a cluster barrier on each side of ranks reading the others' partials
-// (ld.shared::cluster): barrier.cluster.arrive.release compiles to MEMBAR.ALL.GPU, which under
-// the weight streams waits out this thread's global stores. Attention 3.83 -> 2.71 us a launch
-// at 513 tokens, 8.58 -> 8.02 at 8193; whole 7B step 1486 -> 1447 us at 513, 1638 -> 1622 at
-// 8193 (tools/kernel_tune.py step, H200, 2026-11-30; the exit barrier alone, made relaxed,
-// had taken 1486 -> 1466 and 1638 -> 1630).
-// Whole 7B step on the H200 (tools/kernel_tune.py step, 2026-11-30) at 513 / 8193 / 32705
-// tokens: before the clusters (splits of >= 4 pages, 256 CTAs, the last CTA merging up to 64
-// partials from L2) 1615 / 1803 / 2136 us; clusters of 8 with >= 16 pages a CTA on 128 CTAs
-// 1589 / 1736 / 2073 (attention 4.56 -> 3.87 us a launch at 513: the merge had taken 3.7 us of
-// ~8 inside the step, globaltimer stamps; 12.2 -> 8.6 at 8193). Same clusters on 256 CTAs:
-// 8193 / 32705 at 1725 / 2299 (32 clusters of 8 do not all fit at once); >= 8 pages a CTA:
-// 8193 at 1861; >= 32: 1740; clusters of 4 (>= 16 pages): 1612 at 513, 1733 at 8193; of 2:
-// 1669 / 1770. Earlier, one CTA per split (the one-copy-per-row ring): 4 pages 1.85 ms at 513
-// tokens against 1.86 with 2, 1.89 with 1.
+// rescaling online (a batch of clusters costs one L2 round trip). A push, not remote reads
+// (ld.shared::cluster) between cluster barriers: barrier.cluster.arrive.release compiles to
+// MEMBAR.ALL.GPU, which under the weight streams waits out this thread's global stores.
 //
 // Pipeline. One stage = one page of one kv head: its K tile and its V tile, one 1-D bulk copy
-// each (producer lanes 0 and 1; 4 KB each at D = 128), both completing on the stage's "full"
-// mbarrier armed with arrive.expect_tx(8 KB). With one copy per 256-byte row (the token-major
-// cache before kv_cache.cuh's layout: 32 copies a stage) the copy engine's per-copy cost
-// bounded the kernel at long context: 40.6 us per layer at 32k (1.65 TB/s), 29.4 with a copy
-// per tile; whole 7B step 3.06 -> 2.49 ms at 32705 tokens, 2.29 -> 2.14 at 8193.
-// kAttnStages = 12 stages (a dynamic shared ring of 96 KB at D = 128): each consumer warp owns
-// three slots, so its next pages are in flight while it computes the current one (whole 7B step
-// on the H200 at 32705 tokens: 8 stages 2.40 ms, 12 stages 2.34, 16 stages, one CTA per SM,
-// 2.49; at 8193 the same 2.03 with 8 and 12; with the clusters, 16 and 20 stages 1701 ->
-// 1883 / 1891 us at 8193 and 2043 -> 2468 / 2482 at 32705). One page per stage because (a) a
-// 16-token page is exactly one m16n8k16 key tile, so a consumer warp owns whole stages and never
+// each (producer lanes 0 and 1; 4 KB each at D = 128: the copy engine pays per copy, hence
+// kv_cache.cuh's contiguous tiles), both completing on the stage's "full" mbarrier armed with
+// arrive.expect_tx(8 KB). kAttnStages = 12 stages: each consumer warp owns three slots, so its
+// next pages are in flight while it computes the current one; deeper rings no longer let the
+// next launch's CTAs fit beside the running ones. One page per stage because (a) a 16-token
+// page is exactly one m16n8k16 key tile, so a consumer warp owns whole stages and never
 // synchronizes with the other consumers inside the loop, and (b) small stages refill at a
 // finer grain than big ones for the same bytes. The pages before the current token's are
-// copied before griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV (whole
-// decode step on the H200, against waiting first: 2.44 -> 2.42 ms at 513 tokens of context,
-// 2.86 -> 2.79 ms at 8193; tools/kernel_tune.py step). At long context every model runs 128
-// CTAs (kernels.py ATTN_CTAS: 7B 4 kv heads x 32 splits), one per SM with 96 KB in flight; at
-// 32k a 7B CTA streams 512 KB. What bounds that stream is not known yet (tools/kernel_tune.py
-// attention: the kernel alone over the 28 layers, H200, 2026-11-30): 25.9 us at 32700 tokens
-// (2.59 TB/s), 8.06 at 8193; with consumers that release each page unread, 23.8 / 7.1 us, so
-// the copies themselves run at ~2.8 TB/s with ~12 MB in flight, where the GEMVs' rings reach
-// 4.5. It stays so with each CTA's K and V read from contiguous addresses, with one 8 KB copy a
-// page instead of two of 4 KB, and on 256 CTAs. 16 or 20 stages are slower even alone (12.85
-// us at 8193, 33 at 32700): the next launch's CTAs no longer fit beside the running ones.
-// ncu of one launch at 32700 tokens (the same tool, 2026-11-30; ncu's base clocks): 29.5 us,
-// DRAM 49% of its peak (2.27 TB/s read, 0.5% L2 hits), the SMs active 70% of the launch and
-// 8.4% achieved occupancy against 15.6% possible. Per SM, cycles with a CTA resident: 30.0K
-// on average over the 128 that get one, 37.7K at most, of 41.3K: CTAs with the same number of
-// pages finish up to ~25% apart, and the launch waits for the slowest. Handing pages out as
-// CTAs ask for them (so the fast ones take more) does not pay: each CTA owning 85 / 75 / 50% of
-// its fair share and the rest going out 2 pages at a time from an atomic pool per kv head
-// (taken after griddepcontrol.wait, since a launch may begin before the previous attention
-// launch has ended; branch attention-page-pool) was correct but no longer deterministic, 26.0-
-// 29.0 us alone at 32705 tokens against 27.1 without the pool, and the step 2080 / 2099 / 2179
-// us against 1982 (8193 tokens: 1652 / 1653 / 1680 against 1628; 513: 1477-1488 against 1452;
-// tools/kernel_tune.py, one run): pooled pages cannot be copied before the wait, and the
-// stream's rate, not its split, is what bounds the launch.
-// Since (H200, 2026-11-30): a ring of bulk copies and nothing else (tools/decode_probes.py,
-// copy streams; 128 CTAs, a 96 KB ring) streams 1.87 TB/s with one 4 KB copy an mbarrier
-// handshake, 3.14 with two (this kernel's page: its K and V tiles), 4.06 with four or one of
-// 16 KB; with two producer warps 2.63 / 3.85 / 4.02: the handshake costs, not the copy. Two
-// producer warps here (pages alternating between them, 192 threads) did not help: 26.31
-// against 25.89 us alone at 32700 tokens, the step 2003 / 2004 against 1981 / 1982 us
-// (tools/kernel_tune.py, interleaved); with the consumers releasing each page unread still
-// 24.8 us (2.7 TB/s), so the handshake is not what bounds this stream either. Clusters of 1 /
-// 2 / 4 (kAttnMinPages 4 or 16, one run): 22.9 / 21.0 / 26.7 us alone at 32705 tokens against
-// 25.8, the step 2034 / 1958 / 1982 us against 1982, but 1514-1551 against 1451 at 513 tokens
-// (the merge across clusters) and 1626-1680 against 1626 at 8193 (again with this kernel:
-// clusters of 2 / 4, step 1964 / 1989 us against 1999 at 32705 tokens, 1524 / 1464 against
-// 1443 at 513). Two or four pages a stage (one handshake for 16 / 32 KB, 4 / 8 copies; branch
-// attention-stage-pages): 25.9 / 25.1 us alone at 32705 tokens against 26.8, 7.71 / 7.77 at
-// 8193 against 7.25, and the step unchanged (1996 / 1987 us against 1980 at 32705, 1625 / 1622
-// against 1629 at 8193, 1449 / 1446 against 1455 at 513; one run, 2026-11-30).
-//
-// Consumers. Warp w takes the split's pages w, w + 4, ... (stage slot = page % kAttnStages, full
-// barrier parity = (page / kAttnStages) & 1), then arrives on the slot's "empty" barrier (count 1,
-// one arrival per consumed page); the producer waits on "empty" with parity
-// ((page / kAttnStages) - 1) & 1 before it reuses a slot. Per page: S = Q K^T with Q as the A
-// operand (rows = the kGroupRatio <= 8 query heads of this kv head; rows 8..15 are zero) and K
-// rows as B (a plain ldmatrix), 2 key tiles x kHeadDim / 16 k-steps; the scale
-// log2(e) / sqrt(D) is applied to the fp32 scores (not folded into the fp16 q: that would add
-// one fp16 rounding for nothing); base-2 online softmax in fp32; tokens >= L masked to -inf;
-// then O += P V with the score accumulators reused as the A fragment (P rounded to fp16) and
-// V rows as B (a transposed ldmatrix). Row sums stay per lane until the end. The tiles keep
-// the cache's chunk swizzle (kv_chunk), which makes every ldmatrix conflict-free.
-//
-// Epilogue. __syncthreads (all 5 warps: the ring is drained), the consumers park (m, l, o) in
-// shared memory (aliasing the ring), __syncthreads, all threads merge the 4 warps and push,
-// then the split logic above. Two relaxed cluster barriers: the first (arrived after the
-// inboxes' mbarriers are armed at the start, waited on before the first push) keeps any push
-// ahead of its inbox's arming; an empty cluster leaves before it, as a whole. The second
-// (arrived once a rank's own inbox is full, waited on before it leaves) keeps every rank
-// resident until all pushes have landed. Every thread of a CTA reaches every __syncthreads
-// (the exits after the merge are uniform over the CTA).
-// Placement (H200, 2026-11-30, tools/kernel_tune.py step): the spread cluster scheduling
-// policy changed nothing (attention 25.95 against 25.83 us a launch at 32705 tokens), and 14 KB
-// of padding that keeps two attention CTAs off one SM made it slower (34.4 us; the step 1956
-// -> 2349 us): the 128 CTAs then no longer start at once (globaltimer stamps, branch
-// attention-placement-experiment: first to last start 18 us at 32700 tokens instead of
-// 0.16), though a CTA alone on an SM streams its pages ~7% faster than two sharing one (16.1
-// against 17.3 us median at 32700).
+// copied before griddepcontrol.wait, so the first ring fill overlaps the q/k/v GEMV. At long
+// context every model runs 128 CTAs (Geometry.attn_ctas: 7B 4 kv heads x 32 splits), one per
+// SM with 96 KB in flight; a launch at 32700 tokens streams ~2.6 TB/s, below the GEMVs' rings
+// (dev/kernel_tune.py attention), and the copies alone run about as fast: what bounds that
+// stream is open (alternatives measured: docs/EXPERIMENTS.md).
 #include "common.cuh"
 #include "kv_cache.cuh"
 
-constexpr int kAttnConsumers = 4;                 // consumer warps 0..3; warp 4 produces
+// From the generated header (nanoqwen/cuda/registry.py, Geometry): kAttnConsumers (consumer
+// warps 0..kAttnConsumers-1; the next warp produces; kAttnThreads in all), kAttnSplits,
+// kAttnCluster, kAttnStages (the ring depth, one page a stage: the launch passes the ring as
+// dynamic shared memory), kAttnMinPages (a cluster rank owns at least this many pages) and
+// kAttnMergeLoads (the merge's independent partial loads a thread).
 constexpr int kAttnWarps = kAttnConsumers + 1;
-constexpr int kAttnThreads = kAttnWarps * kWarp;  // 160 (kernels.py ATTN_THREADS)
-// kAttnStages (ring depth, one page per stage) comes from the generated header: the launch
-// passes the ring as dynamic shared memory (kernels.py computes the same size).
-constexpr int kAttnMergeLoads = 16;  // the merge's independent partial loads per thread
-constexpr int kAttnMinPages = 16;  // a cluster owns at least kAttnCluster x this many pages
+static_assert(kAttnThreads == kAttnWarps * kWarp, "one producer warp beside the consumers");
 constexpr int kAttnTileH = kPageTokens * kHeadDim;  // one page of K (or V) of one kv head
 constexpr int kAttnStageH = 2 * kAttnTileH;          // K tile then V tile
 constexpr int kAttnRingBytes = kAttnStages * kAttnStageH * 2;
@@ -294,7 +214,18 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
                  src_base + (size_t)phys * kKVHeads * kAttnTileH, kAttnTileBytes, full);
     }
   } else {
-    // ---- consumer warps.
+    // ---- consumer warps. Warp w takes the split's pages w, w + 4, ... (stage slot = page %
+    // kAttnStages, full barrier parity = (page / kAttnStages) & 1), then arrives on the slot's
+    // "empty" barrier (count 1, one arrival per consumed page); the producer waits on "empty"
+    // with parity ((page / kAttnStages) - 1) & 1 before it reuses a slot. Per page: S = Q K^T
+    // with Q as the A operand (rows = the kGroupRatio <= 8 query heads of this kv head; rows
+    // 8..15 are zero) and K rows as B (a plain ldmatrix), 2 key tiles x kHeadDim / 16 k-steps;
+    // the scale log2(e) / sqrt(D) is applied to the fp32 scores (not folded into the fp16 q:
+    // that would add one fp16 rounding for nothing); base-2 online softmax in fp32; tokens >= L
+    // masked to -inf; then O += P V with the score accumulators reused as the A fragment (P
+    // rounded to fp16) and V rows as B (a transposed ldmatrix). Row sums stay per lane until
+    // the end. The tiles keep the cache's chunk swizzle (kv_chunk), which makes every ldmatrix
+    // conflict-free.
     pdl_wait();  // q comes from the q/k/v GEMV
     const float scale = kLog2e * rsqrtf((float)D);
     uint32_t qa[kAttnDK][2];  // A fragment {a0, a2} per k-step; a1 = a3 = 0 (rows 8..15)
@@ -374,7 +305,15 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
   }
 
-  // ---- epilogue: merge the consumer warps (scratch aliases the drained ring).
+  // ---- epilogue: merge the consumer warps (scratch aliases the drained ring). __syncthreads
+  // (all 5 warps: the ring is drained), the consumers park (m, l, o) in shared memory,
+  // __syncthreads, all threads merge the 4 warps and push, then the split logic of the file's
+  // head. Two relaxed cluster barriers: the first (arrived after the inboxes' mbarriers are
+  // armed at the start, waited on before the first push) keeps any push ahead of its inbox's
+  // arming; an empty cluster leaves before it, as a whole. The second (arrived once a rank's
+  // own inbox is full, waited on before it leaves) keeps every rank resident until all pushes
+  // have landed. Every thread of a CTA reaches every __syncthreads (the exits after the merge
+  // are uniform over the CTA).
   float* scr_o = reinterpret_cast<float*>(ring);  // [kAttnConsumers][G][kAttnScrRow]
   float* scr_m = scr_o + kAttnScrO;               // [kAttnConsumers][G]
   float* scr_l = scr_m + kAttnConsumers * G;      // [kAttnConsumers][G]
@@ -433,9 +372,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   mbar_wait(bar_s, 0);
   // Every push to this CTA has landed. A relaxed cluster arrive now and its wait before
   // leaving: no rank exits while a push it made may still be in flight (the CUDA guide asks
-  // distributed shared memory operations to finish before a block exits). It cost nothing
-  // measurable: step 1435.5 / 1602.6 / 1951.9 us at 513 / 8193 / 32705 tokens without it,
-  // 1435.6 / 1602.5 / 1954.2 with it (H200, tools/kernel_tune.py step, same run).
+  // distributed shared memory operations to finish before a block exits); it costs nothing
+  // measurable.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   for (int idx = tid; idx < G * kAttnCols; idx += kAttnThreads) {
     const int g = idx / kAttnCols, d = rank * kAttnCols + idx % kAttnCols, hq = kvh * G + g;

@@ -12,31 +12,11 @@
 // under NVRTC). Sets a graph conditional node's value from device code.
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
 
-constexpr int kMiscThreads = 256;
-// lm_head: warps per CTA (one CTA an SM), and the most rows in flight per warp (its shared slots;
-// the launch's dynamic shared memory sets how many: kernels.py LM_RING).
-constexpr int kLmWarps = 8;
-constexpr int kLmMaxSlots = 4;
-constexpr int kSampleThreads = 1024;
-constexpr int kSearchIters = 32;  // bisection steps for the top-k / top-p thresholds
-
-// Decode state: int32 words in device memory, advanced by sample_finish (one home: engine.py
-// mirrors these indices).
-enum StateWord {
-  kToken = 0,     // the token the next step consumes
-  kPos = 1,       // its position (KV slot)
-  kStep = 2,      // tokens generated so far
-  kMaxNew = 3,    // stop after this many tokens
-  kDone = 4,      // 1 once eos / max / cancel is reached
-  kTopK = 5,      // 0 = off
-  kTemp = 6,      // float bits; 0 = greedy
-  kTopP = 7,      // float bits; 1 = off
-  kSeedLo = 8,
-  kSeedHi = 9,
-  kNumEos = 10,
-  kEos0 = 11,     // kNumEos ids follow
-  kMaxEos = 8,
-};
+// From the generated header (nanoqwen/cuda/registry.py): kMiscThreads (the token-parallel
+// kernels' block), kNormRows (rmsnorm_rows' rows a CTA, a warp each), kLmWarps and kLmMaxSlots
+// (lm_head's warps a CTA and its most rows in flight a warp), kSampleThreads, kSearchIters
+// (bisection steps for the top-k / top-p thresholds) and enum StateWord: the decode state's
+// int32 words in device memory (registry.StateWord), advanced by sample_finish.
 
 // ids int32 [T]; embed fp16 [V, kHidden]; x fp16 [T, kHidden]. Grid T, block kMiscThreads.
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
@@ -53,12 +33,8 @@ embed_gather(const int* __restrict__ ids, const uint4* __restrict__ embed, uint4
 // x fp16 [T, kHidden] -> y fp16 [T, kHidden] = x * rsqrt(mean(x^2) + eps) * w (fp32 math,
 // one rounding, like the reference). w fp16 [kHidden]. One warp a row, kNormRows rows a CTA
 // (grid ceil(T / kNormRows), block kMiscThreads): the row stays in registers, 16-byte vectors,
-// between its sum of squares and its scaling. (A CTA a row with 2-byte loads, reading x
-// twice: 13.1 us a launch at T = 512 between CUDA events, gaps included, against 8.7 now;
-// H200, tools/ttft_profile.py. Two rows a CTA, 256 CTAs at T = 512 on every SM instead of 64:
-// 7.9-8.1 us a launch either way, TTFT 12.65 / 12.89 and 12.65 / 12.88 against 12.48 / 12.71,
-// interleaved in one run, 2026-11-30: the launch and its gaps, not the CTAs, set its time.)
-constexpr int kNormRows = kMiscThreads / kWarp;
+// between its sum of squares and its scaling, so x is read once. The launch and its gaps, not
+// the CTA count, set its time (alternatives measured: docs/EXPERIMENTS.md).
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
 rmsnorm_rows(const uint4* __restrict__ x, const uint4* __restrict__ w, uint4* __restrict__ y,
              int T) {
@@ -97,8 +73,6 @@ rmsnorm_rows(const uint4* __restrict__ x, const uint4* __restrict__ w, uint4* __
 // k_out, v_out fp16 [T, kKVHeads, kHeadDim] or null (prefill attention reads them contiguous)
 // Grid T, block kMiscThreads. A thread takes 16 bytes: 8 rotations (chunk c of a head's first
 // half and of its second) or 8 values of v; a cache chunk is 8 contiguous halves (kv_chunk).
-// (A thread a rotation with 2-byte accesses: 9.3 us a launch at T = 512 between CUDA events,
-// against 7.6 now; H200, tools/ttft_profile.py.)
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
 rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __restrict__ rope,
               const int* __restrict__ pages, half* kc, half* vc, half* q_out, half* k_out,
@@ -164,13 +138,11 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
 // x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows. Persistent grid of at most one CTA an SM;
 // warp j of the grid takes rows j, j + warps, ... Each warp streams its own rows: lane 0 copies
 // a whole row (one bulk copy, kHidden * 2 bytes) into the next of the warp's slots in dynamic
-// shared memory (slots = dynamic size / (kLmWarps * row bytes)), so its next rows are in flight
-// while it dots the current one; the first ones are requested before griddepcontrol.wait (the
-// weights do not depend on x). Every warp loads all of x into registers (kHidden / 256 vectors
-// a lane) and RMS-normalizes it itself: no block barrier before the first row.
-// On the H200, inside the 7B step (tools/kernel_tune.py step, 2026-11-30): register-fed warps
-// (each lane 2 rows x 4 16-byte loads in flight, 4 CTAs of 4 warps an SM) 284.7 us per launch
-// (3.83 TB/s), 8 loads 270.3 (154 registers, 3 CTAs an SM).
+// shared memory (slots = dynamic size / (kLmWarps * row bytes), at most kLmMaxSlots; the host
+// side: nanoqwen/cuda/registry.py lm_head_smem_bytes), so its next rows are in flight while it
+// dots the current one; the first ones are requested before griddepcontrol.wait (the weights do
+// not depend on x). Every warp loads all of x into registers (kHidden / 256 vectors a lane) and
+// RMS-normalizes it itself: no block barrier before the first row.
 extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp, 1)
 lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
                const half* __restrict__ w, float* __restrict__ logits,

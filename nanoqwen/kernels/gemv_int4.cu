@@ -27,120 +27,24 @@
 // and their scales: the 16-byte units around them, so a stage row keeps its scales at an
 // offset of 0..7 halves and a copy may read up to 14 bytes past the tensor's end, inside the
 // slack every Gpu.alloc leaves) that land on the stage's "full" mbarrier. Few, large copies:
-// the copy engine pays per copy (32 one-row copies per 16 KB stage ran at ~1.1 TB/s), and
-// bulk copies take uniform operands, so per-lane copies issue one lane at a time. The ring
-// holds as many stages as the launch's dynamic shared memory leaves room for (at most
-// kGvMaxStages); the weights do not depend on the previous kernel, so the producer starts
-// before anyone waits on it, but keeps only kGvEarlyStages stages in flight until x has
-// landed (x queues behind every weight byte requested before it). The consumer warps wait
-// (PDL) for x, stage it (RMSNorm-ed if NORM; folded for offset_word when K <= kGvFoldMaxK) in
-// shared memory and keep their lanes' x chunks in registers (a warp takes the same octets of
-// every pair), then take every stage: kGvConsumers / P warps per pair, each its own octets,
-// and release it on "empty". The diagonal lanes store their fp32 sums per pair unreduced; the
-// epilogue adds them in a fixed order (deterministic), with its global inputs (residual,
-// bias, RoPE, K/V page) loaded right after the wait.
+// the copy engine pays per copy, and bulk copies take uniform operands, so per-lane copies
+// issue one lane at a time. The ring holds as many stages as the launch's dynamic shared
+// memory leaves room for (at most kGvMaxStages); the weights do not depend on the previous
+// kernel, so the producer starts before anyone waits on it, but keeps only kGvEarlyStages
+// stages in flight until x has landed (x queues behind every weight byte requested before it).
+// The consumer warps wait (PDL) for x, stage it (RMSNorm-ed if NORM; folded for offset_word
+// when K <= kGvFoldMaxK) in shared memory and keep their lanes' x chunks in registers (a warp
+// takes the same octets of every pair), then take every stage: kGvConsumers / P warps per
+// pair, each its own octets, and release it on "empty". The diagonal lanes store their fp32
+// sums per pair unreduced; the epilogue adds them in a fixed order (deterministic), with its
+// global inputs (residual, bias, RoPE, K/V page) loaded right after the wait.
 //
-// Where a decode step's time went, and what changed for it (H200, 2026-11-30; a globaltimer
-// stamp per CTA at each phase of two layers inside the captured 7B step at 513 tokens):
-// 57.6 us a layer for ~27 us of weights at 4.5 TB/s. The consumers waited 4 us for x in
-// gate/up (1.5 in q/k/v) with the ring requested ahead of it; each epilogue took 1-1.6 us
-// (its thread-per-pair sum read 32-way bank conflicts, then an L2 round trip for the
-// residual); the attention split-merge 3.7 us. Holding the ring back until x lands (1 stage
-// in flight: 2 and 3 were slower, a whole ring 20-45 us a step slower), the conflict-free
-// sums with early epilogue inputs and the leaner attention merge took the step (tools/
-// kernel_tune.py step) from 1837 to 1609 us at 513 tokens and 1999 to 1805 at 8193; the
-// offset form for K <= 8192 another ~15 us (1614 -> 1599 and 1809 -> 1798 against no fold;
-// folding down's K = 18944 too, 1653: its x pass then costs more than its stages save).
-// Tried in the same way, not kept: a work counter balancing the tail of gate/up and down
-// (85% static, then units of one stage from an atomic counter): the last CTA of gate/up
-// ended 1.5 us after the median one instead of 2.6, yet the launch took as long (19.91
-// against 19.99 us) and the step no less (1683 against 1675 us); and 16 KB stages for
-// q/k/v and o (32 KB for gate/up): 1879 against 1642 us. Later (step at 1.49-1.51 ms): o with
-// its whole ring in flight before x (the others keeping one stage): o 4.49 -> 4.35 us, the
-// step within its noise (1511 -> 1494 us at 513 tokens, 1657 both ways at 8193); a dry pass
-// of the x staging, norm and fold before griddepcontrol.wait, so that its instructions are
-// cached when x lands: that phase (x landed -> folded, 0.4 us for o, 1 us with the norm, by
-// globaltimer stamps) did not shrink and the step took 50 us longer; and, as a bound, the
-// norm and the fold skipped altogether (wrong sums): 5-15 us a step.
-//
-// Measured (H200, 2026-11-30, us per launch inside the 7B decode step at 513 tokens,
-// nanoqwen bench --kernels): gate/up 18.8 (3.72 TB/s; 20.0 with one x item in registers,
-// kGvXRegItems), down 11.6, q/k/v 5.4, o 4.5. Before
-// the changes above, with the x swizzle against without (two runs interleaved): gate/up 22.8
-// (23.4 unswizzled), down 13.85 (14.5), q/k/v 5.96 (6.2), o 4.84 (4.97); the whole step
-// 1.841 / 1.846 ms against 1.853 / 1.856 (8193 tokens: 1.995 / 1.996 against 2.001 / 2.005):
-// per launch the swizzle saved 1.6 us of a layer, the step kept ~10 us of the 45 (as every
-// faster GEMV then: the waits for x above were the bound). The register-fed design before it
-// (warps loading their own weights, two batches in flight): 28 / 15 / 6.4 / 4.0, whole step
-// 2.12 ms against 2.03 when this one came. On the way: 16 one-row copies per stage (and a
-// stream-K split over groups) 59 us for gate/up; the same fed by a warp of 16-byte cp.async
-// 100 us (one producer warp cannot issue them fast enough); whole-row bulk copies 35 us, the
-// consumers then bound by shared-memory traffic (ncu: stalls on the shared-memory loads, DRAM
-// 30% busy; x was read per item, 2 KB of x for 1 KB of weights) until x moved into registers.
-// Tried before the waits for x were cut (tools/kernel_tune.py step, both variants in one run):
-//   - the offset form (offset_word): gate/up 23.4 -> 22.3 us and o 5.0 -> 4.8 alone, down
-//     and q/k/v unchanged, the whole step unchanged (1.85 ms, +-3 us); kept now (above);
-//   - cp.async.bulk.prefetch.L2 of the gate/up weights' first third (24 MB) from the q/k/v
-//     launch: issued as its CTAs finish it has no effect at all (q/k/v's own time does not
-//     move either: the prefetch seems dropped with the CTA); issued as they start, q/k/v takes
-//     2 us longer and the whole step 20 us longer (1.98 -> 2.00 ms on that machine); and
-//     each CTA's own next 2 / 4 / 8 stages as its producer starts, while the ring is held
-//     back for x (HBM -> L2 only): the step 1615 -> 1672 / 1700 / 1773 us at 513 tokens;
-//     later (step at 1438 us), a kernel of one warp a CTA on a graph branch beside attention
-//     and o, loading the first 15% / 30% of every gate/up CTA's rows with the 256-byte L2
-//     prefetch size (branch l2-prefetch): 1534 / 1562 us (8193 tokens: 1611 -> 1640 / 1668);
-//   - one persistent launch per layer for o -> gate/up -> down -> the next q/k/v (a grid
-//     barrier between the GEMVs, one CTA of 16 consumer warps + the producer per SM, one byte
-//     ring across the GEMVs so the next GEMV's weights stream during the barrier; branch
-//     gemv-chain-experiment): correct, but the step 1.99 ms against 1.83 in the same run. A
-//     globaltimer timeline per CTA showed why: the producer keeps 170 KB a SM in flight and
-//     the consumers still take 21.4 us over gate/up (13.2 us with the mma work removed), each
-//     grid barrier 1.6-2.2 us (an L2 round trip is ~0.7 us under the weight streams), and the
-//     offset fold changes nothing there either. Probes on the same machine (that branch's
-//     experiments/): a bulk-copy ring streams 4.55 TB/s read (any stage of 7-56 KB, 1-4
-//     copies, a ring >= 48 KB; 16-byte loads the same), and still 4.52 with 16 consumer warps
-//     doing 2.3x this kernel's mma per byte (HMMA.16816.F32: 6.7 cycles an SM sub-partition,
-//     28.6 latency). So neither the copies nor the tensor pipe bound a GEMV: the consumers'
-//     instruction stream does (ncu on the chain: 1.7 IPC an SM, 4.2 warps a scheduler with
-//     0.9 eligible; stalls: barrier 24%, wait 15%, not selected 12%, math throttle 10%).
-//   - the same chain again with this kernel's CTAs (two an SM of 8 consumer warps + the
-//     producer, 264 CTAs; one byte ring across o, gate/up, down and the next q/k/v, grid
-//     barriers between; branch decode-chain): correct, still slower (H200, tools/kernel_tune.py
-//     step, 513 tokens): 48.7 us a layer against 39.1 for the four launches, step 1696 against
-//     1435 us (8193: 1878 against 1610). With the barriers made no-ops (timing only) 45.0 us,
-//     still above the launches' 39.1 (its ring is 64 KB a CTA, down's x taking 37 KB of the
-//     rest; 48 bytes of spills at 96 registers). What each op costs inside the step (its
-//     launches skipped, experiments/ablate.py there): o 4.74 us a layer, q/k/v 5.45,
-//     attention 2.89, gate/up 18.13, down 10.48, each its whole per-launch time.
-//   - releasing the held-back ring once x is requested rather than landed: o 4.37 -> 4.27 us,
-//     down 10.97 -> 11.0..11.3, the step 1448 -> 1452..1460 us at 513 tokens (1622 -> 1630 at
-//     8193); one CTA an SM for o, q/k/v or down alone (the other slot free for the next
-//     kernel's first CTA): o 4.38 -> 4.15 us a launch, every such step 6-60 us slower.
-//   - two CTAs an SM as now, with less shared memory for o (44 KB: its 3-4 stages of a CTA's
-//     work still fit) and q/k/v (52 KB), so that the next kernel's first CTA fits beside them
-//     (gate/up's beside o's, attention's beside q/k/v's; registers allow it): the step within
-//     its noise at 513 / 8193 / 32705 tokens (1444-1465 / 1626-1636 / 1957-1979 us, shipped
-//     1453-1457 / 1627-1632 / 1974-1978, interleaved in one run), q/k/v 5.4 -> 6.5 us a launch.
-//   - gate/up and down in one launch (branch mlp-fused, experiments/mlp_variants): each CTA
-//     keeps its 72 SwiGLU outputs in shared memory, its ring streams on into down_proj's
-//     columns for those features (a tile layout made at upload) and the 3584-row partials go
-//     split-K into an fp32 row with float4 atomics, which the next q/k/v adds to the residual.
-//     Correct (validate unit 2.5e-4, layer 2.3e-3) but 34.7 us a launch against 18.5 + 11.3
-//     for the two, the step 1617 against 1460 us at 513 tokens (H200, tools/kernel_tune.py
-//     step, 2026-11-30). Probes of the same kernel: 19.0 us without the down phase, 24.5 with
-//     down streamed but not multiplied, 27.4 with its mma and no atomics (the step then 1420
-//     us): the reduction of 264 x 3584 partials costs ~7 us in every form tried (float4 red
-//     per pass, float4s spread 8 or 32 floats apart, cp.reduce.async.bulk; clusters of 2 / 4
-//     pushing scalar st.async to the rank that reduces 47.9 / 68.1 us), more than the launch
-//     boundary it removes.
-// Why no layout of the launches gets far below ~3 us a kernel + its bytes at ~4.5 TB/s (gate/up
-// 18.4 us, down 11.1, q/k/v 5.4, o 4.4 at 513 tokens): a dependency itself is cheap, but not
-// free, and a grid barrier is dearer than a launch. tools/decode_probes.py (H200, 2026-11-30),
-// chains of 112 dependent links of 264 CTAs that stage x and write a slice of the next x, us a
-// link: PDL launch + griddepcontrol.wait 1.42 (0.96 with no x, 2.13 with down's 37 KB x); the
-// same rounds in one persistent launch with a grid barrier between them 1.64 (1.17, 2.41);
-// stream order without PDL 1.85. Then x queues behind the weights in flight (kGvEarlyStages),
-// and the ring held back for it restarts the stream one HBM latency late.
+// One launch per GEMV, four a layer: a dependency between launches (PDL launch +
+// griddepcontrol.wait) costs less than a grid barrier inside one persistent kernel, and neither
+// the copies nor the tensor pipe bound a GEMV (its consumers' instruction stream and the wait
+// for x do), so a chain of GEMVs in one launch, or gate/up fused with a split-K down, does not
+// pay. Alternatives measured: docs/EXPERIMENTS.md. Inside the 7B decode step at 513 tokens
+// gate/up takes ~18.8 us a launch (3.7 TB/s; nanoqwen bench FILE --kernels).
 //
 // Epilogues:
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
@@ -151,53 +55,33 @@
 #include "common.cuh"
 #include "kv_cache.cuh"
 
-constexpr int kGvConsumers = 8;  // consumer warps; one producer warp more
-constexpr int kGvThreads = (kGvConsumers + 1) * kWarp;
-constexpr int kGvCtasPerSm = 2;  // = GEMV_CTAS_PER_SM: 2 x 9 warps leave 96 registers a thread
-// Weight bytes per stage to aim for (gate/up: twice). Whole-row stages of 7B's K = 3584 on the
-// H200 (us per launch, tools/kernel_tune.py step): q/k/v 6.2 at 8 KB, 7.0 at 16 KB; o 5.0, 5.4;
-// gate/up 26.7 at 8 KB, 23.2 at 16 KB, 23.8 at 32 KB (small launches want the first stage
-// early, the long one fewer, larger copies). Again with the ring held back for x (2026-11-30,
-// step 1435-1446 us at 513 tokens): 16 KB for q/k/v and o took o 4.38 -> 4.02 us and q/k/v
-// 5.40 -> 5.65, the step within its noise (1444 / 1623 us at 513 / 8193 tokens); for o alone
-// (7B ladder 43/43) o 4.39 -> 3.99 us a launch, yet the step 1454 -> 1451 / 1452 us at 513
-// tokens and 1628 -> 1633 / 1632 at 8193 (bench --kernels times o after o; in the step it
-// follows attention).
-constexpr int kGvStageTarget = 8192;
-constexpr int kGvMaxStages = 8;
-// Stages the producer keeps in flight until x has landed in shared memory: x (an L2 hit) queues
-// behind every weight byte already requested, so a full ring ahead of it delays the consumers'
-// start. Landed stages do not count: a ring filled during a long wait costs x nothing.
-// Measured apart (tools/decode_probes.py, H200, 2026-11-30; 264 CTAs staging a 7 KB x right
-// after griddepcontrol.wait): x lands 448 ns after the wait with nothing in flight, 800 / 1216
-// / 1792 ns behind 16 / 32 / 48 KB of bulk copies a CTA requested just before it, and as late
-// in the CTAs that requested none while every other CTA asked for twice as much (1184 against
-// 1248 ns at 32 KB): the queue is the memory system's, so weights requested anywhere (another
-// CTA's ring, an L2 prefetch) delay every x. None before x (0) is worse still: gate/up 18.3 ->
-// 21.0 us a launch, down 11.0 -> 12.4, the step 1448 -> 1553 us at 513 tokens and 1625 -> 1715
-// at 8193 (tools/kernel_tune.py step, two rounds interleaved, same run).
-constexpr int kGvEarlyStages = 1;
+// From the generated header (nanoqwen/cuda/registry.py, Geometry):
+//   kGvConsumers    consumer warps; one producer warp more (kGvThreads in all)
+//   kGvCtasPerSm    CTAs per SM asked of the register allocator: 2 x 9 warps leave 96
+//                   registers a thread
+//   kGvStageTarget  weight bytes a stage aims at (gate/up: twice): small launches want their
+//                   first stage early, the long ones fewer, larger copies
+//   kGvMaxStages    the most stages in the ring (the launch's dynamic shared memory sets how
+//                   many fit)
+//   kGvEarlyStages  stages the producer keeps in flight until x has landed: x (an L2 hit)
+//                   queues behind every weight byte already requested on the chip, so a full
+//                   ring ahead of it delays the consumers' start (landed stages do not count);
+//                   with none in flight the stream restarts one HBM latency late
+//   kGvFoldMaxK     the largest K that takes offset_word's form (x folded): down's K = 18944
+//                   stays on dequant_word, where folding its x costs more than its stages save
+//   kGvXRegItems    items whose x a consumer lane keeps in registers (16 registers each);
+//                   later items read it from shared memory (gate/up has 2 items a warp, down 3,
+//                   q/k/v and o 1)
+//   kRope, kResidual, kSwiGLU   the epilogue ids (enum Epilogue)
 constexpr int kGroupBytes = kGroupSize / 2;
-// offset_word's form (x folded) for K up to this; above it dequant_word (see offset_word).
-constexpr int kGvFoldMaxK = 8192;
 constexpr bool gv_fold(int K) { return K <= kGvFoldMaxK; }
-// Items whose x a consumer lane keeps in registers (16 registers each); later items read it
-// from shared memory (gate/up has 2 items a warp, down 3, q/k/v and o 1). Whole 7B step on the
-// H200 at 513 / 8193 tokens (tools/kernel_tune.py step, one run, 2026-11-30), items taken one
-// at a time (warp_items): 2 -> 1497 / 1649 us (gate/up 18.29 us a launch, down 11.21); 1 ->
-// 1555 / 1697 (20.65, 11.40); 3 -> 1544 / 1673 (down 11.88). Two at a time with 1: 1540 /
-// 1676 (gate/up 20.15); with 2 gate/up spilled at the 96-register cap.
-constexpr int kGvXRegItems = 2;
-
-enum TcEpilogue { kRope = 0, kResidual = 1, kSwiGLU = 2 };
 
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
 // x in shared memory, 16-byte units swizzled within each group: chunk c (0..15) of group grp
 // sits at unit grp * 16 + (c ^ 2 bit3(c) ^ (grp & 1)). A quarter warp's lanes (g = 2h, 2h + 1;
-// t4 = 0..3) load chunk 4 t4 + q of groups 8o + g: 8 distinct bank quads. Unswizzled they
-// were 4-way conflicts (ncu: 16 wavefronts a load of the x register fill instead of 4, the
-// loads of the items past KR likewise).
+// t4 = 0..3) load chunk 4 t4 + q of groups 8o + g: 8 distinct bank quads (unswizzled, the
+// x register fill and the loads of the items past KR would be 4-way bank conflicts).
 __device__ __forceinline__ int x_unit(int grp, int c) {
   static_assert(kGroupSize / 8 == 16, "16 chunks of 16 bytes per group");
   return grp * 16 + (c ^ (((c >> 3) & 1) << 1) ^ (grp & 1));
@@ -305,10 +189,10 @@ __device__ __forceinline__ void pair_item(const unsigned char* wa, const unsigne
 
 // Items KS.. of the warp, one at a time: its octets o0 + k * dO for k < KR (x in registers),
 // then o0r + k * dO (x from shared memory). One at a time leaves the registers for KR = 2
-// (two at a time, the items' chains interleaved, gate/up then spilled at KR = 2). o0r rotates
-// with the stage, so when the octets do not divide evenly over the warps (down: 19 over 8)
-// every warp takes its share of the extra ones: the warps run up to a ring's length apart
-// (down 14.9 -> 14.6 us per launch; the inter-token latency unchanged at 2.07 ms).
+// (two at a time, the items' chains interleaved, gate/up spills at KR = 2 under the 96-register
+// budget). o0r rotates with the stage, so when the octets do not divide evenly over the warps
+// (down: 19 over 8) every warp takes its share of the extra ones: the warps run up to a ring's
+// length apart.
 template <int KS, int G, int KX, int KR>
 __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsigned char* wb,
                                            const half* sa, const half* sb,
@@ -372,7 +256,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   if (stages < 2) __trap();  // a launch the host must not make
   half* xs = reinterpret_cast<half*>(smem + stages * kStageBytes);
   // The diagonal lanes' sums, [WP * 8][npairs] float2: the epilogue's thread per pair reads
-  // consecutive pairs across a warp (pair-major it read 32-way bank conflicts, ~1 us a launch).
+  // consecutive pairs across a warp (pair-major, it would read 32-way bank conflicts).
   float* xc = reinterpret_cast<float*>(xs + K);  // [G] the groups' offset terms (offset_word)
   float2* red = reinterpret_cast<float2*>(xc + kXcFloats);
   const uint32_t ring = smem_addr(smem);

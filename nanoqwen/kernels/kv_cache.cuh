@@ -3,8 +3,8 @@
 //
 // One cache per layer for K and one for V, fp16 [num_pages][kKVHeads][kPageTokens][kHeadDim]:
 // the 16 token rows of one (page, kv head) form one contiguous tile, so decode attention moves
-// a page of a head with one bulk copy (with the token-major layout before it, one copy per
-// 256-byte row, the copy engine's per-copy cost held attention to ~1.65 TB/s at 32k context).
+// a page of a head with one bulk copy (the copy engine pays per copy: a copy per 256-byte row
+// would bound attention at long context).
 // Inside a tile the 16-byte chunks of token row t are XOR-swizzled: chunk c is stored at
 // c ^ (t % 8). The tile lands in shared memory as it is, and the 8 row addresses of one
 // ldmatrix (8 consecutive tokens, one chunk) then fall on 8 different bank groups.

@@ -15,31 +15,18 @@
 // through cp.async, one tile ahead. Query tiles are issued latest first (they have the most
 // keys), every head of a tile before the next tile (the grid's x is the head), so the long CTAs
 // start early, the short ones fill the tail, and in a single wave (T = 512: 224 CTAs, two an
-// SM) the second CTA an SM gets is a shorter one than the first (13.6-14.0 us against
-// 14.5-18.7 with the query tile as x; T = 2048 83 against 100 us).
+// SM) the second CTA an SM gets is a shorter one than the first. S of the next tile and
+// O += P V of this one are not issued together: ptxas hoists the wait for P V above the
+// softmax, so the overlap would not happen (alternatives measured: docs/EXPERIMENTS.md).
 //
 // Shared memory: every tile is 64 rows x D halves, stored as D / 64 blocks of 64 rows x 128
 // bytes in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7); blocks 8 KB
 // apart, 1024-byte aligned), the layout wgmma's descriptors name: K-major operands step 32 bytes
 // per k16 inside a block and a block per 64 of K; V's descriptor (N-major) has the leading
 // byte offset 8 KB (the next 64 head dims) and the stride byte offset 1024 (the next 8 keys);
-// the reverse reads garbage (H200, 2026-11-30).
+// the reverse reads garbage.
 //
-// Measured (H200, 2026-11-30, 7B shapes): tools/prefill_check.py (20 calls queued behind a
-// spin kernel) 13.4 us a launch at T = 512, 82 at 2048, 1.07 ms at 8192 (449 TFLOP/s). Both
-// kernels in one process (20 calls queued, no spin: at T = 512 the new one is near the
-// host's launch pace): T = 512 13.6 / 13.9 us against 20.9 / 20.8 for the mma.sync kernel this
-// replaces (4 warps of 16 query rows, ldmatrix fragments, 249 registers; ncu: 1.6 warps a
-// scheduler, issue active 16%, tensor pipe 15%: latency bound), T = 2048 83 / 85 against
-// 154 / 158 us, T = 8192 1.23 / 1.23 against 1.91 / 1.95 ms (391 against 250 TFLOP/s).
-// Tried, not kept: issuing S(kb) and O += P(kb-1) V(kb-1) together to take the softmax while
-// P V runs: ptxas hoists the wait for P V above the softmax (pinning P's registers with a
-// later use did not change that), 15.5 / 107 / 1410 us at T = 512 / 2048 / 8192 against
-// 14.7 / 98 / 1263 for this loop (no spin; then with the query tile as the grid's x); in a run
-// the second round of an SM's CTAs taken in reverse order (the longest tile paired with the
-// shortest by %nsmid arithmetic) measured the same as the head-major grid. ncu at T = 512
-// (query-tile-major grid): the SMs busy 60% of the launch, stalls spread over the tile waits,
-// the wgmma waits and the stores.
+// On the 7B shapes a launch at T = 8192 takes ~1.07 ms (449 TFLOP/s; dev/prefill_check.py).
 //
 // Arguments (device pointers, 16-byte aligned, row-major, fp16 bits):
 //   q    fp16 [T, HQ, D]    query (RoPE already applied), row stride HQ * D
@@ -49,16 +36,15 @@
 //   T >= 1 tokens, positions 0..T-1 (the whole prompt; no earlier context).
 // Grid (HQ, ceil(T / 64)), 128 threads, dynamic shared memory Layout<D>::kSmemBytes.
 
-#ifndef NANOQWEN_PREFILL_ATTENTION_CU
-#define NANOQWEN_PREFILL_ATTENTION_CU
 #include "common.cuh"
 #include "wgmma.cuh"
 
 namespace nanoqwen_prefill_attention {
 
-constexpr int kTileQ = 64;    // query rows per CTA: the warpgroup's m64
-constexpr int kTileK = 64;    // keys per K/V tile
-constexpr int kThreads = 128; // one warpgroup
+constexpr int kTileQ = kPrefillAttnTile;  // query rows per CTA: the warpgroup's m64
+constexpr int kTileK = kPrefillAttnTile;  // keys per K/V tile
+constexpr int kThreads = kPrefillAttnThreads;  // one warpgroup
+static_assert(kTileQ == 64 && kThreads == 128, "one warpgroup of m64 query rows");
 constexpr int kBlockBytes = 64 * 128;  // 64 rows x 128 bytes, 128-byte swizzled (8 KB)
 
 template <int D>
@@ -67,7 +53,7 @@ struct Layout {
   static constexpr int kBlocks = D / 64;                 // 128-byte column blocks of a row
   static constexpr int kTileBytes = kBlocks * kBlockBytes;  // one Q, K or V tile
   static constexpr int kSmemBytes = 1024 + 5 * kTileBytes;  // alignment + Q + 2 x K + 2 x V
-  // (nanoqwen/prefill.py repeats this formula)
+  // (host side: nanoqwen/cuda/registry.py prefill_attention_smem_bytes)
 };
 
 // Rows tok0..tok0+63 of one head (row stride `stride` halves) into a swizzled tile: 16-byte
@@ -238,4 +224,3 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   }
 }
 
-#endif  // NANOQWEN_PREFILL_ATTENTION_CU

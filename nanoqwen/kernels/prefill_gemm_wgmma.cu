@@ -3,37 +3,50 @@
 //   out[M, N] fp16 = A[M, K] fp16 @ dequant(W)^T  (+ bias[N]) (+ residual[M, N])
 //   or, SWIGLU:  out[M, N/2] = silu(A @ Wgate^T) * (A @ Wup^T)   with W = [Wgate; Wup]
 //
-// Same contract as prefill_gemm.cu (the mma.sync kernel, which stays the fallback); this one
-// computes the transposed product out^T = W x A^T so that the dequantized weight is the wgmma
-// A operand *from registers* and the activations are the B operand from shared memory:
+// A prefill GEMM is compute bound (at M = 512 an INT4 weight byte feeds 2 x 512 multiply-adds),
+// so the weights are dequantized inside the main loop, straight into tensor-core fragments, and
+// never touch memory as fp16. The kernel computes the transposed product out^T = W x A^T so that
+// the dequantized weight is the wgmma A operand *from registers* and the activations are the B
+// operand from shared memory:
 //
 //   wgmma.mma_async m64nBTk16: D[64 weight rows][BT tokens] += Wfrag[64][16] x Atile[BT][16]^T
 //
-// Grid: stream-K, one CTA per SM (gridDim.x <= the SMs, all resident at once). The launch's
-// output tiles (128 weight rows x BT tokens) times their K/128 scale groups form one range of
-// iterations, cut into gridDim.x equal parts (Split, Segment below): a CTA runs the tiles of
-// its part one segment at a time, from its last to its first, and a tile cut between CTAs is
-// finished by the one holding its last group (the owner), which adds the others' fp32 sums
-// (handed over through `partials` and `flags` as their first work) before the epilogue. Every
-// SM busy to the end: at M = 512 (H200, tools/prefill_check.py) down took 0.119 ms against
-// 0.149 for one CTA per tile (112 CTAs, 20 SMs idle), gate_up 0.218 against 0.240 (4.5
-// waves), and the 512-token prefill 13.8 -> 12.8 ms.
+// Arguments (fp16 = IEEE half bits; row-major; all addresses 16-byte aligned; no aliasing except
+// that `residual` may equal `out`: each element is read and then written by one thread):
+//   a_map     CUtensorMap of A fp16 [M, K] (the activations, row stride K): boxes of 64 K x BT
+//             tokens in the 128-byte swizzle; rows past M arrive as zeros
+//   w_map     CUtensorMap of qweight uint32 [N, K/8] (ValueShuffle words: word j of row n holds
+//             K-elements 8j..8j+7, element 8j + 2i at bits 4i, 8j + 2i + 1 at bits 16 + 4i, int4
+//             in [-8, 7]): boxes of 64 rows x 8 words (32 B). With SWIGLU rows 0..N/2-1 are the
+//             gate, N/2..N-1 the up projection
+//   scales    fp16  [N, K/128]    one scale per weight row and 128-group of K: w = q * scale
+//   bias      fp16  [N] or null   added in fp32 (not used with SWIGLU)
+//   residual  fp16  [M, N] or null  added in fp32 (not used with SWIGLU)
+//   out       fp16  [M, N]        ([M, N/2] with SWIGLU)
+//   M, N, K   M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even count)
+//   partials  fp32  [gridDim.x, BT/2, 256]  the stream-K hand-over, one part per CTA
+//   flags     int32 [gridDim.x]   zero before the first launch; every launch leaves them zero
+// K keeps its natural order (no permutation): the register A fragment's k indices are exactly
+// ValueShuffle's nibble pairs (below). The launcher (nanoqwen/cuda/prefill.py) makes the tensor
+// maps and checks every condition; grid min(tiles x K/128, SMs) x 1 x 1, kThreads threads,
+// dynamic shared memory smem_bytes<BT, STAGES, SWIGLU>() (registry.gemm_smem_bytes).
+//
+// Grid: stream-K, one CTA per SM (gridDim.x <= the SMs, all resident at once), so every SM is
+// busy to the end. The launch's output tiles (128 weight rows x BT tokens) times their K/128
+// scale groups form one range of iterations, cut into gridDim.x equal parts (Split, Segment
+// below): a CTA runs the tiles of its part one segment at a time, from its last to its first,
+// and a tile cut between CTAs is finished by the one holding its last group (the owner), which
+// adds the others' fp32 sums (handed over through `partials` and `flags` as their first work)
+// before the epilogue.
 //
 // CTA: 3 warpgroups (384 threads).
 //   WG 0     producer: setmaxnreg.dec to 40; thread 0 alone fills a STAGES-deep ring of
 //            k-tiles (64 K wide) with three TMA copies each, on the stage's "full" mbarrier
-//            (arrive.expect_tx): the activations (a_map, the tensor map of A [M, K]: a box of
-//            64 K x BT tokens in the 128-byte swizzle; rows past M arrive as zeros) and two
-//            boxes of 64 weight rows x 32 B (w_map, the map of qweight [R, K/8]).
-//            Loaded by the producer warps with cp.async instead (16 + 2 copies of 16 bytes a
-//            thread a k-tile), the ring was the bound: gate_up took 0.278 ms with the wgmma
-//            left out against 0.319 with it (H200, tools/prefill_check.py, M = 512), while
-//            this k-loop with no loads at all ran its wgmma and dequantization at 950 TFLOP/s
-//            (branch prefill-tma-experiment). TMA for the activations took gate_up to 0.243
-//            ms, down 0.195 -> 0.149, q/k/v 0.073 -> 0.058, o 0.055 -> 0.047; for the weights
-//            too, the same within 2% (kept: one thread, one arrival per stage). The ring runs
-//            on across the CTA's segments; after an owner's segment the producer waits for
-//            the epilogue (which stages its tile in the ring) on the "epi" mbarrier.
+//            (arrive.expect_tx): the activations (a box of a_map) and two boxes of 64 weight
+//            rows (w_map). TMA for both: one thread issues a stage, with one arrival (producer
+//            warps loading 16-byte cp.async copies make the ring the bound). The ring runs on
+//            across the CTA's segments; after an owner's segment the producer waits for the
+//            epilogue (which stages its tile in the ring) on the "epi" mbarrier.
 //   WG 1, 2  consumers: setmaxnreg.inc to 232; consumer c owns CTA weight rows 64c..64c+63
 //            and all BT tokens: fp32 accumulators m64nBT = BT/2 registers per thread.
 //            Per k-tile: wait "full", read its 64 rows x 32 bytes of INT4 from shared memory,
@@ -43,52 +56,17 @@
 //            consumer warp; a segment's last stage once its wgmma are done). A fragments are
 //            double-buffered (the k-loop is unrolled by two: one scale group) so the next
 //            tile's dequantization overlaps the in-flight wgmma.
-// CTA tile: 128 weight rows (= 128 output columns, or 64 SwiGLU outputs) x BT tokens x 64 K.
-// Shared memory per stage: activations BT rows x 128 B in the 128-byte swizzle that the TMA
-// writes and the wgmma descriptor names (16-byte chunk c of row r sits at chunk c ^ (r & 7);
-// each stage is 1024-byte aligned) + weights 128 rows x 32 B (plain, in the order of the two
-// boxes: weight_slot; consumers read them with 16-byte loads).
-//
-// Register A fragment (PTX ISA "wgmma .m64nNk16 register fragment layout for matrix A": per
-// warp the same as mma.m16n8k16's A; warp w of the warpgroup holds rows 16w..16w+15). Lane
-// (g = lane/4, t = lane%4) holds, per k-step s (16 K), K = 16s + {2t, 2t+1} (+8) of rows g and
-// g+8: a0 = (g, 2t..), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..). In ValueShuffle,
-// K = 8j + 2i, 8j + 2i + 1 is nibble pair i of word j, read as (w >> 4i) & 0x000F000F: so a0 is
-// pair t of word 2s of row g, a2 pair t of word 2s+1, a1/a3 the same for row g+8. Each word
-// is read by the 4 lanes of a quad, each extracting its own pair: no dequantization is done
-// twice, only the (cheap, broadcast) shared loads repeat.
-// Accumulator D (same section): d[4j + e] = (row g, token 8j + 2t + e), d[4j + 2 + e] =
-// (row g + 8, same token), j = 0..BT/8-1, e = 0..1.
-//
-// SWIGLU: CTA-local weight row r = 16 b + 8 h + g (b = r/16, h = 0/1, g = r%8) holds
-// gate (h = 0) or up (h = 1) row of output column 64 * tile_n + 8 b + g, so the thread
-// holding accumulator row g (gate) also holds row g + 8 (up) of the same column and token.
-//
-// Epilogue (owners): the parts of the CTAs before (in CTA order, nearest first), bias /
-// SwiGLU in registers, then the tile goes through shared memory (fp32, [BT][cols + 4],
-// reusing the ring) so that each thread stores 16 contiguous bytes of one token row and adds
-// the residual there in fp32 (out may alias residual: each element is read and then written
-// by one thread). A part: the 256 consumer threads' BT/2 accumulators, [BT/2][256] fp32 at
-// partials + CTA x BT/2 x 256 (__stcg, then the flag set with st.release.gpu); the owner
-// acquires the flag, resets it to 0 (each part is read once: every launch finds them zero)
-// and reads the part with __ldcg.
-//
-// Arguments: as prefill_gemm.cu, but A and qweight come as tensor maps (a_map, w_map; made
-// by nanoqwen/prefill.py), plus partials (fp32, gridDim.x x BT/2 x 256) and flags (int32,
-// gridDim.x, zero). M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even count);
-// all pointers 16-byte aligned. nanoqwen/prefill.py checks every condition.
 
-#ifndef NANOQWEN_PREFILL_GEMM_WGMMA_CU
-#define NANOQWEN_PREFILL_GEMM_WGMMA_CU
 #include "common.cuh"
 #include "wgmma.cuh"
 
 namespace nanoqwen_wgmma {
 
-constexpr int kBK = 64;             // K per k-tile: one 128-byte swizzle row of fp16
+constexpr int kBK = kPrefillKTile;  // K per k-tile: one 128-byte swizzle row of fp16
 constexpr int kGroup = 128;         // INT4 group along K: two k-tiles share a scale
-constexpr int kRows = 128;          // weight rows per CTA (two consumer warpgroups x 64)
-constexpr int kThreads = 384;       // producer warpgroup + 2 consumer warpgroups
+constexpr int kRows = kPrefillRows;  // weight rows per CTA (two consumer warpgroups x 64)
+constexpr int kThreads = kPrefillThreads;  // producer warpgroup + 2 consumer warpgroups
+static_assert(kBK == 64 && kRows == 128 && kThreads == 384, "the layout below is built for these");
 constexpr int kProducerRegs = 40;   // setmaxnreg budgets: 40 * 128 + 232 * 256 <= 65536
 constexpr int kConsumerRegs = 232;
 constexpr int kEpilogueBarrier = 1; // named barrier id of the 256 consumer threads
@@ -98,6 +76,11 @@ constexpr unsigned kLoMask = 0x000F000Fu;   // nibble pair (after the lane's shi
 constexpr unsigned kMagic = 0x64086408u;    // fp16 1032 | nibble: XOR with the nibble's sign bit
                                             // gives 1024 + (v + 8); minus 1032 = v, exact
 
+// CTA tile: 128 weight rows (= 128 output columns, or 64 SwiGLU outputs) x BT tokens x 64 K.
+// Shared memory per stage: activations BT rows x 128 B in the 128-byte swizzle that the TMA
+// writes and the wgmma descriptor names (16-byte chunk c of row r sits at chunk c ^ (r & 7);
+// each stage is 1024-byte aligned) + weights 128 rows x 32 B (plain, in the order of the two
+// boxes: weight_slot; consumers read them with 16-byte loads).
 template <int BT, int STAGES>
 struct Layout {
   static constexpr int kActBytes = BT * kBK * 2;   // BT rows x 128 B
@@ -114,13 +97,11 @@ struct Staging {
   static constexpr int kBytes = BT * kStride * 4;
 };
 
-// Dynamic shared memory the launcher must pass (nanoqwen/prefill.py repeats this formula):
-// 1024 bytes of alignment slack + max(ring, epilogue staging) + 2 * STAGES + 1 mbarriers.
-// The staging reuses the ring; given its own space past the ring where both fit (all but 256
-// tokens without SwiGLU), so that the producer refills the ring during an owner's epilogue,
-// it measured the same (H200, tools/prefill_check.py, two runs interleaved with the shared
-// form: gate_up 0.2153 / 0.2158 ms against 0.2138 / 0.2224, down at 128 tokens 0.1415 /
-// 0.1417 against 0.1468 / 0.1335; TTFT 12.9-13.2 ms both ways).
+// Dynamic shared memory the launcher must pass (its host side: nanoqwen/cuda/registry.py
+// gemm_smem_bytes): 1024 bytes of alignment slack + max(ring, epilogue staging) + 2 * STAGES + 1
+// mbarriers. The staging reuses the ring (the producer waits on "epi" before refilling it): a
+// space of its own, letting the producer refill during an owner's epilogue, saves nothing
+// measurable (docs/EXPERIMENTS.md).
 template <int BT, int STAGES, bool SWIGLU>
 constexpr int smem_bytes() {
   return 1024 +
@@ -130,8 +111,19 @@ constexpr int smem_bytes() {
          (2 * STAGES + 1) * 8;
 }
 
+// Register A fragment (PTX ISA "wgmma .m64nNk16 register fragment layout for matrix A": per
+// warp the same as mma.m16n8k16's A; warp w of the warpgroup holds rows 16w..16w+15). Lane
+// (g = lane/4, t = lane%4) holds, per k-step s (16 K), K = 16s + {2t, 2t+1} (+8) of rows g and
+// g+8: a0 = (g, 2t..), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..). In ValueShuffle,
+// K = 8j + 2i, 8j + 2i + 1 is nibble pair i of word j, read as (w >> 4i) & 0x000F000F: so a0 is
+// pair t of word 2s of row g, a2 pair t of word 2s+1, a1/a3 the same for row g+8. Each word
+// is read by the 4 lanes of a quad, each extracting its own pair: no dequantization is done
+// twice, only the (cheap, broadcast) shared loads repeat.
+// Accumulator D (same section): d[4j + e] = (row g, token 8j + 2t + e), d[4j + 2 + e] =
+// (row g + 8, same token), j = 0..BT/8-1, e = 0..1.
+
 // Nibble pair (shift = 4i) of a ValueShuffle word -> fp16x2 (v(2i), v(2i+1)) * scale, one
-// rounding (the subtraction is exact), as prefill_gemm.cu and the reference.
+// rounding (the subtraction is exact), as the reference rounds.
 __device__ __forceinline__ unsigned dequant_pair(unsigned w, unsigned shift, unsigned scale2) {
   const unsigned p = ((w >> shift) & kLoMask) ^ kMagic;
   return hmul2(hsub2(p, kMagic), scale2);
@@ -156,7 +148,10 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
-// CTA-local weight row r -> global weight row (see SWIGLU above).
+// SWIGLU: CTA-local weight row r = 16 b + 8 h + g (b = r/16, h = 0/1, g = r%8) holds
+// gate (h = 0) or up (h = 1) row of output column 64 * tile_n + 8 b + g, so the thread
+// holding accumulator row g (gate) also holds row g + 8 (up) of the same column and token.
+// CTA-local weight row r -> global weight row.
 template <bool SWIGLU>
 __device__ __forceinline__ int weight_row(int tile_n, int r, int N) {
   if (!SWIGLU) return tile_n * kRows + r;
@@ -267,9 +262,7 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   }
   __syncthreads();
   // PDL: the next kernel may be scheduled as SMs free up (it waits for this whole grid);
-  // nothing global is read or written before the previous kernel has finished. PDL over the
-  // prefill's kernels: 512-token TTFT 12.76 / 12.82 ms against 13.05 / 13.04 without (7B,
-  // H200, tools/ttft_profile.py, interleaved in one process).
+  // nothing global is read or written before the previous kernel has finished.
   pdl_trigger();
   pdl_wait();
 
@@ -378,7 +371,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
 
     if (!seg.owner(sp.groups)) {
       // A head or middle part of a tile (this CTA's first segment): hand the sums to the
-      // owner through `partials` (coalesced: [kAcc][256] per CTA), then raise the flag.
+      // owner through `partials` (coalesced: [kAcc][256] fp32 at partials + CTA x kAcc x 256,
+      // __stcg), then raise the flag with st.release.gpu.
       float* part = partials + (long)blockIdx.x * kAcc * 256;
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) __stcg(part + i * 256 + ctid, acc[i]);
@@ -390,7 +384,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
       continue;
     }
     // The owner (this segment ends the tile): add the parts of the CTAs before it that the
-    // tile began in (when this segment does not begin it), nearest first.
+    // tile began in (when this segment does not begin it), nearest first: acquire the flag,
+    // reset it to 0 (each part is read once: every launch finds them zero), read with __ldcg.
     for (int c = blockIdx.x - 1; seg.g0 > 0; --c) {
       if (ctid == 0) {
         while (ld_acquire_gpu(flags + c) == 0) {
@@ -405,6 +400,10 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     }
 
     // ---------------------------------------------------------------------------- epilogue
+    // (owners) Bias / SwiGLU in registers, then the tile goes through shared memory (fp32,
+    // [BT][cols + 4], reusing the ring) so that each thread stores 16 contiguous bytes of one
+    // token row and adds the residual there in fp32 (out may alias residual: each element is
+    // read and then written by one thread).
     // Both consumer warpgroups must be done reading the ring before it becomes staging.
     named_barrier_sync(kEpilogueBarrier, 256);
     if (SWIGLU) {
@@ -470,4 +469,3 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   }
 }
 
-#endif  // NANOQWEN_PREFILL_GEMM_WGMMA_CU

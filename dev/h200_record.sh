@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The GPU record through the product's own commands, in two parts that each fit one device
+# call (10 minutes). Logs land in $OUT, a status table comes last.
+#
+#   bash dev/h200_record.sh bench      pack the synthetic 7B; bench it at prompt 512 (with
+#                                      --kernels, --plot, --baseline transformers), 8192 and
+#                                      32704 (+64); the whole validation ladder on the 7B
+#   bash dev/h200_record.sh rest       the ladder on the synthetic 1.5B, a CUDA-backed server
+#                                      timed for one client (dev/load_test.py), where the
+#                                      7B's TTFT goes (dev/ttft_profile.py), the GPU tests
+#
+# The bench results keep stable names, overwritten by every run, in $OUT/results/:
+# h200_7b_synthetic_{512,8k,32k}.json and h200_7b_synthetic_itl_{512,32k}.png. They are
+# copied into benchmarks/results/ as they are; git keeps their history.
+#
+# The synthetic packs are seeded (identical bytes every time), so a pack already under /tmp
+# is reused. Wheels for the HTTP stack, when the machine lacks them, are installed from .whl/.
+set -uo pipefail
+PART=${1:?usage: h200_record.sh bench|rest}
+OUT=${OUT:-/tmp/nanoqwen-record}
+RESULTS=$OUT/results
+mkdir -p "$OUT" "$RESULTS"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.:${PYTHONPATH:-}
+nq() { python3 -m nanoqwen.cli "$@"; }
+declare -a ROWS
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember status and seconds
+    local name=$1 t0=$SECONDS
+    shift
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    ROWS+=("$(printf '%-16s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - t0)))")
+    echo "${ROWS[-1]}"
+}
+pack() {  # pack PRESET PATH (skipped when PATH exists: the synthetic packs are deterministic)
+    [ -f "$2" ] || step "pack-$1" nq pack --synthetic "$1" --no-progress -o "$2"
+}
+report() {
+    for f in "$@"; do
+        echo "==== $f"
+        tail -n 40 "$OUT/$f.log"
+    done
+    echo "==== steps"
+    printf '%s\n' "${ROWS[@]}"
+}
+
+serve_once() {  # one client against a CUDA-backed server: TTFT of the stream and tokens/s
+    nq serve /tmp/s7b.nanoqwen --backend cuda --port 8011 --log-level warning &
+    local pid=$!
+    for _ in $(seq 120); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8011/health')" \
+            2>/dev/null && break
+        sleep 1
+    done
+    python3 dev/load_test.py --url http://127.0.0.1:8011 --concurrency 1 --requests 5 \
+        --max-tokens 128 --endpoint chat
+    local rc=$?
+    kill "$pid"
+    wait "$pid"
+    return $rc
+}
+
+# Most important first: a call cut short at its time limit still returns what is in $OUT.
+if [ "$PART" = bench ]; then
+    pack 7b /tmp/s7b.nanoqwen
+    step bench-512 nq bench /tmp/s7b.nanoqwen --kernels \
+        --plot "$RESULTS/h200_7b_synthetic_itl_512.png" --baseline transformers \
+        --json "$RESULTS/h200_7b_synthetic_512.json"
+    step bench-8k nq bench /tmp/s7b.nanoqwen --prompt-len 8192 --warmup 1 --runs 5 --kernels \
+        --json "$RESULTS/h200_7b_synthetic_8k.json"
+    step bench-32k nq bench /tmp/s7b.nanoqwen --prompt-len 32704 --gen-len 64 --warmup 1 \
+        --runs 3 --kernels --plot "$RESULTS/h200_7b_synthetic_itl_32k.png" \
+        --json "$RESULTS/h200_7b_synthetic_32k.json"
+    step validate-7b nq validate /tmp/s7b.nanoqwen --tier all
+    report bench-512 bench-8k bench-32k validate-7b
+else
+    pack 1.5b /tmp/s15.nanoqwen
+    step validate-1.5b nq validate /tmp/s15.nanoqwen --tier all
+    pack 7b /tmp/s7b.nanoqwen
+    step serve-7b serve_once
+    step ttft-7b python3 dev/ttft_profile.py /tmp/s7b.nanoqwen
+    step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests
+    report validate-1.5b serve-7b ttft-7b gpu-tests
+fi

@@ -1,0 +1,138 @@
+"""Launchers of the decode kernels (gemv_int4.cu, decode_attention.cu, decode_misc.cu).
+
+`DecodeKernels(gpu, config)` builds the registry's decode specs (registry.decode_specs) and
+exposes one method per kernel. Every pointer is a device address (int); every method takes
+`stream` (a cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). Shapes
+are fixed by the config (constexpr in the kernels); the docstrings repeat each argument's
+dtype, shape and layout from the .cu files. The prefill shares embed, rmsnorm and rope_kv.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import GROUP_SIZE, ModelConfig
+from . import registry
+from .device import Gpu
+from .launcher import Launcher
+
+_I32 = np.int32
+
+
+class DecodeKernels(Launcher):
+    def __init__(
+        self,
+        gpu: Gpu,
+        config: ModelConfig,
+        geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+        *,
+        pdl: bool = True,
+    ) -> None:
+        super().__init__(gpu, config, registry.decode_specs(config, geometry), geometry, pdl=pdl)
+        g = self.geometry
+        # One carveout for the step's kernels: overlapping (PDL) kernels with different
+        # carveouts make an SM drain before it reconfigures.
+        for key in ("gemv_qkv", "gemv_o", "gemv_gate_up", "gemv_down", "embed", "lm_head",
+                    "sample", "attention"):  # fmt: skip
+            gpu.set_smem_carveout(self.kernels[key], g.smem_carveout)
+        # The GEMVs run a persistent grid: as many CTAs as are resident at once.
+        self._gemv_ctas = {
+            key: min(g.gv_ctas_per_sm, self.ctas_per_sm(key)) * gpu.num_sms
+            for key in self.kernels
+            if key.startswith("gemv_")
+        }
+        # Attention splits: whole clusters, at most attn_splits, about attn_ctas CTAs in all.
+        cl = g.attn_cluster
+        per_head = min(g.attn_splits, g.attn_ctas // config.num_kv_heads)
+        self.attn_splits = max(cl, per_head // cl * cl)
+
+    def embed(self, ids: int, embed: int, x: int, T: int, stream=None) -> None:
+        """ids int32 [T] (device); embed fp16 [V, H]; x fp16 [T, H] = embed[ids]."""
+        self.launch("embed", (T, 1, 1), ids, embed, x, stream=stream,
+                    nbytes=T * self.config.hidden_size * 2)  # fmt: skip
+
+    def rmsnorm(self, x: int, w: int, y: int, T: int, stream=None) -> None:
+        """x fp16 [T, H]; w fp16 [H]; y fp16 [T, H] = x * rsqrt(mean(x^2) + eps) * w."""
+        grid = (-(-T // self.geometry.norm_rows), 1, 1)
+        self.launch("rmsnorm", grid, x, w, y, _I32(T), stream=stream)
+
+    def gemv(self, kind, x, norm_w, qweight, scales, out, n, stream=None) -> None:
+        """One INT4 GEMV (batch 1), fp32 accumulate.
+
+        kind     "o" / "down" (out += W x, in place: the residual stream),
+                 "gate_up" (RMSNorm + SwiGLU over the stacked [gate; up] weight)
+        x        fp16 [K]; norm_w fp16 [K] (gate_up) or 0
+        qweight  uint32 [R, K/8] ValueShuffle rows; scales fp16 [R, K/128]; R = n (gate_up: 2n)
+        out      fp16 [n]
+        """
+        self._gemv(kind, n, stream, x, norm_w, qweight, scales, 0, out, _I32(n), 0, 0, 0, 0, 0)
+
+    def qkv_rope(self, x, norm_w, qweight, scales, bias, pos, rope, pages, kc, vc, q,
+                 stream=None) -> None:  # fmt: skip
+        """RMSNorm + fused q/k/v INT4 GEMV + bias + RoPE + K/V page write (decode, one token).
+
+        x fp16 [H]; norm_w fp16 [H]; qweight uint32 [q+2kv, H/8]; scales fp16 [q+2kv, H/128];
+        bias fp16 [q+2kv]; pos int32* (device); rope float32 [max_pos, D/2, 2] (cos, sin);
+        pages int32 [max_pages]; kc, vc the layer's K/V caches (engine.kv_cache's device
+        layout); q fp16 [n_heads, D].
+        """
+        n = self.config.q_size + 2 * self.config.kv_size
+        self._gemv("qkv", n, stream, x, norm_w, qweight, scales, bias, q, _I32(n), pos, rope,
+                   pages, kc, vc)  # fmt: skip
+
+    def _gemv(self, kind: str, n: int, stream, *args) -> None:
+        key = f"gemv_{kind}"
+        k = self.specs[key].targs[0]
+        rows = 2 * n if kind == "gate_up" else n  # [gate; up] stacked
+        pairs = n if kind == "gate_up" else -(-n // 2)  # output rows are taken two at a time
+        grid = (min(self._gemv_ctas[key], pairs), 1, 1)
+        self.launch(key, grid, *args, stream=stream, label=f"gemv {kind}",
+                    nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
+
+    def rope_kv(self, qkv, pos, rope, pages, kc, vc, q, k_out, v_out, T, stream=None) -> None:
+        """RoPE + paged K/V write for T tokens at positions *pos .. *pos + T - 1.
+
+        qkv fp16 [T, q+2kv] (bias added); pos int32* (device); rope float32 [max_pos, D/2, 2]
+        (cos, sin); pages int32 [max_pages]; kc, vc the layer's K/V caches (engine.kv_cache's
+        device layout); q fp16 [T, n_heads, D]; k_out, v_out fp16 [T, n_kv, D] or 0.
+        """
+        self.launch("rope_kv", (T, 1, 1), qkv, pos, rope, pages, kc, vc, q, k_out, v_out,
+                    stream=stream, label="rope_kv_write")  # fmt: skip
+
+    def attention(self, q, kc, vc, pages, pos, part_ml, part_acc, counters, out,
+                  stream=None) -> None:  # fmt: skip
+        """Decode attention of one token over L = *pos + 1 cached tokens, split along the
+        sequence in `attn_splits` CTAs a kv head with the split-combine folded in (one launch).
+
+        q fp16 [n_heads, D]; kc, vc the layer's K/V caches (engine.kv_cache's device layout);
+        pages int32 [max_pages]; part_ml fp32 [n_heads, S, 2]; part_acc fp32 [n_heads, S, D]
+        (scratch, S = geometry.attn_splits); counters int32 [n_kv] (zeroed once; every launch
+        leaves it zero); out fp16 [n_heads, D].
+        """
+        c = self.config
+        self.launch("attention", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages, pos,
+                    part_ml, part_acc, counters, out, stream=stream,
+                    per_token=c.kv_size * 2 * 2)  # fmt: skip
+
+    def lm_head(self, x, norm_w, w, logits, key, stream=None, rows: int | None = None) -> None:
+        """x fp16 [H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H]; logits fp32 [V];
+        key uint64* (atomicMax of the (logit, -id) key; zero before first use).
+        rows: only the first `rows` rows of w (the unit tests' small vocabularies)."""
+        v = self.config.vocab_size if rows is None else rows
+        ctas = min(-(-v // self.geometry.lm_warps), self.gpu.num_sms)
+        self.launch("lm_head", (ctas, 1, 1), x, norm_w, w, logits, key, _I32(v), stream=stream,
+                    nbytes=v * self.config.hidden_size * 2)  # fmt: skip
+
+    def sample(self, logits, key, state, ring, host_ring, cancel, cond, stream=None) -> None:
+        """Pick the next token and advance the decode state.
+
+        logits fp32 [V]; key uint64* (lm_head's argmax key; re-zeroed); state int32
+        [registry.STATE_WORDS]; ring int32 [max_new] (device: ring[step] = token); host_ring
+        int32* mapped host memory (or 0): host_ring[step] = token, then host_ring[-1] = the
+        count; cancel int32* mapped host flag (or 0): nonzero stops after this token; cond the
+        generation while loop's GraphCondition (or 0): set to "not done".
+        """
+        cond_arg = cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
+        self.launch("sample", (1, 1, 1), logits, key, state, ring, host_ring, cancel, cond_arg,
+                    _I32(self.config.vocab_size), stream=stream,
+                    nbytes=self.config.vocab_size * 4)  # fmt: skip

@@ -1,0 +1,172 @@
+"""Launchers of the prefill kernels: the INT4 tensor-core GEMM (prefill_gemm_wgmma.cu) and the
+causal GQA attention over a whole prompt (prefill_attention.cu).
+
+`PrefillKernels(gpu, config)` builds the registry's prefill specs (one GEMM instantiation per
+registry.GEMM_TILES entry, then attention). `gemm` and `attention` check shapes in Python,
+raising ValueError with the numbers before anything reaches the GPU, and launch.
+
+Pointers: every buffer argument is a device address: an int (a `DeviceArray.ptr`), an object
+with `.ptr` (a DeviceArray), `.data_ptr()` (a torch tensor) or `.handle` (a cuda.core Buffer).
+Streams: `stream=None` means the Gpu's stream.
+
+The GEMM is stream-K: one CTA per SM, each an equal share of the output tiles' K groups; a
+tile cut between CTAs is summed up through the parts buffer and flags this class owns. It
+reads A and the weights through TMA descriptors, which `gemm` makes (and keeps) per buffer
+and shape; `pick_gemm` chooses the tile (128 or 256 tokens) by padded work over the tile's
+measured rate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import GROUP_SIZE, ModelConfig
+from . import registry
+from .device import Gpu
+from .launcher import Launcher
+
+_MAX_MAPS = 512  # TMA descriptors kept (each 128 bytes): prompt buffers x shapes x weights
+
+
+def _ptr(x) -> int:
+    """Device address of an int, a DeviceArray, a torch tensor or a cuda.core Buffer."""
+    if isinstance(x, int):
+        return x
+    if hasattr(x, "ptr"):
+        return int(x.ptr)
+    if hasattr(x, "data_ptr"):
+        return int(x.data_ptr())
+    if hasattr(x, "handle"):
+        return int(x.handle)
+    return int(x)
+
+
+class PrefillKernels(Launcher):
+    """The prefill kernels of one model, compiled and ready to launch.
+
+    tiles: the GEMM tile table (dev/prefill_check.py passes extra ones to time them).
+    """
+
+    def __init__(
+        self,
+        gpu: Gpu,
+        config: ModelConfig,
+        geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+        tiles: tuple[registry.GemmTile, ...] = registry.GEMM_TILES,
+        *,
+        pdl: bool = True,
+    ) -> None:
+        specs = registry.prefill_specs(config, geometry, tiles)
+        super().__init__(gpu, config, specs, geometry, pdl=pdl)
+        self.gemms = [s for s in self.specs.values() if s.tile is not None]
+        self._maps: dict = {}
+        # The stream-K hand-over: a part of fp32 sums per CTA (256 consumer threads x
+        # tokens / 2 accumulators; one CTA per SM: 17 MB on an H200) and its flag, zero
+        # between launches (each owner resets the flags it consumed).
+        n = gpu.num_sms
+        tokens = max(s.tile.tokens for s in self.gemms)
+        self._parts = gpu.alloc(n * 256 * tokens // 2 * 4, "prefill parts")
+        self._flags = gpu.alloc(n * 4, "prefill part flags")
+        gpu.memset(self._flags.ptr, 0, n * 4)
+
+    # -- GEMM ---------------------------------------------------------------------------------
+    def pick_gemm(self, M: int, swiglu: bool = False) -> registry.KernelSpec:
+        """The tile of least estimated time: every SM is busy to the end (stream-K), so the
+        time is the padded work ceil(M / tokens) x tokens over the tile's rate. Ties go to the
+        first tile of the table."""
+        best, best_cost = None, None
+        for spec in self.gemms:
+            t = spec.tile
+            if t.swiglu != swiglu:
+                continue
+            cost = -(-M // t.tokens) * t.tokens / t.tflops
+            if best_cost is None or cost < best_cost:
+                best, best_cost = spec, cost
+        return best
+
+    def gemm(
+        self,
+        a,
+        qweight,
+        scales,
+        bias,
+        out,
+        M: int,
+        N: int,
+        K: int,
+        residual=None,
+        *,
+        swiglu: bool = False,
+        spec: registry.KernelSpec | None = None,
+        label: str = "prefill gemm",
+        stream=None,
+    ) -> None:
+        """out = a @ dequant(qweight, scales)^T (+ bias) (+ residual), fp32 accumulate.
+
+        a        fp16   [M, K] row-major activations (M >= 1, any)
+        qweight  uint32 [N, K/8] ValueShuffle words, row-major (nanoqwen.quant)
+        scales   fp16   [N, K/128] one scale per output row and 128-group of K
+        bias     fp16   [N] or None
+        out      fp16   [M, N]; with swiglu=True [M, N/2]: the weight is [gate; up] stacked
+                 (rows 0..N/2-1 gate, N/2..N-1 up) and out = silu(a @ gate^T) * (a @ up^T)
+        residual fp16   [M, N] or None; added in fp32 before rounding; may be `out` itself
+        K % 128 == 0, N % 128 == 0. All pointers 16-byte aligned.
+        spec     a GEMM spec of this launcher (default: pick_gemm's)
+        label    the launch's name for on_launch (the engine names the projection)
+        """
+        rows = self.geometry.prefill_rows
+        if M < 1 or K < GROUP_SIZE or K % GROUP_SIZE:
+            raise ValueError(f"prefill gemm: need M >= 1 and K % {GROUP_SIZE} == 0; M={M} K={K}")
+        if N < rows or N % rows:
+            raise ValueError(f"prefill gemm: N={N} must be a positive multiple of {rows}")
+        if swiglu and (bias is not None or residual is not None):
+            raise ValueError("prefill gemm: swiglu takes no bias and no residual")
+        spec = spec if spec is not None else self.pick_gemm(M, swiglu)
+        if spec.tile is None or spec.tile.swiglu != swiglu:
+            raise ValueError(f"prefill gemm: {spec.expression} does not match swiglu={swiglu}")
+        ptrs = [_ptr(x) for x in (a, qweight, scales, out)]
+        res_ptr = 0 if residual is None else _ptr(residual)
+        if any(p % 16 for p in (*ptrs, res_ptr)):  # the epilogue reads 16-byte residuals
+            raise ValueError(
+                f"prefill gemm: pointers must be 16-byte aligned, got {ptrs} residual {res_ptr}"
+            )
+        tokens, k_tile = spec.tile.tokens, self.geometry.prefill_k_tile
+        # Stream-K: the launch's iterations (tiles x K groups) cut evenly over the CTAs.
+        iterations = -(-M // tokens) * (N // rows) * (K // GROUP_SIZE)
+        grid = (min(iterations, self.gpu.num_sms), 1, 1)
+        a_map = self._map(ptrs[0], M, K, tokens, k_tile, True)  # boxes of k_tile x tokens
+        w_map = self._map(ptrs[1], N, K // 8, 64, k_tile // 8, False)  # 64 rows x 8 words
+        with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
+            self.launch(spec.key, grid, a_map, w_map, ptrs[2], 0 if bias is None else _ptr(bias),
+                        res_ptr, ptrs[3], np.int32(M), np.int32(N), np.int32(K),
+                        self._parts.ptr, self._flags.ptr, stream=stream, label=label)  # fmt: skip
+
+    def _map(self, ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, fp16: bool):
+        """A TMA descriptor, kept per shape and address: the engine's prefill reuses a few
+        buffers, and the weights stay put."""
+        key = (ptr, rows, cols, box_rows, box_cols, fp16)
+        tmap = self._maps.get(key)
+        if tmap is None:
+            if len(self._maps) >= _MAX_MAPS:
+                self._maps.clear()
+            tmap = self.gpu.tensor_map_2d(ptr, rows, cols, box_rows, box_cols, fp16=fp16)
+            self._maps[key] = tmap
+        return tmap
+
+    # -- attention ------------------------------------------------------------------------------
+    def attention(self, q, k, v, out, T: int, *, stream=None) -> None:
+        """Causal GQA attention over positions 0..T-1, softmax scale 1/sqrt(head_dim).
+
+        q    fp16 [T, num_heads, head_dim]     RoPE applied, row-major
+        k, v fp16 [T, num_kv_heads, head_dim]  RoPE applied to k, row-major
+        out  fp16 [T, num_heads, head_dim]     must not alias q, k, v
+        """
+        if T < 1:
+            raise ValueError(f"prefill attention: T={T} must be >= 1")
+        ptrs = [_ptr(x) for x in (q, k, v, out)]
+        if any(p % 16 for p in ptrs):
+            raise ValueError(f"prefill attention: pointers must be 16-byte aligned, got {ptrs}")
+        grid = (self.config.num_heads, -(-T // self.geometry.prefill_attn_tile), 1)
+        with self.gpu.guard("prefill attention"):
+            self.launch("prefill_attention", grid, *ptrs, np.int32(T), stream=stream,
+                        label="prefill attention")  # fmt: skip

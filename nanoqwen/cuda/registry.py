@@ -1,0 +1,342 @@
+"""The kernel registry: every kernel the engine launches, and every number that the host and the
+kernels must agree on.
+
+Two tables live here and nowhere else:
+
+- `Geometry`: launch geometry (threads, CTAs per SM, shared memory), the kernels' tunables
+  (ring depths, stage sizes, split counts) and the enums of the Python <-> CUDA contract
+  (`StateWord`, the decode state's int32 words; `Epilogue`, the GEMV's epilogue ids). `header()`
+  renders all of it, with the model's dims, as the constexpr header that nanoqwen.cuda.jit
+  prepends to every source: a kernel reads `kGvStageTarget`, the launcher reads
+  `geometry.gv_stage_target`, and neither repeats the other. `Geometry.override()` makes a
+  variant (dev/kernel_tune.py sweeps them): a new header, so a new compile-cache entry.
+- `kernel_table()`: one `KernelSpec` per kernel (source file, name, template arguments, block
+  size, dynamic shared memory, the tunables that shape it), for the decode step and the
+  prefill. The launchers (decode.py, prefill.py), `nanoqwen kernels` and the tests compile and
+  look kernels up only through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
+
+
+class StateWord(IntEnum):
+    """The decode state: int32 words in device memory, read by the decode kernels and advanced
+    by sample_finish (engine/decode_loop.py's DecodeState packs and unpacks them)."""
+
+    TOKEN = 0  # the token the next step consumes
+    POS = 1  # its position (KV slot)
+    STEP = 2  # tokens generated so far
+    MAX_NEW = 3  # stop after this many tokens
+    DONE = 4  # 1 once eos / max / cancel is reached
+    TOP_K = 5  # 0 = off
+    TEMP = 6  # float bits; 0 = greedy
+    TOP_P = 7  # float bits; 1 = off
+    SEED_LO = 8
+    SEED_HI = 9
+    NUM_EOS = 10
+    EOS0 = 11  # NUM_EOS stop ids follow, at most MAX_EOS
+
+
+MAX_EOS = 8
+STATE_WORDS = StateWord.EOS0 + MAX_EOS
+
+
+class Epilogue(IntEnum):
+    """What gemv_int4 does with its dot products (its EPI template argument)."""
+
+    ROPE = 0  # q/k/v: + bias, RoPE on q and k, K/V into the paged cache
+    RESIDUAL = 1  # o_proj, down_proj: out += dot (the residual stream, in place)
+    SWIGLU = 2  # stacked gate/up: out = silu(gate) * up
+
+
+_EPILOGUE_C = {Epilogue.ROPE: "kRope", Epilogue.RESIDUAL: "kResidual", Epilogue.SWIGLU: "kSwiGLU"}
+
+
+def c_name(field: str) -> str:
+    """The header's name of a Geometry field: gv_stage_target -> kGvStageTarget."""
+    return "k" + "".join(part.capitalize() for part in field.split("_"))
+
+
+def _camel(enum_name: str) -> str:
+    return "k" + "".join(part.capitalize() for part in enum_name.lower().split("_"))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Launch geometry and tunables of every kernel. Each field reaches the kernels as
+    `constexpr int k<CamelCase>` (c_name); the ones marked host only are the launchers' alone
+    and are emitted too, so that the header lists the whole geometry. Why each value is what it
+    is: the comment at its use in the .cu file, and docs/PERFORMANCE.md."""
+
+    # gemv_int4.cu: consumer warps (one producer warp more), CTAs per SM (their registers: 96
+    # a thread), weight bytes a stage aims at (gate/up: twice), ring depth, stages in flight
+    # before x has landed, the largest K that takes the offset form, x items kept in registers.
+    gv_consumers: int = 8
+    gv_ctas_per_sm: int = 2
+    gv_stage_target: int = 8192
+    gv_max_stages: int = 8
+    gv_early_stages: int = 1
+    gv_fold_max_k: int = 8192
+    gv_x_reg_items: int = 2
+    gv_smem: int = 110 * 1024  # host only: dynamic shared memory a GEMV CTA gets (its ring)
+    # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
+    # flight a warp, the sampler's block and bisection steps.
+    misc_threads: int = 256
+    lm_warps: int = 8
+    lm_max_slots: int = 4
+    lm_ring: int = 200 * 1024  # host only: the shared memory lm_head's slots may take
+    sample_threads: int = 1024
+    search_iters: int = 32
+    # decode_attention.cu: consumer warps (one producer more), the most splits along the
+    # sequence, pages in flight a CTA, CTAs a cluster merges, the fewest pages a cluster rank
+    # owns, the merge's independent loads a thread, and the grid's target size.
+    attn_consumers: int = 4
+    attn_splits: int = 64
+    attn_stages: int = 12
+    attn_cluster: int = 8
+    attn_min_pages: int = 16
+    attn_merge_loads: int = 16
+    attn_ctas: int = 128  # host only
+    # One shared-memory carveout (percent) for every kernel of the decode step, so that no SM
+    # drains to reconfigure between overlapping (PDL) kernels.
+    smem_carveout: int = 100  # host only
+    # prefill_gemm_wgmma.cu (K per k-tile, weight rows a CTA, threads) and
+    # prefill_attention.cu (query rows a CTA = keys a K/V tile, threads).
+    prefill_k_tile: int = 64
+    prefill_rows: int = 128
+    prefill_threads: int = 384
+    prefill_attn_tile: int = 64
+    prefill_attn_threads: int = 128
+
+    @property
+    def gv_threads(self) -> int:
+        return (self.gv_consumers + 1) * 32
+
+    @property
+    def norm_rows(self) -> int:
+        """rmsnorm_rows takes a row a warp."""
+        return self.misc_threads // 32
+
+    @property
+    def attn_threads(self) -> int:
+        return (self.attn_consumers + 1) * 32
+
+    def constants(self) -> dict[str, int]:
+        """Every value the header declares, by its C name (fields, then derived sizes)."""
+        out = {c_name(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+        for derived in ("gv_threads", "norm_rows", "attn_threads"):
+            out[c_name(derived)] = getattr(self, derived)
+        return out
+
+    def override(self, values: dict[str, int]) -> Geometry:
+        """A copy with fields replaced, named by their C names ({"kGvEarlyStages": 2})."""
+        by_c = {c_name(f.name): f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(values) - set(by_c))
+        if unknown:
+            raise ValueError(f"unknown geometry names {unknown}; known: {', '.join(by_c)}")
+        return dataclasses.replace(self, **{by_c[k]: int(v) for k, v in values.items()})
+
+
+DEFAULT_GEOMETRY = Geometry()
+
+
+def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) -> str:
+    """The generated header: the model's dims, the geometry and the contract's enums."""
+    lines = [
+        "// Generated by nanoqwen.cuda.registry.header(): do not edit.",
+        "#pragma once",
+        f"constexpr int kPageTokens = {PAGE_TOKENS};",
+        f"constexpr int kGroupSize = {GROUP_SIZE};",
+    ]
+    lines += [f"constexpr int {k} = {v};" for k, v in geometry.constants().items()]
+    lines.append("enum StateWord : int {")
+    lines += [f"  {_camel(w.name)} = {int(w)}," for w in StateWord]
+    lines.append("};")
+    lines.append(f"constexpr int kMaxEos = {MAX_EOS};")
+    lines.append("enum Epilogue : int {")
+    lines += [f"  {_EPILOGUE_C[e]} = {int(e)}," for e in Epilogue]
+    lines.append("};")
+    if config is not None:
+        c = config
+        lines += [
+            f"// model: {c.name}",
+            f"constexpr int kHidden = {c.hidden_size};",
+            f"constexpr int kInter = {c.intermediate_size};",
+            f"constexpr int kVocab = {c.vocab_size};",
+            f"constexpr int kLayers = {c.num_layers};",
+            f"constexpr int kHeads = {c.num_heads};",
+            f"constexpr int kKVHeads = {c.num_kv_heads};",
+            f"constexpr int kHeadDim = {c.head_dim};",
+            f"constexpr int kQSize = {c.q_size};",
+            f"constexpr int kKVSize = {c.kv_size};",
+            f"constexpr int kQKVSize = {c.q_size + 2 * c.kv_size};",
+            f"constexpr int kGroupRatio = {c.group_ratio};",
+            f"constexpr float kRopeTheta = {c.rope_theta!r}f;",
+            f"constexpr float kRmsEps = {c.rms_norm_eps!r}f;",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """One tile of the stream-K prefill GEMM: 128 weight rows x `tokens` tokens, a
+    `stages`-deep ring. `tflops` is its measured rate on the 7B shapes (chip TFLOP/s at M =
+    512 on the H200, docs/PERFORMANCE.md), the tile picker's only notion of speed."""
+
+    tokens: int
+    stages: int
+    swiglu: bool
+    tflops: float
+
+
+# Ties go to the first tile (prefill.PrefillKernels.pick_gemm).
+GEMM_TILES = (
+    GemmTile(128, 6, False, 461.0),
+    GemmTile(128, 6, True, 547.0),
+    GemmTile(256, 4, False, 499.0),
+    GemmTile(256, 4, True, 637.0),
+)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One kernel instantiation: `source` in nanoqwen/kernels/, function `name` with template
+    arguments `targs`, launched with `threads` threads and `smem` bytes of dynamic shared
+    memory. `tunables` names the Geometry values (C names) its code depends on."""
+
+    key: str
+    source: str
+    name: str
+    threads: int
+    smem: int = 0
+    targs: tuple = ()
+    tunables: tuple[str, ...] = ()
+    tile: GemmTile | None = None  # prefill GEMM specs only
+
+    @property
+    def expression(self) -> str:
+        """The NVRTC name expression: `embed_gather`, `gemv_int4<3584, true, 0>`."""
+        if not self.targs:
+            return self.name
+        args = ", ".join(("true" if a else "false") if isinstance(a, bool) else str(a)
+                         for a in self.targs)  # fmt: skip
+        return f"{self.name}<{args}>"
+
+
+GEMV = "gemv_int4.cu"
+MISC = "decode_misc.cu"
+ATTENTION = "decode_attention.cu"
+PREFILL_GEMM = "prefill_gemm_wgmma.cu"
+PREFILL_ATTENTION = "prefill_attention.cu"
+_GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvStageTarget", "kGvMaxStages",
+                "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems")  # fmt: skip
+_ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
+                  "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
+
+
+def gemm_smem_bytes(tile: GemmTile, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """prefill_gemm_wgmma.cu's smem_bytes<BT, STAGES, SWIGLU>(): 1024 bytes of alignment slack
+    + max(the ring, the epilogue's fp32 staging) + 2 x STAGES + 1 mbarriers."""
+    ring = tile.stages * (
+        tile.tokens * g.prefill_k_tile * 2 + g.prefill_rows * g.prefill_k_tile // 2
+    )
+    cols = g.prefill_rows // 2 if tile.swiglu else g.prefill_rows
+    staging = tile.tokens * (cols + 4) * 4
+    return 1024 + max(ring, staging) + (2 * tile.stages + 1) * 8
+
+
+def prefill_attention_smem_bytes(head_dim: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """prefill_attention.cu's Layout<D>::kSmemBytes: 1024 bytes of alignment slack + a Q tile,
+    two K and two V tiles of prefill_attn_tile rows x head_dim halves."""
+    return 1024 + 5 * g.prefill_attn_tile * head_dim * 2
+
+
+def lm_head_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """lm_head's whole-row slots: as many a warp as fit in lm_ring, at most lm_max_slots."""
+    row = config.hidden_size * 2
+    return g.lm_warps * min(g.lm_max_slots, g.lm_ring // (g.lm_warps * row)) * row
+
+
+def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
+    """The decode step's kernels (and the token-parallel ones the prefill shares)."""
+    h, i = config.hidden_size, config.intermediate_size
+    gemvs = (
+        ("qkv", h, True, Epilogue.ROPE),  # RMSNorm + fused q/k/v + bias + RoPE + K/V write
+        ("o", h, False, Epilogue.RESIDUAL),
+        ("gate_up", h, True, Epilogue.SWIGLU),  # RMSNorm + stacked gate/up + SiLU * up
+        ("down", i, False, Epilogue.RESIDUAL),
+    )
+    gemv = tuple(
+        KernelSpec(
+            f"gemv_{kind}",
+            GEMV,
+            "gemv_int4",
+            g.gv_threads,
+            g.gv_smem,
+            targs=(k, norm, int(epi)),
+            tunables=_GV_TUNABLES,
+        )
+        for kind, k, norm, epi in gemvs
+    )
+    misc, misc_tunables = g.misc_threads, ("kMiscThreads",)
+    attn_smem = g.attn_stages * 2 * PAGE_TOKENS * config.head_dim * 2  # K + V page a stage
+    return gemv + (
+        KernelSpec("embed", MISC, "embed_gather", misc, tunables=misc_tunables),
+        KernelSpec("rmsnorm", MISC, "rmsnorm_rows", misc, tunables=("kMiscThreads", "kNormRows")),
+        KernelSpec("rope_kv", MISC, "rope_kv_write", misc, tunables=misc_tunables),
+        KernelSpec("lm_head", MISC, "lm_head_argmax", g.lm_warps * 32,
+                   lm_head_smem_bytes(config, g), tunables=("kLmWarps", "kLmMaxSlots")),
+        KernelSpec("sample", MISC, "sample_finish", g.sample_threads,
+                   tunables=("kSampleThreads", "kSearchIters")),
+        KernelSpec("attention", ATTENTION, "attn_decode", g.attn_threads, attn_smem,
+                   tunables=_ATTN_TUNABLES),
+    )  # fmt: skip
+
+
+def prefill_specs(
+    config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY, tiles: tuple = GEMM_TILES
+) -> tuple[KernelSpec, ...]:
+    """The prefill's tensor-core kernels: one GEMM spec per tile, then attention."""
+    gemms = tuple(
+        KernelSpec(f"gemm_{t.tokens}x{t.stages}{'_swiglu' if t.swiglu else ''}", PREFILL_GEMM,
+                   "prefill_gemm_wgmma", g.prefill_threads, gemm_smem_bytes(t, g),
+                   targs=(t.tokens, t.stages, t.swiglu),
+                   tunables=("kPrefillKTile", "kPrefillRows", "kPrefillThreads"), tile=t)
+        for t in tiles
+    )  # fmt: skip
+    attention = KernelSpec(
+        "prefill_attention", PREFILL_ATTENTION, "prefill_attention", g.prefill_attn_threads,
+        prefill_attention_smem_bytes(config.head_dim, g),
+        targs=(config.head_dim, config.num_heads, config.num_kv_heads),
+        tunables=("kPrefillAttnTile", "kPrefillAttnThreads"),
+    )  # fmt: skip
+    return (*gemms, attention)
+
+
+def kernel_table(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
+    """Every kernel of the engine for `config`: the decode step's, then the prefill's."""
+    return decode_specs(config, g) + prefill_specs(config, g)
+
+
+def sources(specs) -> dict[str, list[str]]:
+    """{source file: the name expressions to compile from it}, in table order."""
+    out: dict[str, list[str]] = {}
+    for s in specs:
+        names = out.setdefault(s.source, [])
+        if s.expression not in names:
+            names.append(s.expression)
+    return out
+
+
+def compile_specs(specs, config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> dict:
+    """{source file: jit.Compiled} for `specs`: one NVRTC module per source (no GPU needed)."""
+    from . import jit
+
+    text = header(config, g)
+    return {src: jit.compile_module(src, names, text) for src, names in sources(specs).items()}

@@ -1,0 +1,205 @@
+"""CudaBackend: our kernels on one sm_90 GPU (nanoqwen.backend.Backend), and the engine's
+public seam for the validation ladder, the benchmark and dev/.
+
+Life of a generation (batch 1):
+
+    load      the kernels (registry: compiled or from the cache), the weights (weights.py),
+              the KV pool sized from max_context (kv_cache.py: refused at start-up with needed
+              against free bytes), the decode state and the host ring (decode_loop.py)
+    prefill   the prompt through forward.prefill (tensor-core GEMMs and causal attention,
+              launched with PDL; its last layer takes the last token alone), lm_head and the
+              sampler on that row: the first token
+    decode    ONE launch of the generation graph (decode_loop.DecodeLoop: a while loop over
+              forward.decode_step + the sampler) until a stop id, max_tokens or cancel; the
+              host streams tokens from the mapped ring. Pages for prompt + max_tokens are
+              taken before the launch, so the graph never changes.
+
+The seam: `forward` (decode_step, layer, prefill, the activations), `loop` (the state, the
+sampler, the graph), `kernels` / `prefill_kernels` (the launchers), `weights`, `kv`; and the
+methods below. After a sticky CUDA error the Gpu is marked broken and every call raises
+DeviceError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ..backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
+from ..cuda.decode import DecodeKernels
+from ..cuda.device import Gpu
+from ..cuda.launcher import Launch
+from ..cuda.prefill import PrefillKernels
+from ..cuda.registry import DEFAULT_GEOMETRY, Geometry
+from ..sampling import SamplingParams
+from .decode_loop import DecodeLoop, DecodeState
+from .forward import Forward
+from .kv_cache import KVCache
+from .weights import upload_weights
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(
+        self,
+        file,
+        max_context: int = DEFAULT_CONTEXT["cuda"],
+        *,
+        geometry: Geometry = DEFAULT_GEOMETRY,
+        pdl: bool = True,
+    ) -> None:
+        """file: an open NanoqwenFile; geometry: the kernels' (registry.Geometry; dev/
+        kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels."""
+        cfg = file.config
+        self.config, self.file = cfg, file
+        self.max_context = check_max_context(max_context, cfg)
+        self.gpu = Gpu()
+        self._free_at_start = self.gpu.mem_info()[0]  # the context exists; nothing of ours yet
+        self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl)
+        # Built here, not at the first prompt: on a cold kernel cache NVRTC takes seconds,
+        # which a server's first request would otherwise wait for.
+        self.prefill_kernels = PrefillKernels(self.gpu, cfg, geometry, pdl=pdl)
+        self.weights = upload_weights(self.gpu, file)
+        self.kv = KVCache(self.gpu, cfg, max_context)
+        self.loop = DecodeLoop(self.gpu, self.kernels, max_context)
+        self.forward = Forward(self.gpu, cfg, self.kernels, self.prefill_kernels, self.weights,
+                               self.kv, self.loop, max_context)  # fmt: skip
+        self.gpu.sync("load")
+
+    # -- the seam ----------------------------------------------------------------------------
+    def decode_step(self, stream=None, cond=0) -> None:
+        """Enqueue one whole decode step: the forward of state[TOKEN] at state[POS] and the
+        sampler, which advances the state (cond: the generation loop's condition, or 0)."""
+        self.forward.decode_step(stream)
+        self.loop.sample(self.forward.logits, self.forward.key, stream, cond)
+
+    def set_decode_state(self, state: DecodeState) -> None:
+        """Upload the decode state and zero the argmax key (synchronous)."""
+        self.gpu.ensure_ok()
+        self.loop.set_state(state)
+        self.gpu.memset(self.forward.key, 0, 8)
+        self.gpu.sync("set the decode state")
+
+    def record_decode_step(self) -> list[Launch]:
+        """Every launch of one decode step (it runs once, from the current state)."""
+        launches: list[Launch] = []
+        self.kernels.on_launch = launches.append
+        try:
+            with self.gpu.guard("record a decode step"):
+                self.decode_step()
+                self.gpu.sync("record a decode step")
+        finally:
+            self.kernels.on_launch = None
+        return launches
+
+    def decode_hidden(self, token: int, pos: int, layers: int) -> np.ndarray:
+        """fp16 [H]: the residual row after the first `layers` layers of the decode step for
+        `token` at `pos` (its K/V written into the pages at pos)."""
+        self.set_decode_state(DecodeState(token=token, pos=pos))
+        out = np.empty(self.config.hidden_size, np.float16)
+        with self.gpu.guard("decode_hidden"):
+            self.forward.embed_token()
+            for i in range(layers):
+                self.forward.layer(i)
+            return self.gpu.download(self.forward.x, out)
+
+    def memory(self) -> dict:
+        """Device memory: what we hold (weights, KV cache, workspace = the kernels' own
+        buffers, decode buffers, RoPE and page tables, prefill scratch sized by the longest
+        prompt so far) against what the device lost since the context was made (kernel
+        images, allocator slack included)."""
+        live, (free, _) = self.gpu.live_bytes(), self.gpu.mem_info()
+        used = self._free_at_start - free
+        return {
+            "weights": self.weights.nbytes,
+            "kv_cache": self.kv.nbytes,
+            "workspace": live - self.weights.nbytes - self.kv.nbytes,
+            "accounted": live,
+            "device_used": used,
+            "unaccounted_pct": 100.0 * (used - live) / live,
+        }
+
+    # -- Backend API ------------------------------------------------------------------------
+    @property
+    def kv_pages_in_use(self) -> int:
+        return self.kv.pages_in_use
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits float32 [T, V] through the prefill path."""
+        self.gpu.ensure_ok()
+        ids = check_prompt(token_ids, self.config.vocab_size)
+        check_fits(len(ids), 0, self.max_context)
+        T, h = len(ids), self.config.hidden_size
+        out = np.empty((T, self.config.vocab_size), np.float32)
+        with self.gpu.guard("logits"):
+            self.loop.stage_ids(ids, self.forward.scratch(T)["ids"])
+            x = self.forward.prefill(T)
+            for t in range(T):
+                self.forward.head(x + t * h * 2)
+                self.gpu.download(self.forward.logits, out[t])
+            self.gpu.memset(self.forward.key, 0, 8)
+            self.gpu.sync("logits")
+        return out
+
+    def decode_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Teacher-forced logits float32 [T, V] through the decode step (one token at a time,
+        state set from the host): validates the decode kernels, not a serving path."""
+        self.gpu.ensure_ok()
+        ids = check_prompt(token_ids, self.config.vocab_size)
+        check_fits(len(ids), 0, self.max_context)
+        out = np.empty((len(ids), self.config.vocab_size), np.float32)
+        with self.gpu.guard("decode_logits"):
+            for t, tok in enumerate(ids):
+                self.loop.set_state(DecodeState(token=int(tok), pos=t))
+                self.forward.decode_step()
+                self.gpu.download(self.forward.logits, out[t])
+            self.gpu.memset(self.forward.key, 0, 8)
+            self.gpu.sync("decode_logits")
+        return out
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
+    ) -> Iterator[int]:
+        self.gpu.ensure_ok()
+        ids = check_prompt(prompt_ids, self.config.vocab_size)
+        check_fits(len(ids), params.max_tokens, self.max_context)
+        return self._generate(ids, params, frozenset(stop_ids))
+
+    def _generate(self, ids: np.ndarray, params: SamplingParams, stop_ids) -> Iterator[int]:
+        T, h, f, loop = len(ids), self.config.hidden_size, self.forward, self.loop
+        self.kv.reserve(T + params.max_tokens)
+        graph_running = False
+        try:
+            with self.gpu.guard("prefill"):
+                loop.begin(DecodeState.for_prompt(T, params, stop_ids))
+                loop.stage_ids(ids, f.scratch(T)["ids"])
+                x = f.prefill(T, last_only=True)
+                f.head(x + (T - 1) * h * 2)
+                loop.sample(f.logits, f.key)
+                self.gpu.sync("prefill")
+            first = loop.host.token(0)
+            yield first
+            if first in stop_ids or params.max_tokens == 1:
+                return
+            with self.gpu.guard("decode launch"):
+                loop.build(lambda s, cond: self.decode_step(s, cond))
+                loop.launch()
+            graph_running = True
+            yield from loop.stream_tokens(params.max_tokens, stop_ids)
+            graph_running = False
+        finally:
+            if graph_running:
+                loop.host.cancel()  # the sampler stops after the current step
+            try:
+                self.gpu.sync("generation end")
+            finally:
+                self.kv.release()
+
+    def close(self) -> None:
+        """Wait for the GPU, then free everything (the Gpu owns every buffer)."""
+        try:
+            self.gpu.sync("close")
+        finally:
+            self.gpu.close()

@@ -1,0 +1,167 @@
+"""The model's forward pass on our kernels: the decode step for one token and the prefill of a
+prompt. Only launches: no allocation on the decode path, no host sync anywhere.
+
+Decode step (captured into the generation graph), per layer:
+
+    gemv_qkv      RMSNorm + q/k/v + bias + RoPE, K/V written into the pages at state[POS]
+    attention     over the pages 0..POS, split along the sequence, merged in one launch
+    gemv o        + residual (x in place)
+    gemv gate_up  RMSNorm + SwiGLU
+    gemv down     + residual
+
+then lm_head (final RMSNorm + logits + argmax key); the sampler is the loop's (decode_loop).
+
+Prefill, per layer: RMSNorm, the q/k/v GEMM, RoPE + K/V pages (and contiguous K, V for the
+prompt's attention), causal attention, the o GEMM + residual, RMSNorm, gate/up GEMM + SwiGLU,
+down GEMM + residual. When only the last row is wanted (a generation's first token), the last
+layer writes every token's K/V but runs the last token alone through the decode kernels:
+nothing reads the other rows of its output.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..cuda.decode import DecodeKernels
+from ..cuda.device import Gpu
+from ..cuda.prefill import PrefillKernels
+from ..cuda.registry import StateWord
+from ..rope import rope_table
+from .decode_loop import DecodeLoop
+from .kv_cache import KVCache
+from .weights import Weights
+
+
+class Forward:
+    """The forward of one model over its weights and KV cache, reading the token and the
+    position from the decode loop's state words. Public buffers (device addresses):
+    `x` fp16 [H] the decode step's residual row; `logits` fp32 [V]; `key` u64 lm_head's
+    argmax key (the sampler re-zeroes it)."""
+
+    def __init__(
+        self,
+        gpu: Gpu,
+        config: ModelConfig,
+        kernels: DecodeKernels,
+        prefill: PrefillKernels,
+        weights: Weights,
+        kv: KVCache,
+        loop: DecodeLoop,
+        max_context: int,
+    ) -> None:
+        self.gpu, self.config, self.kernels, self.prefill_kernels = gpu, config, kernels, prefill
+        self.weights, self.kv, self.loop = weights, kv, loop
+        c, a = config, gpu.alloc
+        rope = rope_table(config, max_context)
+        self.rope = a(rope.nbytes, "rope table").ptr  # float32 [max_context, D/2, 2]
+        gpu.upload(self.rope, rope)
+        self.x = a(c.hidden_size * 2, "x").ptr
+        self.q = a(c.q_size * 2, "q").ptr
+        self.attn = a(c.q_size * 2, "attn").ptr
+        self.mlp = a(c.intermediate_size * 2, "mlp").ptr
+        self.logits = a(c.vocab_size * 4, "logits").ptr
+        self.key = a(8, "argmax key").ptr
+        splits = kernels.geometry.attn_splits
+        self.part_ml = a(c.num_heads * splits * 2 * 4, "attn m/l").ptr
+        self.part_acc = a(c.num_heads * splits * c.head_dim * 4, "attn acc").ptr
+        self.attn_count = a(c.num_kv_heads * 4, "attn counters").ptr  # last-CTA semaphores
+        gpu.memset(self.attn_count, 0, c.num_kv_heads * 4)  # once: each launch re-zeroes
+        self.zero = a(4, "zero").ptr  # position 0 for the prefill's rope_kv
+        gpu.memset(self.zero, 0, 4)
+        gpu.memset(self.key, 0, 8)
+        self.last_token_shortcut = True  # prefill(last_only=True) ends on the decode kernels
+        self._scratch: dict[str, int] = {}
+        self._scratch_buffers: list = []
+        self._scratch_tokens = 0
+
+    # -- decode ------------------------------------------------------------------------------
+    def embed_token(self, stream=None) -> None:
+        """x = embed[state[TOKEN]]."""
+        self.kernels.embed(self.loop.word(StateWord.TOKEN), self.weights.embed, self.x, 1,
+                           stream=stream)  # fmt: skip
+
+    def layer(self, i: int, stream=None) -> None:
+        """Decoder layer i for the token at state[POS] (x in place; its K/V into the pages)."""
+        L, k = self.weights.layers[i], self.kernels
+        k.qkv_rope(self.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, self.loop.word(StateWord.POS),
+                   self.rope, self.kv.page_table, self.kv.k[i], self.kv.v[i], self.q,
+                   stream=stream)  # fmt: skip
+        self._token_tail(i, self.q, self.x, stream)
+
+    def _token_tail(self, i: int, q: int, x: int, stream=None) -> None:
+        """Layer i after its q/k/v for one token at state[POS] (its K/V already in the
+        pages): attention of q (fp16 [heads, D]), o, gate/up, down; x (fp16 [H], the token's
+        residual row) updated in place."""
+        L, k, c = self.weights.layers[i], self.kernels, self.config
+        k.attention(q, self.kv.k[i], self.kv.v[i], self.kv.page_table,
+                    self.loop.word(StateWord.POS), self.part_ml, self.part_acc,
+                    self.attn_count, self.attn, stream=stream)  # fmt: skip
+        k.gemv("o", self.attn, 0, L.o_w, L.o_s, x, c.hidden_size, stream=stream)
+        k.gemv("gate_up", x, L.post_norm, L.gate_up_w, L.gate_up_s, self.mlp,
+               c.intermediate_size, stream=stream)  # fmt: skip
+        k.gemv("down", self.mlp, 0, L.down_w, L.down_s, x, c.hidden_size, stream=stream)
+
+    def head(self, x: int, stream=None) -> None:
+        """logits = lm_head(final_norm(x)) and the argmax key; x fp16 [H]."""
+        w = self.weights
+        self.kernels.lm_head(x, w.final_norm, w.lm_head, self.logits, self.key, stream=stream)
+
+    def decode_step(self, stream=None) -> None:
+        """Embedding, every layer and lm_head for the token at state[TOKEN], state[POS]."""
+        self.embed_token(stream)
+        for i in range(self.config.num_layers):
+            self.layer(i, stream)
+        self.head(self.x, stream)
+
+    # -- prefill -----------------------------------------------------------------------------
+    def scratch(self, T: int) -> dict[str, int]:
+        """The prefill's buffers for T tokens (device addresses), grown as prompts grow:
+        ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q]; kk, vv [T, kv];
+        mlp [T, I]."""
+        if T <= self._scratch_tokens:
+            return self._scratch
+        for b in self._scratch_buffers:
+            b.free()
+        c, cap = self.config, max(T, 64)
+        sizes = {
+            "ids": 4,
+            "x": c.hidden_size * 2,
+            "h": c.hidden_size * 2,
+            "qkv": (c.q_size + 2 * c.kv_size) * 2,
+            "q": c.q_size * 2,
+            "kk": c.kv_size * 2,
+            "vv": c.kv_size * 2,
+            "attn": c.q_size * 2,
+            "mlp": c.intermediate_size * 2,
+        }
+        self._scratch_buffers = [self.gpu.alloc(cap * n, f"prefill {k}") for k, n in sizes.items()]
+        self._scratch = {k: b.ptr for k, b in zip(sizes, self._scratch_buffers, strict=True)}
+        self._scratch_tokens = cap
+        return self._scratch
+
+    def prefill(self, T: int, last_only: bool = False) -> int:
+        """Positions 0..T-1 of the prompt in scratch(T)["ids"] through every layer, their K/V
+        into the pages. Returns the device address of x fp16 [T, H] (pre final-norm hidden
+        states); with last_only (and last_token_shortcut) only row T - 1 of it is valid, and
+        state[POS] must be T - 1 (the decode kernels of the last layer read it)."""
+        c, k, pk = self.config, self.kernels, self.prefill_kernels
+        h, qkv_n, b = c.hidden_size, c.q_size + 2 * c.kv_size, self.scratch(T)
+        k.embed(b["ids"], self.weights.embed, b["x"], T)
+        for i, L in enumerate(self.weights.layers):
+            last = last_only and self.last_token_shortcut and i == c.num_layers - 1
+            k.rmsnorm(b["x"], L.input_norm, b["h"], T)
+            pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, label="gemm qkv")
+            k_out, v_out = (0, 0) if last else (b["kk"], b["vv"])
+            k.rope_kv(b["qkv"], self.zero, self.rope, self.kv.page_table, self.kv.k[i],
+                      self.kv.v[i], b["q"], k_out, v_out, T)  # fmt: skip
+            if last:
+                self._token_tail(i, b["q"] + (T - 1) * c.q_size * 2, b["x"] + (T - 1) * h * 2)
+                break
+            pk.attention(b["q"], b["kk"], b["vv"], b["attn"], T)
+            pk.gemm(b["attn"], L.o_w, L.o_s, None, b["x"], T, h, c.q_size, residual=b["x"],
+                    label="gemm o")  # fmt: skip
+            k.rmsnorm(b["x"], L.post_norm, b["h"], T)
+            pk.gemm(b["h"], L.gate_up_w, L.gate_up_s, None, b["mlp"], T,
+                    2 * c.intermediate_size, h, swiglu=True, label="gemm gate_up")  # fmt: skip
+            pk.gemm(b["mlp"], L.down_w, L.down_s, None, b["x"], T, h, c.intermediate_size,
+                    residual=b["x"], label="gemm down")  # fmt: skip
+        return b["x"]

@@ -1,0 +1,77 @@
+"""The paged KV cache on the device, and its layout.
+
+Per layer one K and one V pool of fp16 pages; a page holds PAGE_TOKENS tokens of every KV
+head. Device layout (kernels/kv_cache.cuh, shared by its writers and attn_decode): fp16
+[num_pages][n_kv][PAGE_TOKENS][head_dim], so the 16 token rows of one (page, kv head) form one
+contiguous tile that decode attention moves with one bulk copy, and inside a tile the 16-byte
+chunks of token row t are XOR-swizzled (chunk c stored at c ^ (t % 8)) so that the rows of one
+ldmatrix fall on different bank groups. `kv_cache_to_device` / `kv_cache_from_device` convert
+between that and the reference's [pages, PAGE_TOKENS, n_kv, head_dim].
+
+The page table (int32 [num_pages], device memory) maps a sequence's logical page to a
+physical one; the kernels read it on every step. One sequence owns the pool: the table is the
+identity, and `reserve` takes the pages a generation will use before its decode graph runs, so
+the graph never changes shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import PAGE_TOKENS, ModelConfig
+from ..cuda.device import Gpu
+from ..errors import DeviceError
+
+MEMORY_MARGIN = 1 << 30  # left free at load for prefill scratch and the driver
+
+
+def _swizzle(d: int) -> np.ndarray:
+    """[PAGE_TOKENS, d] column gather of the chunk swizzle (its own inverse)."""
+    t, col = np.arange(PAGE_TOKENS)[:, None], np.arange(d)[None, :]
+    return ((col // 8) ^ (t % 8)) * 8 + col % 8
+
+
+def kv_cache_to_device(kv: np.ndarray) -> np.ndarray:
+    """A K or V cache [pages, PAGE_TOKENS, n_kv, D] -> the device layout
+    [pages, n_kv, PAGE_TOKENS, D], each token row's 16-byte chunks swizzled."""
+    tiles = np.ascontiguousarray(kv.transpose(0, 2, 1, 3))
+    return np.take_along_axis(tiles, _swizzle(kv.shape[-1])[None, None], axis=3)
+
+
+def kv_cache_from_device(raw: np.ndarray) -> np.ndarray:
+    """The inverse of kv_cache_to_device: [pages, n_kv, PAGE_TOKENS, D] -> [pages,
+    PAGE_TOKENS, n_kv, D]."""
+    tiles = np.take_along_axis(raw, _swizzle(raw.shape[-1])[None, None], axis=3)
+    return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
+
+
+class KVCache:
+    """K and V pools for `max_context` tokens on `gpu`, refused at once (needed against free
+    bytes) when they would not leave MEMORY_MARGIN free."""
+
+    def __init__(self, gpu: Gpu, config: ModelConfig, max_context: int) -> None:
+        self.num_pages = -(-max_context // PAGE_TOKENS)
+        layer_bytes = self.num_pages * PAGE_TOKENS * config.kv_size * 2
+        self.nbytes = config.num_layers * 2 * layer_bytes
+        free, total = gpu.mem_info()
+        if self.nbytes + MEMORY_MARGIN > free:
+            raise DeviceError(
+                f"KV cache for max_context {max_context} needs {self.nbytes} bytes "
+                f"(+{MEMORY_MARGIN} margin) but only {free} of {total} bytes are free; "
+                "lower max_context"
+            )
+        self.k, self.v = [], []
+        for _ in range(config.num_layers):
+            self.k.append(gpu.alloc(layer_bytes, "k cache").ptr)
+            self.v.append(gpu.alloc(layer_bytes, "v cache").ptr)
+        table = np.arange(self.num_pages, dtype=np.int32)
+        self.page_table = gpu.alloc(table.nbytes, "page table").ptr
+        gpu.upload(self.page_table, table)
+        self.pages_in_use = 0
+
+    def reserve(self, tokens: int) -> None:
+        """Take the pages of a sequence of `tokens` tokens (prompt + every generated one)."""
+        self.pages_in_use = -(-tokens // PAGE_TOKENS)
+
+    def release(self) -> None:
+        self.pages_in_use = 0

@@ -1,0 +1,339 @@
+"""benchmark_e2e: TTFT, steady-state inter-token latency, tokens/s, achieved bandwidth.
+
+Protocol (config/nanoqwen.yaml, benchmark): batch 1, a random prompt of `prompt_len` ids,
+`gen_len` generated tokens with no stop ids (every run is full length), `warmup` runs then
+`runs` timed runs. TTFT: generate() called -> first token on the host (the prompt's prefill
+plus the first sample). ITL: gaps between tokens arriving on the host (median over all gaps of
+all runs) and, as a cross-check, the decode wall time / (gen_len - 1); per position, the
+median over runs of gap i, the decode step at position prompt_len + i (`itl_by_position_ms`).
+Bytes per token: every weight once (ModelConfig.weight_bytes_per_token) + the K/V read at the
+mean context. Achieved TB/s is bytes per token / ITL, against a device-to-device copy measured
+in the same process.
+
+`kernel_breakdown` (bench --kernels): one decode step at position prompt_len, recorded launch
+by launch (CudaBackend.record_decode_step), each launch timed alone (a CUDA graph of `reps`
+copies of it, events around the graph, median of `timed` launches), aggregated by label,
+against the whole step timed the same way. `plot_itl` (bench --plot) draws itl_by_position_ms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import subprocess
+import time
+
+import numpy as np
+
+from ..config import PAGE_TOKENS
+from ..errors import NanoqwenError
+
+COPY_BYTES = 2 << 30
+
+
+def default_max_context(prompt_len: int, gen_len: int, limit: int | None = None) -> int:
+    """prompt_len + gen_len rounded up to a whole KV page, at most `limit` (the model's
+    max_position_embeddings; a run that does not fit then fails the engine's context check)."""
+    n = -(-(prompt_len + gen_len) // PAGE_TOKENS) * PAGE_TOKENS
+    return min(n, limit) if limit else n
+
+
+def copy_bandwidth(gpu, nbytes: int = COPY_BYTES, reps: int = 10) -> float:
+    """(read + write) bytes / second of cuMemcpyDtoD on `gpu`'s stream, median of `reps`."""
+    a, b = gpu.alloc(nbytes, "copy src"), gpu.alloc(nbytes, "copy dst")
+    times = []
+    for _ in range(reps + 1):
+        e0 = gpu.record()
+        gpu.copy_d2d(b.ptr, a.ptr, nbytes)
+        e1 = gpu.record()
+        e1.sync()
+        times.append((e1 - e0) / 1e3)  # ms -> s
+    a.free(), b.free()
+    return 2 * nbytes / float(np.median(times[1:]))
+
+
+def _commit() -> str:
+    try:
+        cmd = ["git", "describe", "--always", "--dirty=+dirty"]  # +dirty: uncommitted changes
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout.strip() or (
+            "uncommitted"
+        )
+    except Exception:
+        return "unknown"
+
+
+def itl_by_position(gap_runs) -> list[float]:
+    """Per-position median (over runs) of the inter-token gaps, in ms. `gap_runs`: one sequence
+    of gen_len - 1 gaps (seconds) per timed run; element i is the step at prompt_len + i."""
+    runs = [np.asarray(g, dtype=np.float64) for g in gap_runs]
+    if not runs or runs[0].size == 0:
+        return []
+    if any(g.shape != runs[0].shape for g in runs):
+        raise ValueError("every run must have the same number of gaps")
+    return [float(v) for v in 1e3 * np.median(np.stack(runs), axis=0)]
+
+
+def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, seed: int = 0) -> dict:
+    from ..sampling import SamplingParams
+
+    if gen_len < 2 or runs < 1:
+        raise ValueError("benchmark_e2e needs gen_len >= 2 and runs >= 1")
+    cfg = engine.config
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=gen_len)
+    ttfts, gap_runs, decode_walls = [], [], []
+    for r in range(warmup + runs):
+        ids = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+        t0 = time.perf_counter()
+        stamps = []
+        for _ in engine.generate(ids, params, frozenset()):
+            stamps.append(time.perf_counter())
+        if len(stamps) != gen_len:
+            raise RuntimeError(f"run {r}: {len(stamps)} tokens, expected {gen_len}")
+        if r >= warmup:
+            ttfts.append(stamps[0] - t0)
+            gap_runs.append(np.diff(stamps))
+            decode_walls.append((stamps[-1] - stamps[0]) / (gen_len - 1))
+    itl = float(np.median(np.concatenate(gap_runs)))
+    kv = cfg.num_layers * 2 * cfg.kv_size * 2 * (prompt_len + gen_len / 2)
+    bpt = cfg.weight_bytes_per_token() + int(kv)
+    memory = engine.memory()  # before the copy test's 4 GiB of buffers
+    copy = copy_bandwidth(engine.gpu)
+    return {
+        "gpu": engine.gpu.name,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": cfg.name,
+        "prompt_len": prompt_len,
+        "gen_len": gen_len,
+        "max_context": engine.max_context,
+        "warmup": warmup,
+        "runs": runs,
+        "ttft_ms": 1e3 * float(np.median(ttfts)),
+        "itl_ms": 1e3 * itl,
+        "itl_wall_ms": 1e3 * float(np.median(decode_walls)),
+        "tokens_per_s": 1.0 / itl,
+        "bytes_per_token": bpt,
+        "achieved_tb_s": bpt / itl / 1e12,
+        "copy_tb_s": copy / 1e12,
+        "itl_by_position_ms": itl_by_position(gap_runs),
+        "memory": memory,
+    }
+
+
+def print_result(res: dict) -> None:
+    print(f"{res['gpu']}  model {res['model']}  prompt {res['prompt_len']}  gen {res['gen_len']}")
+    for k in ("ttft_ms", "itl_ms", "itl_wall_ms", "tokens_per_s", "achieved_tb_s", "copy_tb_s"):
+        print(f"  {k:14} {res[k]:10.3f}")
+    if "memory" in res:
+        m, gb = res["memory"], 1e9
+        print(
+            f"  memory: device used {m['device_used'] / gb:.3f} GB = weights "
+            f"{m['weights'] / gb:.3f} + KV {m['kv_cache'] / gb:.3f} + workspace "
+            f"{m['workspace'] / gb:.3f} GB ({m['unaccounted_pct']:+.1f}% unaccounted)"
+        )
+
+
+def save(res: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
+
+
+# -- bench --kernels ----------------------------------------------------------------------------
+def _row(label, count, seconds, nbytes, step_s) -> dict:
+    return {
+        "label": label,
+        "count": count,
+        "us": 1e6 * seconds,
+        "bytes": nbytes,
+        "tb_s": nbytes / seconds / 1e12 if nbytes and seconds > 0 else None,
+        "share_pct": 100.0 * seconds / step_s if step_s > 0 else None,
+    }
+
+
+def aggregate_kernels(timed, step_s: float) -> dict:
+    """Aggregate one step's launches by label.
+
+    timed   (label, seconds per launch, bytes per launch; 0 = unknown) for every launch of one
+            step, in launch order
+    step_s  the whole step's time (seconds)
+
+    Returns {"rows": [...] (per label, slowest first), "sum_of_kernels": row, "whole_step": row,
+    "overhead_us": whole step - sum of kernels, "unknown_bytes": labels without bytes}. A row:
+    label, count (launches per step), us (per step), bytes (per step; None if unknown), tb_s
+    (bytes / time; None if unknown), share_pct (of the whole step).
+    """
+    by: dict[str, list] = {}
+    for label, seconds, nbytes in timed:
+        acc = by.setdefault(label, [0, 0.0, 0, False])
+        acc[0] += 1
+        acc[1] += seconds
+        acc[2] += int(nbytes)
+        acc[3] |= not nbytes  # any launch of the label with unknown bytes
+    rows = [
+        _row(label, n, s, None if unknown else b, step_s)
+        for label, (n, s, b, unknown) in by.items()
+    ]
+    rows.sort(key=lambda r: -r["us"])  # stable: ties keep launch order
+    total_s = sum(s for _, s, _ in timed)
+    known = sum(int(b) for _, _, b in timed)
+    unknown = [label for label, acc in by.items() if acc[3]]
+    return {
+        "rows": rows,
+        "sum_of_kernels": _row("sum of kernels", len(timed), total_s, known or None, step_s),
+        "whole_step": _row("whole step (graph)", None, step_s, known or None, step_s),
+        "overhead_us": 1e6 * (step_s - total_s),
+        "unknown_bytes": unknown,
+    }
+
+
+def format_kernels(k: dict) -> str:
+    """The --kernels table (text)."""
+
+    def fmt(v, width, spec, unit=None):
+        return f"{'-':>{width}}" if v is None else format(v / unit if unit else v, f"{width}{spec}")
+
+    head = (f"decode step at position {k.get('pos', '?')} (context {k.get('context', '?')}): "
+            f"each launch timed alone in a graph of {k.get('reps', '?')} "
+            f"(median of {k.get('timed', '?')} launches)")  # fmt: skip
+    width = max([len(r["label"]) for r in k["rows"]] + [len("whole step (graph)")])
+    lines = [head, f"  {'kernel':{width}} {'n':>5} {'us/step':>10} {'MB/step':>10} "
+                   f"{'TB/s':>7} {'share':>7}"]  # fmt: skip
+    rule = "  " + "-" * (width + 44)
+    rows = [*k["rows"], None, k["sum_of_kernels"], k["whole_step"]]
+    for r in rows:
+        if r is None:
+            lines.append(rule)
+            continue
+        lines.append(
+            f"  {r['label']:{width}} {fmt(r['count'], 5, 'd')} {r['us']:10.2f} "
+            f"{fmt(r['bytes'], 10, '.2f', 1e6)} {fmt(r['tb_s'], 7, '.3f')} "
+            f"{fmt(r['share_pct'], 6, '.1f')}%"
+        )
+    step = k["whole_step"]["us"]
+    pct = 100.0 * k["overhead_us"] / step if step > 0 else 0.0
+    lines.append(f"  launch/dependency overhead (whole step - sum): {k['overhead_us']:.2f} us "
+                 f"({pct:.1f}%)")  # fmt: skip
+    if k.get("unknown_bytes"):
+        lines.append(f"  bytes unknown (-): {', '.join(k['unknown_bytes'])}; TB/s of the sums "
+                     "counts the known bytes only")  # fmt: skip
+    return "\n".join(lines)
+
+
+def time_graph(gpu, body, reps: int, timed: int = 5, reset=None) -> float:
+    """Seconds per body(stream_like) call: one CUDA graph of `reps` calls, launched once to
+    warm up and `timed` times between timing events (median). `reset()` runs before each
+    launch, outside the events (e.g. re-uploading the decode state)."""
+    with gpu.guard("bench --kernels: time graph"):
+        gb = gpu.graph_builder()
+        for _ in range(reps):
+            body(gb)
+        graph = gb.end_building().complete()
+        try:
+            graph.upload(gpu.stream)
+            times = []
+            for i in range(timed + 1):
+                if reset is not None:
+                    reset()
+                e0 = gpu.record()
+                graph.launch(gpu.stream)
+                e1 = gpu.record()
+                e1.sync()
+                if i:  # the first launch warms up
+                    times.append((e1 - e0) / 1e3)  # ms -> s
+        finally:
+            with contextlib.suppress(Exception):
+                graph.close()
+            with contextlib.suppress(Exception):
+                gb.close()
+    return float(np.median(times)) / reps
+
+
+def kernel_breakdown(engine, pos: int, reps: int = 20, timed: int = 5) -> dict:
+    """Per-kernel times of one decode step of `engine` (a CudaBackend, idle) at position `pos`.
+
+    Each label's launches (e.g. the 28 layers' "gemv down") are timed together in one graph,
+    `reps` times over, so every launch reads its own weights as in the step; a launch's time
+    is the graph's over the launch count. The decode state (token 1, position pos, max_new
+    huge) is set before the recording and before every timed graph launch: the sampler
+    advances it (position, step, ring slot), so a graph of `reps` samplers writes ring slots
+    0..reps-1 and the whole-step graph (sampler included) runs positions pos .. pos + reps -
+    1. pos is clamped so that fits max_context. Returns aggregate_kernels' dict plus pos,
+    context, reps, timed (graph launches per median), launches ((label, seconds, bytes) for
+    every launch of the step, in order) and pdl.
+    """
+    from ..engine.decode_loop import DecodeState
+
+    k, gpu = engine.kernels, engine.gpu
+    reps = max(1, min(reps, engine.max_context - 1))
+    pos = max(0, min(pos, engine.max_context - 1 - reps))
+    state = DecodeState(token=1, pos=pos, max_new=1 << 30)
+
+    def reset() -> None:
+        engine.set_decode_state(state)
+
+    reset()
+    trace = engine.record_decode_step()
+    # One graph per label holding that label's launches of the whole step (each layer's own
+    # weights, as in the step: a repeated single launch would be served from L2).
+    groups: dict[str, list] = {}
+    for ln in trace:
+        groups.setdefault(ln.label, []).append(ln)
+    per_launch = {}
+    for label, lns in groups.items():
+
+        def body(s, lns=lns) -> None:
+            for ln in lns:
+                k.replay(ln, stream=s)
+
+        per_launch[label] = time_graph(gpu, body, reps, timed, reset) / len(lns)
+    seconds = [per_launch[ln.label] for ln in trace]
+    step_s = time_graph(gpu, lambda s: engine.decode_step(s), reps, timed, reset)
+    reset()
+    launches = [(ln.label, t, ln.nbytes + ln.per_token * (pos + 1))
+                for ln, t in zip(trace, seconds, strict=True)]  # fmt: skip
+    res = aggregate_kernels(launches, step_s)
+    res.update(pos=pos, context=pos + 1, reps=reps, timed=timed, launches=launches,
+               pdl=bool(k.pdl))  # fmt: skip
+    return res
+
+
+# -- bench --plot -------------------------------------------------------------------------------
+def require_matplotlib() -> None:
+    """Fail early (before a long benchmark) when --plot cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise NanoqwenError(
+            f"--plot needs matplotlib ({exc}); install it: pip install matplotlib "
+            "(or the 'bench' extra)"
+        ) from None
+
+
+def plot_itl(res: dict, path: str) -> None:
+    """Draw itl_by_position_ms against position (prompt_len + i) into `path` (PNG: Agg)."""
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    y = np.asarray(res["itl_by_position_ms"], dtype=np.float64)
+    x = res["prompt_len"] + np.arange(y.size)
+    fig = Figure(figsize=(9, 4.8), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(x, y, lw=1.0, marker=".", ms=3, label=f"median over {res.get('runs', '?')} runs")
+    ax.axhline(res["itl_ms"], color="C1", ls="--", lw=1.2,
+               label=f"median ITL {res['itl_ms']:.3f} ms")  # fmt: skip
+    ax.set_title(f"{res.get('gpu', '?')}  model {res.get('model', '?')}  prompt "
+                 f"{res['prompt_len']}  gen {res.get('gen_len', y.size + 1)}: inter-token "
+                 "latency by position")  # fmt: skip
+    ax.set_xlabel("position of the token the decode step consumes (context = position + 1)")
+    ax.set_ylabel("inter-token latency (ms)")
+    top = float(np.nanmax(y)) if y.size else res["itl_ms"]
+    ax.set_ylim(0, 1.15 * max(top, res["itl_ms"]))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,214 @@
+"""The prefill kernels' correctness checks against PyTorch (on an sm_90 GPU):
+tests/test_gpu_prefill.py and dev/prefill_check.py run them.
+
+GEMM: every 7B projection shape (qkv, o + residual in place, gate_up + SwiGLU, down) at
+awkward M (GEMM_M), fresh random INT4 weights each run, the output poisoned with NaN before
+the launch and followed by GUARD_ROWS poisoned rows that must stay NaN (no store past row M);
+a launch that does not finish within a minute ends the process with a HANG line naming the
+kernel (a pipeline deadlock never returns, and every later call would wait behind it). The
+reference dequantizes exactly as the kernel does (q * scale rounded once to fp16; the packing
+is checked against nanoqwen.quant on a slice) and multiplies in fp32, so what is left is fp32
+summation order (~1e-6 relative) and the final fp16 rounding (2^-11 relative): the tolerance
+is max|out - ref| <= GEMM_REL_TOL * max|ref|.
+
+Attention: T in ATTN_T against an fp32 causal softmax; P is rounded to fp16 before P V, so
+the tolerance is max abs error <= ATTN_ABS_TOL on outputs of magnitude ~1.
+
+The inputs are torch tensors on torch's current stream; the kernels run on the Gpu's stream.
+Every check synchronizes the device before its launch and waits for the Gpu's stream after
+it, so the two streams never race.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..config import GROUP_SIZE, ModelConfig
+from ..quant import dequantize_packed
+
+GEMM_M = (1, 3, 17, 128, 511, 512, 513)  # one row, odd counts, whole tiles and one either side
+ATTN_T = (1, 15, 16, 17, 100, 512, 1000)  # one token, odd lengths, part tiles (64 rows)
+GEMM_REL_TOL = 2e-3  # fp16 output rounding (2^-11) with room for fp32 summation order
+GUARD_ROWS = 256  # poisoned rows past M after every GEMM output (must stay untouched)
+ATTN_ABS_TOL = 4e-3  # P is rounded to fp16 before P V; outputs are of magnitude ~1
+HANG_S = 60.0  # a launch still running after this long is a deadlock
+LANE_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # ValueShuffle: lane -> bit offset
+SCALE = 0.01  # weight scales: outputs of order 1 for K = 3584 and random N(0,1) activations
+
+Log = Callable[[str], None]
+
+
+def wait_or_die(gpu, what: str, timeout_s: float = HANG_S) -> None:
+    """Wait for the Gpu's stream with a deadline: a kernel that never finishes (a pipeline
+    deadlock) ends the process with its name instead of waiting forever."""
+    t0 = time.monotonic()
+    while not gpu.stream_idle(what):
+        if time.monotonic() - t0 > timeout_s:
+            print(f"HANG: {what} still running after {timeout_s:.0f} s; exiting", flush=True)
+            os._exit(3)
+        time.sleep(0.0005)
+
+
+# -- references ---------------------------------------------------------------------------------
+def random_int4_weight(n: int, k: int, gen: torch.Generator):
+    """Fresh random INT4 weight on the GPU: (qweight int32-bits [N, K/8], scales fp16
+    [N, K/128], dequantized fp16 [N, K] = fp16(q * scale), the value the kernel computes)."""
+    q = torch.randint(-8, 8, (n, k), device="cuda", generator=gen, dtype=torch.int32)
+    scales = (torch.rand((n, k // GROUP_SIZE), device="cuda", generator=gen) + 0.5) * SCALE
+    scales = scales.half()
+    nib = (q & 0xF).to(torch.int64).view(n, k // 8, 8)
+    shifts = torch.tensor(LANE_SHIFTS, device="cuda", dtype=torch.int64)
+    words = (nib << shifts).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    groups = q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * scales.float()[:, :, None]
+    return words, scales, groups.half().view(n, k)
+
+
+def check_packing_against_quant(words, scales, deq) -> None:
+    """The GPU packer above must agree with nanoqwen.quant (the file format's definition)."""
+    w = words[:4].cpu().numpy().view(np.uint32)
+    ref = dequantize_packed(w, scales[:4].cpu().numpy())
+    got = deq[:4].float().cpu().numpy()
+    if not np.array_equal(ref.astype(np.float16).astype(np.float32), got):
+        raise AssertionError("GPU INT4 packing disagrees with nanoqwen.quant.dequantize_packed")
+
+
+def gemm_reference(a, deq, bias=None, residual=None, swiglu=False):
+    """fp32 a @ deq^T (+ bias) (+ residual); swiglu: silu(first half) * second half."""
+    ref = a.float() @ deq.float().t()
+    if bias is not None:
+        ref += bias.float()
+    if residual is not None:
+        ref += residual.float()
+    if swiglu:
+        i = ref.shape[1] // 2
+        ref = torch.nn.functional.silu(ref[:, :i]) * ref[:, i:]
+    return ref
+
+
+def attention_reference(q, k, v):
+    """fp32 causal GQA softmax attention. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    t, hq, d = q.shape
+    group = hq // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    s = torch.einsum("thd,shd->hts", q.float(), kf) / math.sqrt(d)
+    mask = torch.ones(t, t, device=q.device, dtype=torch.bool).triu(1)
+    s.masked_fill_(mask, float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), vf)
+
+
+# -- checks -------------------------------------------------------------------------------------
+def gemm_shapes(cfg: ModelConfig) -> dict[str, dict]:
+    """The prefill's four GEMMs of `cfg`: N, K and what the epilogue adds."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "qkv": dict(n=cfg.q_size + 2 * cfg.kv_size, k=h, bias=True),
+        "o": dict(n=h, k=cfg.q_size, residual=True),
+        "gate_up": dict(n=2 * i, k=h, swiglu=True),
+        "down": dict(n=h, k=i, residual=True),
+    }
+
+
+def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None):
+    """One GEMM of `pk` (a PrefillKernels) with tile `spec` (None: pick_gemm's) on the M = m
+    rows of `a` against the reference: (ok, max|err|, max|ref|); err is inf when a guard row
+    was written."""
+    n = shape["n"]
+    swiglu = shape.get("swiglu", False)
+    out_cols = n // 2 if swiglu else n
+    # `out` is the first m rows of a NaN-poisoned buffer with GUARD_ROWS more: a kernel that
+    # stores past row M shows up as a finite guard row.
+    buf = torch.full((m + GUARD_ROWS, out_cols), float("nan"), device="cuda", dtype=torch.float16)
+    out = buf[:m]
+    if shape.get("residual") and m % 2 == 0:  # in place, as the engine's h += o_proj(...)
+        residual = torch.randn(m, n, device="cuda", dtype=torch.float16)
+        out.copy_(residual)
+        ref = gemm_reference(a, deq, bias, residual, swiglu)
+        res_arg = out
+    elif shape.get("residual"):  # separate residual buffer, poisoned output
+        res_arg = torch.randn(m, n, device="cuda", dtype=torch.float16)
+        ref = gemm_reference(a, deq, bias, res_arg, swiglu)
+    else:
+        ref = gemm_reference(a, deq, bias, None, swiglu)
+        res_arg = None
+    torch.cuda.synchronize()
+    what = f"gemm {spec.key if spec else 'picked'} N={n} K={shape['k']} M={m}"
+    pk.gemm(a, words, scales, bias, out, m, n, shape["k"], res_arg, swiglu=swiglu, spec=spec)
+    wait_or_die(pk.gpu, what)
+    err = (out.float() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    guard_ok = bool(torch.isnan(buf[m:]).all().item())
+    if not guard_ok:
+        err = float("inf")  # reported as a failure: the kernel wrote past row M
+    ok = guard_ok and bool(torch.isfinite(out).all().item()) and err <= GEMM_REL_TOL * scale
+    return ok, err, scale
+
+
+def check_gemm(pk, cfg: ModelConfig, gen: torch.Generator, log: Log = print, quick=False):
+    """Every GEMM shape of `cfg` at every M of GEMM_M (quick: four of them) with every GEMM
+    tile of `pk`; logs failures and a table of max|err| / max|ref|. Returns (all ok, the worst
+    ratio)."""
+    rows, ok_all = [], True
+    ms = (GEMM_M[:3] + GEMM_M[-1:]) if quick else GEMM_M
+    for name, shape in gemm_shapes(cfg).items():
+        words, scales, deq = random_int4_weight(shape["n"], shape["k"], gen)
+        check_packing_against_quant(words, scales, deq)
+        bias = None
+        if shape.get("bias"):
+            bias = torch.randn(shape["n"], device="cuda", dtype=torch.float16, generator=gen)
+        specs = [s for s in pk.gemms if s.tile.swiglu == shape.get("swiglu", False)]
+        for m in ms:
+            a = torch.randn(m, shape["k"], device="cuda", dtype=torch.float16, generator=gen)
+            for spec in specs:
+                ok, err, scale = run_gemm_case(pk, a, words, scales, deq, shape, m, spec, bias)
+                ok_all &= ok
+                rows.append((name, m, spec.key, err, scale, ok))
+                if not ok:
+                    log(f"GEMM FAIL {name} M={m} {spec.key}: err {err:.3g} (max|ref| {scale:.3g})")
+        del words, scales, deq
+    # max|err| / max|ref| per (shape, tile) and M: which kernel, which shapes, which M.
+    log(f"\nmax|err|/max|ref| (tol {GEMM_REL_TOL}); * = FAIL")
+    log(f"{'shape':8s} {'tile':24s} " + " ".join(f"{'M=' + str(m):>9s}" for m in ms))
+    for name in gemm_shapes(cfg):
+        for key in dict.fromkeys(r[2] for r in rows if r[0] == name):
+            cells = []
+            for m in ms:
+                r = next(r for r in rows if r[0] == name and r[2] == key and r[1] == m)
+                cells.append(f"{r[3] / max(r[4], 1e-30):8.1e}{' ' if r[5] else '*'}")
+            log(f"{name:8s} {key:24s} " + " ".join(cells))
+    worst = max(r[3] / max(r[4], 1e-30) for r in rows)
+    log(f"gemm correctness: {sum(r[5] for r in rows)}/{len(rows)} pass; worst max|err|/max|ref| "
+        f"= {worst:.2e} (tol {GEMM_REL_TOL})")  # fmt: skip
+    return ok_all, worst
+
+
+def check_attention(configs, gen: torch.Generator, log: Log = print):
+    """The prefill attention of each (config, PrefillKernels) in `configs` at every T of
+    ATTN_T, random q, k, v. Returns (all ok, the worst max abs error)."""
+    ok_all, worst = True, 0.0
+    for cfg, pk in configs:
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        for t in ATTN_T:
+            q = torch.randn(t, hq, d, device="cuda", dtype=torch.float16, generator=gen)
+            k = torch.randn(t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+            v = torch.randn(t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+            out = torch.full_like(q, float("nan"))
+            torch.cuda.synchronize()
+            pk.attention(q, k, v, out, t)
+            wait_or_die(pk.gpu, f"prefill attention {cfg.name} T={t}")
+            err = (out.float() - attention_reference(q, k, v)).abs().max().item()
+            ok = bool(torch.isfinite(out).all().item()) and err <= ATTN_ABS_TOL
+            worst = max(worst, err)
+            ok_all &= ok
+            if not ok:
+                log(f"ATTN FAIL {cfg.name} {hq}:{hkv} D={d} T={t}: max err {err:.3g}")
+    log(f"attention correctness: {'pass' if ok_all else 'FAIL'}; worst max abs err {worst:.2e} "
+        f"(tol {ATTN_ABS_TOL})")  # fmt: skip
+    return ok_all, worst
