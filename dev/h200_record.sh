@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU record through the product's own commands, in two parts that each fit one device
-# call (10 minutes). Logs land in $OUT, a status table comes last.
+# call (10 minutes). The logs end up in $OUT/logs.tgz; a status table comes last.
 #
 #   bash dev/h200_record.sh bench      pack the synthetic 7B; bench it at prompt 512 (with
 #                                      --kernels, --plot, --baseline transformers), 8192 and
@@ -18,20 +18,20 @@
 set -uo pipefail
 PART=${1:?usage: h200_record.sh bench|rest}
 OUT=${OUT:-/tmp/nanoqwen-record}
-RESULTS=$OUT/results
-mkdir -p "$OUT" "$RESULTS"
+RESULTS=$OUT/results LOGS=$OUT/logs
+mkdir -p "$RESULTS" "$LOGS"
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=.:${PYTHONPATH:-}
 nq() { python3 -m nanoqwen.cli "$@"; }
 declare -a ROWS
-step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember status and seconds
+step() {  # step NAME COMMAND...: run, log to $LOGS/NAME.log, remember status and seconds
     local name=$1 t0=$SECONDS
     shift
-    "$@" >"$OUT/$name.log" 2>&1
+    "$@" >"$LOGS/$name.log" 2>&1
     local rc=$?
     ROWS+=("$(printf '%-16s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - t0)))")
     echo "${ROWS[-1]}"
@@ -39,13 +39,14 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember status and
 pack() {  # pack PRESET PATH (skipped when PATH exists: the synthetic packs are deterministic)
     [ -f "$2" ] || step "pack-$1" nq pack --synthetic "$1" --no-progress -o "$2"
 }
-report() {
+report() {  # the tails of the named logs, the status table; the logs into one archive
     for f in "$@"; do
         echo "==== $f"
-        tail -n 40 "$OUT/$f.log"
+        tail -n 40 "$LOGS/$f.log"
     done
     echo "==== steps"
     printf '%s\n' "${ROWS[@]}"
+    tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
 }
 
 serve_once() {  # one client against a CUDA-backed server: TTFT of the stream and tokens/s

@@ -22,6 +22,7 @@ import pytest
 
 from nanoqwen.config import ModelConfig
 from nanoqwen.fileformat import TokenizerSpec, write_nanoqwen
+from nanoqwen.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = ("-m", "nanoqwen.cli")
@@ -46,6 +47,17 @@ def tiny_model(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("tiny") / "tiny.nanoqwen"
     pack_synthetic("tiny", path, seed=0, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """A packed real Qwen2.5-Coder file: NANOQWEN_REAL_MODEL, or the 0.5B that `nanoqwen demo
+    --model 0.5b` packs into the cache; the test is skipped without one."""
+    default = cache_dir() / "qwen2.5-coder-0.5b-instruct.nanoqwen"
+    path = Path(os.environ.get("NANOQWEN_REAL_MODEL") or default)
+    if not path.is_file():
+        pytest.skip(f"no real model at {path} (NANOQWEN_REAL_MODEL)")
     return path
 
 

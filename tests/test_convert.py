@@ -176,7 +176,7 @@ def test_hf_and_gguf_pack_identical_tensors(tmp_path, weights):
 @pytest.mark.slow
 def test_gguf_with_tokenizer_packs_like_hf(tmp_path):
     """A full-vocabulary GGUF (~30 s: GGUFReader parses 152k strings); its tokenizer section
-    equals the HF directory's. Fast coverage: test_convert_tokenizers.py."""
+    equals the HF directory's. Fast coverage: the tokenizer-section tests below."""
     weights = grid_weights(BIG, seed=3)
     path = write_gguf(tmp_path / "m.gguf", BIG, weights, np.float16, tokenizer=True)
     summary = pack_source(path, tmp_path / "g.nanoqwen", progress=False)

@@ -136,3 +136,67 @@ def test_variants_generate_the_same_tokens(tiny, tiny_model, pdl, overrides):
             other.close()
     bound = LADDER["graph"]["logit_max_over_std"] * want_logits.std()
     assert np.abs(got - want_logits).max() <= bound
+
+
+REAL_REQUESTS = [
+    {"chat": "Write a Python function is_prime(n) with a docstring."},
+    {"chat": "Reverse a singly linked list in Python; explain the loop in one line."},
+    {"chat": "Add type hints to: def merge(a, b): return sorted(a + b)"},
+    {"chat": "Write a SQL query that returns the ten most recent orders per customer."},
+    {"chat": "Fix the bug: for i in range(len(xs)): if xs[i] = 0: print(i)"},
+    {"chat": "Write a bash one-liner that counts lines in every .py file under src/."},
+    {"fim": ("def add(a, b):\n    ", "\n\nprint(add(2, 3))\n")},
+    {"fim": ("import json\n\ndef load(path):\n    with open(path) as f:\n        ", "\n")},
+    {
+        "fim": (
+            "class Stack:\n    def __init__(self):\n        self.items = []\n\n"
+            "    def push(self, x):\n        ",
+            "\n\n    def pop(self):\n        return self.items.pop()\n",
+        )
+    },  # noqa: E501
+]
+
+
+@pytest.mark.slow
+def test_real_weights_greedy_matches_the_reference(real_model):
+    """Real Qwen2.5-Coder weights (the real_model fixture): the engine's greedy reply to
+    coding and fill-in-the-middle requests is the float32 reference's, token for token, except
+    where they part at a near-tie of the reference's own top-2 (the graph tier's rule)."""
+    import torch
+
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.reference import ReferenceBackend
+    from nanoqwen.sampling import SamplingParams
+    from nanoqwen.tokenizer import Tokenizer
+
+    near_tie = LADDER["graph"]["near_tie_over_std"]
+    params = SamplingParams(max_tokens=96)
+    with NanoqwenFile(real_model) as f:
+        tok = Tokenizer.from_file(f)
+        stop = frozenset(tok.eos_token_ids)
+        engine = CudaBackend(f, max_context=2048)
+        ref = ReferenceBackend(
+            f, max_context=2048, device="cuda" if torch.cuda.is_available() else "cpu"
+        )
+        try:
+            same, splits = 0, []
+            for req in REAL_REQUESTS:
+                if "chat" in req:
+                    ids = tok.encode_chat([{"role": "user", "content": req["chat"]}])
+                else:
+                    ids = tok.fim_prompt(*req["fim"])
+                a = list(engine.generate(ids, params, stop))
+                b = list(ref.generate(ids, params, stop))
+                if a == b:
+                    same += 1
+                    continue
+                i = next(j for j in range(min(len(a), len(b))) if a[j] != b[j])
+                row = ref.logits(ids + b[:i])[-1]
+                splits.append(abs(float(row[b[i]] - row[a[i]])) / float(row.std()))
+            print(f"\n{real_model.name}: {same}/{len(REAL_REQUESTS)} identical, splits {splits}")
+            assert all(m <= near_tie for m in splits), splits
+            assert engine.kv_pages_in_use == 0
+        finally:
+            engine.close()
+            ref.close()

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..config import GROUP_SIZE, ModelConfig
-from ..quant import dequantize_packed
+from ..quant import LANE_SHIFTS, dequantize_packed
 
 GEMM_M = (1, 3, 17, 128, 511, 512, 513)  # one row, odd counts, whole tiles and one either side
 ATTN_T = (1, 15, 16, 17, 100, 512, 1000)  # one token, odd lengths, part tiles (64 rows)
@@ -38,7 +38,6 @@ GEMM_REL_TOL = 2e-3  # fp16 output rounding (2^-11) with room for fp32 summation
 GUARD_ROWS = 256  # poisoned rows past M after every GEMM output (must stay untouched)
 ATTN_ABS_TOL = 4e-3  # P is rounded to fp16 before P V; outputs are of magnitude ~1
 HANG_S = 60.0  # a launch still running after this long is a deadlock
-LANE_SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # ValueShuffle: lane -> bit offset
 SCALE = 0.01  # weight scales: outputs of order 1 for K = 3584 and random N(0,1) activations
 
 Log = Callable[[str], None]
@@ -63,7 +62,7 @@ def random_int4_weight(n: int, k: int, gen: torch.Generator):
     scales = (torch.rand((n, k // GROUP_SIZE), device="cuda", generator=gen) + 0.5) * SCALE
     scales = scales.half()
     nib = (q & 0xF).to(torch.int64).view(n, k // 8, 8)
-    shifts = torch.tensor(LANE_SHIFTS, device="cuda", dtype=torch.int64)
+    shifts = torch.tensor(LANE_SHIFTS.tolist(), device="cuda", dtype=torch.int64)
     words = (nib << shifts).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
     groups = q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * scales.float()[:, :, None]
