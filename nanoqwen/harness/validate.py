@@ -24,8 +24,6 @@ from ..engine.kv_cache import kv_cache_from_device, kv_cache_to_device
 from ..quant import dequantize_packed
 from ..rope import rope_table
 
-PAGE = PAGE_TOKENS
-
 
 @dataclass
 class Check:
@@ -133,9 +131,9 @@ def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
     a mid-page and a page-crossing position of a scattered page table."""
     out, h, npages = [], cfg.hidden_size, 40
     hq, hkv, d, n = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size + 2 * cfg.kv_size
-    rope = rope_table(cfg, npages * PAGE)
+    rope = rope_table(cfg, npages * PAGE_TOKENS)
     table = rng.permutation(npages).astype(np.int32)
-    for pos in (0, 21, npages * PAGE - 1):
+    for pos in (0, 21, npages * PAGE_TOKENS - 1):
         words, scales, deq = _rand_int4(rng, n, h)
         x = _f16(rng.standard_normal(h))
         normw = _f16(1 + 0.1 * rng.standard_normal(h))
@@ -145,15 +143,15 @@ def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
         heads = qkv[: cfg.q_size + cfg.kv_size].reshape(1, hq + hkv, d)
         rot = _rope_ref(heads, rope, np.array([pos]))[0]
         q_ptr, qh = dev.out((hq, d), np.float16)
-        kc_ptr, kc = dev.out((npages, hkv, PAGE, d), np.float16)  # the device layout
-        vc_ptr, vc = dev.out((npages, hkv, PAGE, d), np.float16)
+        kc_ptr, kc = dev.out((npages, hkv, PAGE_TOKENS, d), np.float16)  # the device layout
+        vc_ptr, vc = dev.out((npages, hkv, PAGE_TOKENS, d), np.float16)
         k.qkv_rope(dev.put(x), dev.put(normw), dev.put(words), dev.put(scales), dev.put(bias),
                    dev.put(np.array([pos], np.int32)), dev.put(rope), dev.put(table), kc_ptr,
                    vc_ptr, q_ptr)  # fmt: skip
         got_q = dev.get(q_ptr, qh)
         kc = kv_cache_from_device(dev.get(kc_ptr, kc))
         vc = kv_cache_from_device(dev.get(vc_ptr, vc))
-        slot = table[pos // PAGE], pos % PAGE
+        slot = table[pos // PAGE_TOKENS], pos % PAGE_TOKENS
         got_k, got_v = kc[slot].copy(), vc[slot].copy()
         kc[slot], vc[slot] = np.nan, np.nan
         err = max(_rel_err(got_q, rot[:hq]), _rel_err(got_k, rot[hq:]),
@@ -192,11 +190,11 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     out = []
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv_n, npages = cfg.q_size + 2 * cfg.kv_size, 300
-    rope = rope_table(cfg, npages * PAGE)
+    rope = rope_table(cfg, npages * PAGE_TOKENS)
     rptr = dev.put(rope)
     table = rng.permutation(npages).astype(np.int32)  # scattered pages
     tptr = dev.put(table)
-    cache_shape = (npages, hkv, PAGE, d)  # the device layout
+    cache_shape = (npages, hkv, PAGE_TOKENS, d)  # the device layout
     for T, pos0 in ((1, 0), (3, 14), (17, 37)):
         qkv = _f16(rng.standard_normal((T, qkv_n)))
         kc_ptr, kc = dev.out(cache_shape, np.float16)
@@ -214,7 +212,7 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
         kc = kv_cache_from_device(dev.get(kc_ptr, kc))
         vc = kv_cache_from_device(dev.get(vc_ptr, vc))
         dev.get(vo_ptr, vo)
-        slots = table[pos // PAGE], pos % PAGE
+        slots = table[pos // PAGE_TOKENS], pos % PAGE_TOKENS
         ok = (_rel_err(got_q, rot[:, :hq]) <= tol and _rel_err(got_k, rot[:, hq:]) <= tol
               and np.array_equal(kc[slots], got_k) and np.array_equal(vc[slots], v_ref)
               and np.array_equal(vo, v_ref))  # fmt: skip
@@ -226,8 +224,8 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     # merge over clusters (ceil(L / 16 / 128) of them, capped: 4097 and 8193); a last page
     # holding a single valid token at 17, 33, 129, 4097, 8193.
     lengths = (1, 16, 17, 33, 111, 129, 1000, 4097, 8193)
-    apages = -(-max(lengths) // PAGE) + 7
-    acache = (apages, PAGE, hkv, d)
+    apages = -(-max(lengths) // PAGE_TOKENS) + 7
+    acache = (apages, PAGE_TOKENS, hkv, d)
     g = cfg.group_ratio
     for L in lengths:
         kc = _f16(rng.standard_normal(acache))
@@ -248,8 +246,8 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
         k.attention(*args, optr)
         again = dev.get(optr, host)
         pos = np.arange(L)
-        kk = kc[atable[pos // PAGE], pos % PAGE].astype(np.float64)  # [L, hkv, d]
-        vv = vc[atable[pos // PAGE], pos % PAGE].astype(np.float64)
+        kk = kc[atable[pos // PAGE_TOKENS], pos % PAGE_TOKENS].astype(np.float64)  # [L, hkv, d]
+        vv = vc[atable[pos // PAGE_TOKENS], pos % PAGE_TOKENS].astype(np.float64)
         ref = np.empty((hq, d))
         for hh in range(hq):
             sc = kk[:, hh // g] @ q[hh].astype(np.float64) / np.sqrt(d)
