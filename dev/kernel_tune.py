@@ -53,25 +53,20 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
 
 class Attention:
     """Decode attention of one DecodeKernels over a shared KV cache, q and position, with the
-    split scratch its geometry asks for (part_ml, part_acc, the last-CTA counters)."""
+    split scratch its geometry asks for."""
 
-    def __init__(self, gpu: Gpu, cfg, kernels: DecodeKernels, kv: KVCache, q: int, pos: int):
+    def __init__(self, kernels: DecodeKernels, kv: KVCache, q: int, pos: int):
         self.kernels, self.kv, self.q, self.pos = kernels, kv, q, pos
-        splits = kernels.geometry.attn_splits  # the scratch's stride in the kernel
-        self.part_ml = gpu.alloc(cfg.num_heads * splits * 2 * 4, "attn m/l")
-        self.part_acc = gpu.alloc(cfg.num_heads * splits * cfg.head_dim * 4, "attn acc")
-        self.counters = gpu.alloc(cfg.num_kv_heads * 4, "attn counters")
-        gpu.memset(self.counters.ptr, 0, cfg.num_kv_heads * 4)  # every launch re-zeroes them
+        self.scratch = kernels.attention_scratch()
 
     def __call__(self, layer: int, out: int, stream=None) -> None:
-        kv = self.kv
+        kv, sc = self.kv, self.scratch
         self.kernels.attention(self.q, kv.k[layer], kv.v[layer], kv.page_table, self.pos,
-                               self.part_ml.ptr, self.part_acc.ptr, self.counters.ptr, out,
+                               sc.part_ml.ptr, sc.part_acc.ptr, sc.counters.ptr, out,
                                stream=stream)  # fmt: skip
 
     def free(self) -> None:
-        for buf in (self.part_ml, self.part_acc, self.counters):
-            buf.free()
+        self.scratch.free()
 
 
 def tune_attention(f: NanoqwenFile, sweep, args) -> tuple[str, list[dict]]:
@@ -86,11 +81,11 @@ def tune_attention(f: NanoqwenFile, sweep, args) -> tuple[str, list[dict]]:
     gpu.upload(q.ptr, rng.standard_normal(cfg.q_size).astype(np.float16))
     pos = gpu.alloc(4, "pos")
     outs = [gpu.alloc(cfg.q_size * 2, "out") for _ in range(2)]
-    shipped = Attention(gpu, cfg, DecodeKernels(gpu, cfg), kv, q.ptr, pos.ptr)
+    shipped = Attention(DecodeKernels(gpu, cfg), kv, q.ptr, pos.ptr)
     rows = []
     for values, geometry in sweep:
         kernels = DecodeKernels(gpu, cfg, geometry)
-        attend = Attention(gpu, cfg, kernels, kv, q.ptr, pos.ptr)
+        attend = Attention(kernels, kv, q.ptr, pos.ptr)
         regs = kernels.resources[kernels.specs["attention"].expression].registers
         for ctx in args.context:
             gpu.upload(pos.ptr, np.array([ctx - 1], np.int32))

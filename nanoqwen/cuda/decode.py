@@ -9,6 +9,8 @@ dtype, shape and layout from the .cu files. The prefill shares embed, rmsnorm an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..config import GROUP_SIZE, ModelConfig
@@ -17,6 +19,21 @@ from .device import Gpu
 from .launcher import Launcher
 
 _I32 = np.int32
+
+
+@dataclass(frozen=True)
+class AttentionScratch:
+    """Decode attention's split scratch (DeviceArrays): part_ml fp32 [n_heads, S, 2] and
+    part_acc fp32 [n_heads, S, D] (S = geometry.attn_splits, the kernel's stride), counters
+    int32 [n_kv] (zeroed once; every launch leaves them zero, so a captured graph replays)."""
+
+    part_ml: object
+    part_acc: object
+    counters: object
+
+    def free(self) -> None:
+        for buf in (self.part_ml, self.part_acc, self.counters):
+            buf.free()
 
 
 class DecodeKernels(Launcher):
@@ -113,6 +130,15 @@ class DecodeKernels(Launcher):
         self.launch("attention", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages, pos,
                     part_ml, part_acc, counters, out, stream=stream,
                     per_token=c.kv_size * 2 * 2)  # fmt: skip
+
+    def attention_scratch(self) -> AttentionScratch:
+        """The scratch `attention` needs for this geometry, allocated on the Gpu."""
+        c, splits, a = self.config, self.geometry.attn_splits, self.gpu.alloc
+        counters = a(c.num_kv_heads * 4, "attn counters")  # the last-CTA semaphores
+        self.gpu.memset(counters.ptr, 0, c.num_kv_heads * 4)
+        part_ml = a(c.num_heads * splits * 2 * 4, "attn m/l")
+        part_acc = a(c.num_heads * splits * c.head_dim * 4, "attn acc")
+        return AttentionScratch(part_ml, part_acc, counters)
 
     def lm_head(self, x, norm_w, w, logits, key, stream=None, rows: int | None = None) -> None:
         """x fp16 [H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H]; logits fp32 [V];

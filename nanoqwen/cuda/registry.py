@@ -59,12 +59,9 @@ _EPILOGUE_C = {Epilogue.ROPE: "kRope", Epilogue.RESIDUAL: "kResidual", Epilogue.
 
 
 def c_name(field: str) -> str:
-    """The header's name of a Geometry field: gv_stage_target -> kGvStageTarget."""
+    """The header's name of a Geometry field or state word: gv_stage_target -> kGvStageTarget,
+    max_new -> kMaxNew."""
     return "k" + "".join(part.capitalize() for part in field.split("_"))
-
-
-def _camel(enum_name: str) -> str:
-    return "k" + "".join(part.capitalize() for part in enum_name.lower().split("_"))
 
 
 @dataclass(frozen=True)
@@ -156,7 +153,7 @@ def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) ->
     ]
     lines += [f"constexpr int {k} = {v};" for k, v in geometry.constants().items()]
     lines.append("enum StateWord : int {")
-    lines += [f"  {_camel(w.name)} = {int(w)}," for w in StateWord]
+    lines += [f"  {c_name(w.name.lower())} = {int(w)}," for w in StateWord]
     lines.append("};")
     lines.append(f"constexpr int kMaxEos = {MAX_EOS};")
     lines.append("enum Epilogue : int {")

@@ -60,11 +60,7 @@ class Forward:
         self.mlp = a(c.intermediate_size * 2, "mlp").ptr
         self.logits = a(c.vocab_size * 4, "logits").ptr
         self.key = a(8, "argmax key").ptr
-        splits = kernels.geometry.attn_splits
-        self.part_ml = a(c.num_heads * splits * 2 * 4, "attn m/l").ptr
-        self.part_acc = a(c.num_heads * splits * c.head_dim * 4, "attn acc").ptr
-        self.attn_count = a(c.num_kv_heads * 4, "attn counters").ptr  # last-CTA semaphores
-        gpu.memset(self.attn_count, 0, c.num_kv_heads * 4)  # once: each launch re-zeroes
+        self.attn_scratch = kernels.attention_scratch()
         self.zero = a(4, "zero").ptr  # position 0 for the prefill's rope_kv
         gpu.memset(self.zero, 0, 4)
         gpu.memset(self.key, 0, 8)
@@ -91,10 +87,10 @@ class Forward:
         """Layer i after its q/k/v for one token at state[POS] (its K/V already in the
         pages): attention of q (fp16 [heads, D]), o, gate/up, down; x (fp16 [H], the token's
         residual row) updated in place."""
-        L, k, c = self.weights.layers[i], self.kernels, self.config
+        L, k, c, sc = self.weights.layers[i], self.kernels, self.config, self.attn_scratch
         k.attention(q, self.kv.k[i], self.kv.v[i], self.kv.page_table,
-                    self.loop.word(StateWord.POS), self.part_ml, self.part_acc,
-                    self.attn_count, self.attn, stream=stream)  # fmt: skip
+                    self.loop.word(StateWord.POS), sc.part_ml.ptr, sc.part_acc.ptr,
+                    sc.counters.ptr, self.attn, stream=stream)  # fmt: skip
         k.gemv("o", self.attn, 0, L.o_w, L.o_s, x, c.hidden_size, stream=stream)
         k.gemv("gate_up", x, L.post_norm, L.gate_up_w, L.gate_up_s, self.mlp,
                c.intermediate_size, stream=stream)  # fmt: skip
