@@ -103,6 +103,7 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
+        self._compiled_template: jinja2.Template | None = None
         self.vocab_size = self._full.get_vocab_size(with_added_tokens=True)
         self._bytes_cache: dict[int, bytes] = {}
 
@@ -196,8 +197,11 @@ class Tokenizer:
             raise TokenizerError("the model file has no chat template; use a raw prompt or FIM")
         inv = {v: k for k, v in self._added.items()}
         try:
-            template = _jinja_env().from_string(self.chat_template)
-            return template.render(
+            # Compiled once: compiling costs milliseconds a chat request (two renders each),
+            # rendering tens of microseconds; a compiled template renders from any thread.
+            if self._compiled_template is None:
+                self._compiled_template = _jinja_env().from_string(self.chat_template)
+            return self._compiled_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
