@@ -162,6 +162,17 @@ class Tokenizer:
         s = self._encode_plain(check_text(suffix, "FIM suffix"))
         return [pre, *p, suf, *s, mid]
 
+    def repo_name(self, name: str) -> list[int]:
+        """`<|repo_name|>{name}\\n`: opens Qwen2.5-Coder's repo-level prompt, which lists files
+        (`repo_file`) and ends with the FIM prompt of the file being edited."""
+        return [self.special_id("repo_name"), *self._encode_plain(check_text(name + "\n", "repo"))]
+
+    def repo_file(self, path: str, text: str = "") -> list[int]:
+        """`<|file_sep|>{path}\\n{text}`: one file of a repo-level prompt; the file being edited
+        gets no text here (its FIM prompt follows)."""
+        body = check_text(f"{path}\n{text}", f"file {path!r}")
+        return [self.special_id("file_sep"), *self._encode_plain(body)]
+
     # Chat --------------------------------------------------------------------------------
     def render_chat(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True

@@ -47,11 +47,14 @@ class ClientGone(Exception):
 
 
 class JobStream(StreamingResponse):
-    """A server-sent-event response that cancels its job however the response ends."""
+    """A streamed response (server-sent events unless `media_type` says otherwise, e.g.
+    Ollama's NDJSON) that cancels its job however the response ends."""
 
-    def __init__(self, job: Job, content: AsyncIterator[bytes]) -> None:
+    def __init__(
+        self, job: Job, content: AsyncIterator[bytes], media_type: str = "text/event-stream"
+    ) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+        super().__init__(content, media_type=media_type, headers=headers)
         self.job = job
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -215,6 +218,12 @@ def create_app(llm: Any, worker: Worker, *, api_key: str | None = None) -> FastA
     _add_error_handlers(app)
     _add_info_routes(app, service)
     _add_generation_routes(app, service)
+    # The other protocols build on Service and JobStream, so they import this module.
+    from .llamacpp import add_llamacpp_routes
+    from .ollama import add_ollama_routes
+
+    add_llamacpp_routes(app, service)
+    add_ollama_routes(app, service)
     return app
 
 
