@@ -109,7 +109,8 @@ def instrumented_run(engine, ids) -> dict:
 
         return f
 
-    steps = ((engine.kv, "reserve"), (engine.loop, "begin"), (engine.loop, "stage_ids"))
+    steps = ((engine.kv.pages, "reserve"), (engine.loop, "stage_pages"), (engine.loop, "begin"),
+             (engine.loop, "stage_ids"))  # fmt: skip
     for obj, name in steps:
         setattr(obj, name, stamped(getattr(obj, name), name))
     for launcher in launchers(engine):

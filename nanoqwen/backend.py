@@ -14,6 +14,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextError
+from .kv_pages import KVStats
 from .sampling import SamplingParams
 
 # Positions a backend holds when not told: the cuda engine sizes its KV pool for the model's
@@ -58,6 +59,10 @@ class Backend(Protocol):
     name: str  # "reference" or "cuda"
     config: ModelConfig
     max_context: int  # prompt + generated tokens must fit in this many positions
+    # Prompt tokens of the current (or last) generation whose K/V came from the prefix cache
+    # instead of the prefill: a multiple of 16, at most the prompt's full pages before its last
+    # token; 0 on a cold prefill and before the first generation.
+    cached_tokens: int
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
@@ -67,14 +72,22 @@ class Backend(Protocol):
         Stops after yielding a token in `stop_ids` or after `params.max_tokens` tokens.
         check_prompt and check_fits run at the call (ContextError), before the first token
         is asked for. Closing the iterator early (generator.close(),
-        or dropping it) cancels the generation within one decode step and frees its KV pages.
+        or dropping it) cancels the generation within one decode step and releases its KV
+        pages (those completely written stay in the prefix cache, unreferenced).
         One generation at a time per backend (batch 1).
         """
         ...
 
     @property
     def kv_pages_in_use(self) -> int:
-        """16-token KV pages currently held (0 when no generation runs): leak checks use it."""
+        """16-token KV pages currently held (0 when no generation runs; cached pages are not
+        held): leak checks use it."""
+        ...
+
+    @property
+    def kv_stats(self) -> KVStats:
+        """The KV pool and the prefix cache: pages held / cached / free, tokens looked up and
+        hit, evictions."""
         ...
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -9,10 +9,12 @@ being obviously right over being fast:
   lm_head are the file's fp16 values upcast. Compute runs in float32 unless `dtype` says
   otherwise; RMSNorm and softmax always run in float32.
 - The KV cache is paged the way the engine pages it: per layer a pool of 16-token pages
-  `[num_pages, 16, n_kv_heads, head_dim]` for K and for V, a page table (list of page ids) per
-  sequence, pages taken before the step that writes them and returned when the sequence ends.
+  `[num_pages, 16, n_kv_heads, head_dim]` for K and for V, allocated by the block manager both
+  backends share (nanoqwen.kv_pages: a page table per sequence, pages taken before the step
+  that writes them, released when the sequence ends, full pages kept in the prefix cache).
   Prefill and decode both write K/V into the pages and read the whole context back through the
-  page table, so the indirection is exercised on every step.
+  page table, so the indirection is exercised on every step; a prefill that reuses a cached
+  prefix is the same forward started at an offset.
 - RoPE is the NEOX form (rotate the halves [..., :d/2] and [..., d/2:]), its angles formed in
   float64 (nanoqwen.rope, shared with the engine) and rounded once.
 """
@@ -30,7 +32,8 @@ import torch.nn.functional as F
 
 from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
 from .config import PAGE_TOKENS, ModelConfig
-from .errors import ContextError, NanoqwenError
+from .errors import NanoqwenError
+from .kv_pages import BlockManager, KVStats, PageTable
 from .quant import dequantize_packed
 from .rope import rope_angles
 from .sampling import SamplingParams, make_generator, sample
@@ -42,39 +45,25 @@ if TYPE_CHECKING:
 
 
 class PagedKVCache:
-    """K and V pools of 16-token pages per layer, and the free list of page ids.
+    """K and V pools of 16-token pages per layer, and `pages`, the block manager that hands
+    them out (pools and allocator travel together: a cache's page ids mean its own pools).
 
-    A sequence owns a page table (list of page ids); position p lives in page
-    `table[p // 16]`, slot `p % 16`. Pages are handed out from the top of the pool down, so a
-    page table is never the identity and a wrong indirection shows in the tests.
+    Position p of a sequence lives in page `table[p // 16]`, slot `p % 16`.
     """
 
-    def __init__(self, config: ModelConfig, num_pages: int, dtype: torch.dtype, device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        dtype: torch.dtype,
+        device,
+        prefix_caching: bool = True,
+    ):
         shape = (num_pages, PAGE_TOKENS, config.num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.num_pages = num_pages
-        self._free = list(range(num_pages))
-
-    @property
-    def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free)
-
-    def reserve(self, page_table: list[int], length: int) -> None:
-        """Grow `page_table` (in place) until it covers positions [0, length)."""
-        needed = -(-length // PAGE_TOKENS) - len(page_table)
-        if needed > len(self._free):
-            raise ContextError(
-                f"KV cache full: {length} positions need {needed} more 16-token pages, "
-                f"{len(self._free)} of {self.num_pages} are free"
-            )
-        for _ in range(max(needed, 0)):
-            page_table.append(self._free.pop())
-
-    def release(self, page_table: list[int]) -> None:
-        """Return every page of `page_table` to the pool and empty it."""
-        self._free.extend(reversed(page_table))
-        page_table.clear()
+        self.pages = BlockManager(num_pages, prefix_caching)
 
     def write(self, layer: int, table: torch.Tensor, start: int, k, v) -> None:
         """k, v: [T, n_kv_heads, head_dim] for positions start..start+T-1."""
@@ -244,7 +233,8 @@ class Qwen2Reference:
 
 
 class ReferenceBackend:
-    """nanoqwen.backend.Backend in plain PyTorch: batch 1, host sampling, paged KV."""
+    """nanoqwen.backend.Backend in plain PyTorch: batch 1, host sampling, paged KV with prefix
+    caching (nanoqwen.kv_pages): a prompt is prefilled from its first uncached token."""
 
     name = "reference"
 
@@ -254,18 +244,27 @@ class ReferenceBackend:
         max_context: int = DEFAULT_CONTEXT["reference"],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        prefix_caching: bool = True,
     ):
+        """prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full
+        pages (off: every prompt is prefilled cold, e.g. for validation)."""
         self.config: ModelConfig = file.config
         self.max_context = check_max_context(max_context, self.config)
         self.device = torch.device(device)
+        self.cached_tokens = 0
         with torch.inference_mode():
             self.model = Qwen2Reference(file, max_context, dtype, self.device)
             pages = -(-max_context // PAGE_TOKENS)
-            self.cache = PagedKVCache(self.config, pages, dtype, self.device)
+            self.cache = PagedKVCache(self.config, pages, dtype, self.device, prefix_caching)
 
     @property
     def kv_pages_in_use(self) -> int:
-        return 0 if self.cache is None else self.cache.pages_in_use
+        return 0 if self.cache is None else self.cache.pages.pages_held
+
+    @property
+    def kv_stats(self) -> KVStats:
+        self._require_open()
+        return self.cache.pages.stats
 
     def _require_open(self) -> None:
         if self.model is None:
@@ -282,42 +281,46 @@ class ReferenceBackend:
         return self._generate(prompt, params, stop_ids)
 
     def _generate(self, prompt: torch.Tensor, params: SamplingParams, stop_ids) -> Iterator[int]:
-        page_table: list[int] = []
-        cache = self.cache  # released into even if the backend is closed meanwhile
+        pages = self.cache.pages  # released into even if the backend is closed meanwhile
+        table = pages.admit(prompt.tolist())
+        self.cached_tokens = table.cached_tokens
         generator = make_generator(params.seed)
         try:
-            logits = self._step(prompt, 0, page_table)
+            logits = self._step(prompt[table.cached_tokens :], table)
             for n in range(1, params.max_tokens + 1):
                 token = sample(logits.cpu(), params, generator)
                 yield token
                 if token in stop_ids or n == params.max_tokens:
                     return
-                next_token = torch.tensor([token], device=self.device)
-                logits = self._step(next_token, len(prompt) + n - 1, page_table)
+                logits = self._step(torch.tensor([token], device=self.device), table)
         finally:  # also runs on close() or garbage collection of an unfinished iterator
-            cache.release(page_table)
+            pages.release(table)
 
     @torch.inference_mode()
-    def _step(self, tokens: torch.Tensor, start: int, page_table: list[int]) -> torch.Tensor:
-        """Run tokens at positions start.. through the model; the last row's logits [V]."""
-        self.cache.reserve(page_table, start + len(tokens))
-        hidden = self.model.forward(tokens, start, page_table, self.cache)
+    def _step(self, tokens: torch.Tensor, table: PageTable) -> torch.Tensor:
+        """Run tokens at the table's next positions through the model and commit their K/V
+        (only once the whole forward has written them); the last row's logits [V]."""
+        start = len(table.tokens)
+        self.cache.pages.reserve(table, start + len(tokens))
+        hidden = self.model.forward(tokens, start, table.pages, self.cache)
+        self.cache.pages.commit(table, tokens.tolist())
         return self.model.logits(hidden[-1:])[0]
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Teacher-forced logits, one prefill over the whole sequence: float32 [T, V]."""
+        """Teacher-forced logits, one cold prefill over the whole sequence: float32 [T, V].
+        It neither reads nor fills the prefix cache (it commits nothing)."""
         self._require_open()
         tokens = torch.from_numpy(check_prompt(token_ids, self.config.vocab_size))
         check_fits(len(tokens), 0, self.max_context)
         tokens = tokens.to(self.device)
-        page_table: list[int] = []
+        table = PageTable()
         try:
-            self.cache.reserve(page_table, len(tokens))
-            hidden = self.model.forward(tokens, 0, page_table, self.cache)
+            self.cache.pages.reserve(table, len(tokens))
+            hidden = self.model.forward(tokens, 0, table.pages, self.cache)
             return self.model.logits(hidden).cpu().numpy()
         finally:
-            self.cache.release(page_table)
+            self.cache.pages.release(table)
 
     def close(self) -> None:
         """Drop the weights and the KV pools; the backend is unusable afterwards."""

@@ -34,6 +34,7 @@ from tokenizers import Tokenizer
 from nanoqwen.config import BIASED_PROJECTIONS, PAGE_TOKENS, PROJECTIONS, ModelConfig
 from nanoqwen.errors import ContextError, NanoqwenError
 from nanoqwen.fileformat import NanoqwenFile, write_nanoqwen
+from nanoqwen.kv_pages import PageTable
 from nanoqwen.quant import dequantize_packed, quantize_pack
 from nanoqwen.reference import ReferenceBackend
 from nanoqwen.sampling import SamplingParams
@@ -172,14 +173,14 @@ def paged_logits(ref: ReferenceBackend, ids: np.ndarray, prompt_len: int) -> np.
     with another, and every pool starts out NaN so a read of an unwritten slot poisons logits.
     """
     cache, model = ref.cache, ref.model
-    table, decoy, rows = [], [], []
+    table, decoy, rows = PageTable(), PageTable(), []
     tokens = torch.from_numpy(ids)
 
     def step(start: int, end: int) -> None:
-        while len(table) * PAGE_TOKENS < end:
-            cache.reserve(decoy, (len(decoy) + 1) * PAGE_TOKENS)
-            cache.reserve(table, (len(table) + 1) * PAGE_TOKENS)
-        hidden = model.forward(tokens[start:end], start, table, cache)
+        while len(table.pages) * PAGE_TOKENS < end:
+            cache.pages.reserve(decoy, (len(decoy.pages) + 1) * PAGE_TOKENS)
+            cache.pages.reserve(table, (len(table.pages) + 1) * PAGE_TOKENS)
+        hidden = model.forward(tokens[start:end], start, table.pages, cache)
         rows.append(model.logits(hidden).numpy())
 
     with torch.inference_mode():
@@ -189,9 +190,10 @@ def paged_logits(ref: ReferenceBackend, ids: np.ndarray, prompt_len: int) -> np.
         for t in range(prompt_len, len(ids)):
             step(t, t + 1)
     assert ref.kv_pages_in_use == 2 * -(-len(ids) // PAGE_TOKENS)
-    assert sorted(table) != list(range(min(table), min(table) + len(table)))  # not contiguous
-    cache.release(table)
-    cache.release(decoy)
+    pages = table.pages
+    assert sorted(pages) != list(range(min(pages), min(pages) + len(pages)))  # not contiguous
+    cache.pages.release(table)
+    cache.pages.release(decoy)
     return np.concatenate(rows)
 
 

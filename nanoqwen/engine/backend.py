@@ -6,13 +6,21 @@ Life of a generation (batch 1):
     load      the kernels (registry: compiled or from the cache), the weights (weights.py),
               the KV pool sized from max_context (kv_cache.py: refused at start-up with needed
               against free bytes), the decode state and the host ring (decode_loop.py)
+    pages     the block manager (nanoqwen.kv_pages, the reference's too) takes the pages for
+              prompt + max_tokens at once, so the graph never changes; their table goes to the
+              device through the staging area, queued before the prefill.
+              Prefix caching is OFF on this backend: every prompt is prefilled cold and
+              `cached_tokens` stays 0. Turning it on takes a prefill that starts at
+              `table.cached_tokens` and attends over the cached pages as well as its own
+              tokens (a kernel change), then commits: the prompt after the prefill's sync, and
+              after the final sync the generated tokens whose K/V the graph wrote (ring tokens
+              0 .. count - 2: the last sampled token never runs through a decode step).
     prefill   the prompt through forward.prefill (tensor-core GEMMs and causal attention,
               launched with PDL; its last layer takes the last token alone), lm_head and the
               sampler on that row: the first token
     decode    ONE launch of the generation graph (decode_loop.DecodeLoop: a while loop over
               forward.decode_step + the sampler) until a stop id, max_tokens or cancel; the
-              host streams tokens from the mapped ring. Pages for prompt + max_tokens are
-              taken before the launch, so the graph never changes.
+              host streams tokens from the mapped ring.
 
 The seam: `forward` (decode_step, layer, prefill, the activations), `loop` (the state, the
 sampler, the graph), `kernels` / `prefill_kernels` (the launchers), `weights`, `kv`; and the
@@ -32,6 +40,7 @@ from ..cuda.device import Gpu
 from ..cuda.launcher import Launch
 from ..cuda.prefill import PrefillKernels
 from ..cuda.registry import DEFAULT_GEOMETRY, Geometry
+from ..kv_pages import KVStats, PageTable
 from ..sampling import SamplingParams
 from .decode_loop import DecodeLoop, DecodeState
 from .forward import Forward
@@ -66,6 +75,7 @@ class CudaBackend:
         self.loop = DecodeLoop(self.gpu, self.kernels, max_context)
         self.forward = Forward(self.gpu, cfg, self.kernels, self.prefill_kernels, self.weights,
                                self.kv, self.loop, max_context)  # fmt: skip
+        self.cached_tokens = 0  # no prefix reuse on this backend yet (module docstring)
         self.gpu.sync("load")
 
     # -- the seam ----------------------------------------------------------------------------
@@ -76,8 +86,10 @@ class CudaBackend:
         self.loop.sample(self.forward.logits, self.forward.key, stream, cond)
 
     def set_decode_state(self, state: DecodeState) -> None:
-        """Upload the decode state and zero the argmax key (synchronous)."""
+        """Upload the decode state and zero the argmax key (synchronous); the page table maps
+        the whole pool (KVCache.map_whole_pool: the engine must be idle)."""
         self.gpu.ensure_ok()
+        self.kv.map_whole_pool()
         self.loop.set_state(state)
         self.gpu.memset(self.forward.key, 0, 8)
         self.gpu.sync("set the decode state")
@@ -124,7 +136,18 @@ class CudaBackend:
     # -- Backend API ------------------------------------------------------------------------
     @property
     def kv_pages_in_use(self) -> int:
-        return self.kv.pages_in_use
+        return self.kv.pages.pages_held
+
+    @property
+    def kv_stats(self) -> KVStats:
+        return self.kv.pages.stats
+
+    def _map_pages(self, table: PageTable, tokens: int) -> None:
+        """Grow `table` to cover `tokens` positions (ContextError when the pool cannot) and
+        queue its upload into the device page table through the staging area (no sync)."""
+        self.kv.pages.reserve(table, tokens)
+        with self.gpu.guard("page table upload"):
+            self.loop.stage_pages(table.pages, self.kv.page_table)
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits float32 [T, V] through the prefill path."""
@@ -133,14 +156,19 @@ class CudaBackend:
         check_fits(len(ids), 0, self.max_context)
         T, h = len(ids), self.config.hidden_size
         out = np.empty((T, self.config.vocab_size), np.float32)
-        with self.gpu.guard("logits"):
-            self.loop.stage_ids(ids, self.forward.scratch(T)["ids"])
-            x = self.forward.prefill(T)
-            for t in range(T):
-                self.forward.head(x + t * h * 2)
-                self.gpu.download(self.forward.logits, out[t])
-            self.gpu.memset(self.forward.key, 0, 8)
-            self.gpu.sync("logits")
+        table = PageTable()  # teacher forcing commits nothing: the cache never sees it
+        try:
+            self._map_pages(table, T)
+            with self.gpu.guard("logits"):
+                self.loop.stage_ids(ids, self.forward.scratch(T)["ids"])
+                x = self.forward.prefill(T)
+                for t in range(T):
+                    self.forward.head(x + t * h * 2)
+                    self.gpu.download(self.forward.logits, out[t])
+                self.gpu.memset(self.forward.key, 0, 8)
+                self.gpu.sync("logits")
+        finally:
+            self.kv.pages.release(table)
         return out
 
     def decode_logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -150,13 +178,18 @@ class CudaBackend:
         ids = check_prompt(token_ids, self.config.vocab_size)
         check_fits(len(ids), 0, self.max_context)
         out = np.empty((len(ids), self.config.vocab_size), np.float32)
-        with self.gpu.guard("decode_logits"):
-            for t, tok in enumerate(ids):
-                self.loop.set_state(DecodeState(token=int(tok), pos=t))
-                self.forward.decode_step()
-                self.gpu.download(self.forward.logits, out[t])
-            self.gpu.memset(self.forward.key, 0, 8)
-            self.gpu.sync("decode_logits")
+        table = PageTable()
+        try:
+            self._map_pages(table, len(ids))
+            with self.gpu.guard("decode_logits"):
+                for t, tok in enumerate(ids):
+                    self.loop.set_state(DecodeState(token=int(tok), pos=t))
+                    self.forward.decode_step()
+                    self.gpu.download(self.forward.logits, out[t])
+                self.gpu.memset(self.forward.key, 0, 8)
+                self.gpu.sync("decode_logits")
+        finally:
+            self.kv.pages.release(table)
         return out
 
     def generate(
@@ -169,9 +202,12 @@ class CudaBackend:
 
     def _generate(self, ids: np.ndarray, params: SamplingParams, stop_ids) -> Iterator[int]:
         T, h, f, loop = len(ids), self.config.hidden_size, self.forward, self.loop
-        self.kv.reserve(T + params.max_tokens)
+        pages = self.kv.pages
+        table = pages.admit(ids)  # prefix caching off: an empty table
+        self.cached_tokens = table.cached_tokens
         graph_running = False
         try:
+            self._map_pages(table, T + params.max_tokens)
             with self.gpu.guard("prefill"):
                 loop.begin(DecodeState.for_prompt(T, params, stop_ids))
                 loop.stage_ids(ids, f.scratch(T)["ids"])
@@ -195,7 +231,7 @@ class CudaBackend:
             try:
                 self.gpu.sync("generation end")
             finally:
-                self.kv.release()
+                pages.release(table)
 
     def close(self) -> None:
         """Wait for the GPU, then free everything (the Gpu owns every buffer)."""

@@ -12,7 +12,8 @@ Mapped pinned host memory (HostRing), int32 words:
     [0]            cancel: the host sets it; the sampler ends the loop after its token
     [1]            count: tokens written so far (the kernel's host_ring[-1])
     [2 : 2 + C]    ring: token i at [2 + i]          (C = max_context)
-    [2 + C : ...]  staging: the decode state words, then the prompt ids; copied to the device
+    [2 + C : ...]  staging: the decode state words, then the prompt ids (C words), then the
+                   page table (C / 16 words, rounded up); copied to the device
                    asynchronously, so a generation's inputs reach the GPU without a host sync
 
 The sampler writes the token before the count, with a system fence between them, so a count
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import PAGE_TOKENS
 from ..cuda.decode import DecodeKernels
 from ..cuda.device import Gpu
 from ..cuda.registry import MAX_EOS, STATE_WORDS, StateWord
@@ -115,7 +117,7 @@ class HostRing:
 
     def __init__(self, gpu: Gpu, max_context: int) -> None:
         n = max_context + 2
-        total = n + STATE_WORDS + max_context
+        total = n + STATE_WORDS + max_context + -(-max_context // PAGE_TOKENS)
         host, dev = gpu.alloc_mapped(total * 4)  # freed with the Gpu
         words = np.ctypeslib.as_array((ctypes.c_int32 * total).from_address(host))
         self.view, self.staging = words[:n], words[n:]
@@ -146,6 +148,7 @@ class DecodeLoop:
         self.state = gpu.alloc(STATE_WORDS * 4, "decode state").ptr
         self.ring = gpu.alloc(max_context * 4, "token ring").ptr
         self.host = HostRing(gpu, max_context)
+        self._pages_at = STATE_WORDS + max_context  # the page table's staging words
         self._graph = None
 
     def word(self, w: StateWord) -> int:
@@ -166,6 +169,13 @@ class DecodeLoop:
         """Queue a copy of the prompt ids to device address `dst` through the staging area."""
         self.host.staging[STATE_WORDS : STATE_WORDS + len(ids)] = ids
         self.gpu.upload_async(dst, self.host.staging_ptr + 4 * STATE_WORDS, 4 * len(ids))
+
+    def stage_pages(self, pages: list[int], dst: int) -> None:
+        """Queue a copy of a page table (page ids, as int32) to device address `dst` through
+        the staging area."""
+        at = self._pages_at
+        self.host.staging[at : at + len(pages)] = pages
+        self.gpu.upload_async(dst, self.host.staging_ptr + 4 * at, 4 * len(pages))
 
     def sample(self, logits: int, key: int, stream=None, cond=0) -> None:
         """The sampler over `logits` (and lm_head's argmax `key`), advancing the state."""

@@ -8,10 +8,12 @@ chunks of token row t are XOR-swizzled (chunk c stored at c ^ (t % 8)) so that t
 ldmatrix fall on different bank groups. `kv_cache_to_device` / `kv_cache_from_device` convert
 between that and the reference's [pages, PAGE_TOKENS, n_kv, head_dim].
 
-The page table (int32 [num_pages], device memory) maps a sequence's logical page to a
-physical one; the kernels read it on every step. One sequence owns the pool: the table is the
-identity, and `reserve` takes the pages a generation will use before its decode graph runs, so
-the graph never changes shape.
+The page table (int32 [num_pages], device memory) maps the running sequence's logical page to
+a physical one; the kernels read `page_table[pos // PAGE_TOKENS]` for every position they touch.
+The pages come from the block manager both backends share (nanoqwen.kv_pages, `KVCache.pages`,
+over the whole pool); whoever writes K/V uploads its own table first. Prefix caching is off
+here: reusing cached K/V needs a prefill that attends over pages written earlier, which the
+prefill kernels do not do yet (they attend over the prompt's own contiguous K, V).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 
 from ..config import PAGE_TOKENS, ModelConfig
 from ..cuda.device import Gpu
-from ..errors import DeviceError
+from ..errors import DeviceError, NanoqwenError
+from ..kv_pages import BlockManager
 
 MEMORY_MARGIN = 1 << 30  # left free at load for prefill scratch and the driver
 
@@ -47,12 +50,14 @@ def kv_cache_from_device(raw: np.ndarray) -> np.ndarray:
 
 class KVCache:
     """K and V pools for `max_context` tokens on `gpu`, refused at once (needed against free
-    bytes) when they would not leave MEMORY_MARGIN free."""
+    bytes) when they would not leave MEMORY_MARGIN free; `pages` allocates them, `page_table`
+    is the device's int32 [num_pages] map of the sequence being computed."""
 
     def __init__(self, gpu: Gpu, config: ModelConfig, max_context: int) -> None:
         self.num_pages = -(-max_context // PAGE_TOKENS)
         layer_bytes = self.num_pages * PAGE_TOKENS * config.kv_size * 2
         self.nbytes = config.num_layers * 2 * layer_bytes
+        self.gpu = gpu
         free, total = gpu.mem_info()
         if self.nbytes + MEMORY_MARGIN > free:
             raise DeviceError(
@@ -64,14 +69,20 @@ class KVCache:
         for _ in range(config.num_layers):
             self.k.append(gpu.alloc(layer_bytes, "k cache").ptr)
             self.v.append(gpu.alloc(layer_bytes, "v cache").ptr)
-        table = np.arange(self.num_pages, dtype=np.int32)
-        self.page_table = gpu.alloc(table.nbytes, "page table").ptr
-        gpu.upload(self.page_table, table)
-        self.pages_in_use = 0
+        self.page_table = gpu.alloc(self.num_pages * 4, "page table").ptr
+        self.pages = BlockManager(self.num_pages, prefix_caching=False)
+        self._identity = np.arange(self.num_pages, dtype=np.int32)
+        self.map_whole_pool()  # a bare KVCache maps every page (dev/kernel_tune.py)
 
-    def reserve(self, tokens: int) -> None:
-        """Take the pages of a sequence of `tokens` tokens (prompt + every generated one)."""
-        self.pages_in_use = -(-tokens // PAGE_TOKENS)
-
-    def release(self) -> None:
-        self.pages_in_use = 0
+    def map_whole_pool(self) -> None:
+        """Upload the identity page table (synchronous) for host-driven decode steps at any
+        position whose K/V persist between calls (CudaBackend.set_decode_state). They write
+        pages no table holds, so every page must be free: no generation running, nothing
+        cached."""
+        stats = self.pages.stats
+        if stats.free != self.num_pages:
+            raise NanoqwenError(
+                f"host-driven decode steps map the whole KV pool, but {stats.held} pages are "
+                f"held and {stats.cached} cached: finish or close the running generation first"
+            )
+        self.gpu.upload(self.page_table, self._identity)

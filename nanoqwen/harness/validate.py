@@ -380,7 +380,7 @@ def _reference(file, device: str, dtype: str = "float32"):
     if key in _REFERENCES:
         return _REFERENCES[key]
     if dtype == "float32":
-        ref = ReferenceBackend(file, max_context=256, device=device)
+        ref = ReferenceBackend(file, max_context=256, device=device, prefix_caching=False)
     else:
         # fp16 GEMMs with fp32 accumulation, as our kernels do (torch may otherwise reduce
         # in fp16 on the GPU).
@@ -396,7 +396,7 @@ def _reference(file, device: str, dtype: str = "float32"):
         ]  # fmt: skip
         m.embed_tokens = base.model.embed_tokens.to(to)
         m.lm_head = m.embed_tokens if file.config.tie_word_embeddings else m.lm_head.to(to)
-        ref.cache = type(base.cache)(file.config, base.cache.num_pages, to, device)
+        ref.cache = type(base.cache)(file.config, base.cache.num_pages, to, device, False)
     _REFERENCES[key] = ref
     return ref
 
@@ -405,6 +405,7 @@ def layer_tier(engine, file, tol: float, tokens: int = 40, seed: int | None = No
     """Layer 0 of the engine (decode path, token by token) vs the reference's layer 0."""
     import torch
 
+    from ..kv_pages import PageTable
     from ..reference import rms_norm
 
     cfg = file.config
@@ -412,17 +413,20 @@ def layer_tier(engine, file, tol: float, tokens: int = 40, seed: int | None = No
     ids = rng.integers(0, cfg.vocab_size, tokens)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref = _reference(file, dev)
-    m, table = ref.model, []
-    ref.cache.reserve(table, tokens)
-    with torch.inference_mode():
-        t = torch.tensor(ids, device=dev)
-        x = m.embed_tokens[t]
-        lw = m.layers[0]
-        tab = torch.tensor(table, device=dev)
-        hh = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
-        x = x + m.attention(hh, lw, 0, 0, tab, ref.cache, m.cos[:tokens], m.sin[:tokens])
-        hh = rms_norm(x, lw.post_attn_norm, cfg.rms_norm_eps)
-        x = (x + m.mlp(hh, lw)).float().cpu().numpy()
+    m, table = ref.model, PageTable()
+    ref.cache.pages.reserve(table, tokens)
+    try:
+        with torch.inference_mode():
+            t = torch.tensor(ids, device=dev)
+            x = m.embed_tokens[t]
+            lw = m.layers[0]
+            tab = torch.tensor(table.pages, device=dev)
+            hh = rms_norm(x, lw.input_norm, cfg.rms_norm_eps)
+            x = x + m.attention(hh, lw, 0, 0, tab, ref.cache, m.cos[:tokens], m.sin[:tokens])
+            hh = rms_norm(x, lw.post_attn_norm, cfg.rms_norm_eps)
+            x = (x + m.mlp(hh, lw)).float().cpu().numpy()
+    finally:
+        ref.cache.pages.release(table)
     got = np.stack([engine.decode_hidden(int(tok), i, layers=1) for i, tok in enumerate(ids)])
     err = _rel_err(got, x)
     return [Check("layer", f"layer 0, {tokens} tokens (decode path)", err <= tol, f"{err:.2e}")]

@@ -1,0 +1,227 @@
+"""The KV page allocator and the prefix cache: the one home of page bookkeeping, shared by both
+backends. Pure Python; it hands out page ids, the backends own the K/V memory behind them.
+
+The pool is `num_pages` pages of PAGE_TOKENS positions. Each page is in exactly one state:
+
+    free     refcount 0, holds nothing anyone can find                    (the free list)
+    held     refcount > 0: in that many sequences' page tables
+    cached   refcount 0, but its K/V are findable in the prefix cache     (an LRU, oldest first)
+
+Cached pages count as capacity: when the free list is empty, `reserve` evicts the least
+recently used one. A sequence's `PageTable` maps its logical page i (positions 16i..16i+15)
+to a physical page, grown by `reserve` as the sequence grows.
+
+Prefix caching. A full page whose K/V are written is sealed: it gets a chained hash
+(blake2b of the previous page's hash and its 16 token ids, int32 little-endian) and an entry
+(hash, its token ids, a serial number, its parent's serial). `admit` walks a new prompt's
+pages through the hash map and accepts page i only when the entry's token ids equal the
+prompt's AND its parent is the page accepted at i - 1: by induction a hit's whole prefix
+equals the prompt's token for token, whatever the hash does. (Checking only page i's own ids
+would trust the hash for the prefix: two chains whose hashes collided at page i - 1 could share
+a page i of equal ids computed over different histories.) Serials, not page ids, name parents:
+an evicted page that is reused gets a new serial, so its former children never match again.
+
+The reuse rule: only full pages strictly before the prompt's last token are reused. The last
+prompt token is always computed (its logits are the first sample), and every sequence writes
+only pages it alone holds: a page is shared (refcount > 1) only when it is a sealed, full,
+read-only cached page.
+
+What is cached, and when: `commit` records the token ids whose K/V a step has written, and
+seals each page that this completes, so a page's entry never names a position whose K/V were
+not written (a cancelled step or a failed forward commits nothing). Prompt and generated tokens
+alike: a chat's next turn resends the answer. `release` drops the sequence's references, tail
+page first, so that among one sequence's pages the tail is evicted before the prefix it extends.
+
+Not thread-safe: one engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .config import PAGE_TOKENS
+from .errors import ContextError
+
+ROOT = 0  # the parent serial of every sequence's page 0
+
+
+def page_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """The chained key of a full page: its parent's key (b"" for page 0) and its token ids."""
+    data = prev + struct.pack(f"<{len(tokens)}i", *tokens)
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class CachedPage:
+    """The prefix-cache entry of one sealed page."""
+
+    key: bytes  # page_hash(parent's key, tokens)
+    tokens: tuple[int, ...]  # the PAGE_TOKENS ids whose K/V the page holds
+    serial: int  # unique per sealing: names this entry as a parent
+    parent: int  # the serial of the page before it (ROOT for page 0)
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """The pool and the prefix cache, for leak checks and for the server to report."""
+
+    pages: int  # the whole pool
+    held: int  # in some page table
+    cached: int  # unreferenced, reusable, evictable
+    free: int
+    lookup_tokens: int  # prompt tokens looked up by admit
+    hit_tokens: int  # of those, served from the cache
+    evictions: int  # cached pages taken back for new K/V
+
+
+class PageTable:
+    """One sequence's pages: `pages[i]` holds positions 16i..16i+15; `tokens` are the ids whose
+    K/V are written (position order, so len(tokens) is the next position to compute);
+    `cached_tokens` of them came from the prefix cache at admission."""
+
+    __slots__ = ("pages", "tokens", "cached_tokens", "_sealed", "_key", "_parent")
+
+    def __init__(self) -> None:
+        self.pages: list[int] = []
+        self.tokens: list[int] = []
+        self.cached_tokens = 0
+        self._sealed = 0  # leading pages that are sealed (or were hits)
+        self._key = b""  # key of the last sealed page
+        self._parent: int | None = ROOT  # its serial; None: the chain stopped at a collision
+
+
+class BlockManager:
+    """Refcounted pages, a free list, an LRU of cached pages and the hash -> page map."""
+
+    def __init__(self, num_pages: int, prefix_caching: bool = True) -> None:
+        self.num_pages, self.prefix_caching = num_pages, prefix_caching
+        self._refs = [0] * num_pages
+        # Handed out from the top of the pool down, so a page table is never the identity and
+        # a wrong indirection shows in the tests.
+        self._free = list(range(num_pages))
+        self._entries: list[CachedPage | None] = [None] * num_pages
+        self._by_key: dict[bytes, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0; oldest first
+        self._serials = itertools.count(ROOT + 1)
+        self._lookup_tokens = self._hit_tokens = self._evictions = 0
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def pages_held(self) -> int:
+        return self.num_pages - len(self._free) - len(self._lru)
+
+    @property
+    def stats(self) -> KVStats:
+        return KVStats(self.num_pages, self.pages_held, len(self._lru), len(self._free),
+                       self._lookup_tokens, self._hit_tokens, self._evictions)  # fmt: skip
+
+    # -- a sequence's life ---------------------------------------------------------------------
+    def admit(self, prompt: Sequence[int]) -> PageTable:
+        """A page table for `prompt` holding its longest cached prefix of full pages before the
+        last token (none with prefix caching off); the caller computes from
+        `table.cached_tokens` on and releases the table in every case."""
+        table = PageTable()
+        if not self.prefix_caching:
+            return table
+        prompt = [int(t) for t in prompt]
+        key, parent = b"", ROOT
+        for i in range((len(prompt) - 1) // PAGE_TOKENS):
+            tokens = tuple(prompt[i * PAGE_TOKENS : (i + 1) * PAGE_TOKENS])
+            key = page_hash(key, tokens)
+            page = self._by_key.get(key)
+            entry = None if page is None else self._entries[page]
+            if entry is None or entry.tokens != tokens or entry.parent != parent:
+                break
+            self._take(page)
+            table.pages.append(page)
+            parent = entry.serial
+            table._key = key
+        n = len(table.pages) * PAGE_TOKENS
+        table.tokens, table.cached_tokens = prompt[:n], n
+        table._sealed, table._parent = len(table.pages), parent
+        self._lookup_tokens += len(prompt)
+        self._hit_tokens += n
+        return table
+
+    def reserve(self, table: PageTable, length: int) -> None:
+        """Grow `table` until it covers positions [0, length): free pages first, then the least
+        recently used cached ones. All or nothing: ContextError when the pool cannot."""
+        needed = -(-length // PAGE_TOKENS) - len(table.pages)
+        if needed <= 0:
+            return
+        if needed > len(self._free) + len(self._lru):
+            raise ContextError(
+                f"KV cache full: {length} positions need {needed} more {PAGE_TOKENS}-token "
+                f"pages; {len(self._free)} free and {len(self._lru)} cached of {self.num_pages}, "
+                f"the other {self.pages_held} held by running sequences"
+            )
+        for _ in range(needed):
+            page = self._free.pop() if self._free else self._evict()
+            self._refs[page] = 1
+            table.pages.append(page)
+
+    def commit(self, table: PageTable, tokens: Sequence[int]) -> None:
+        """The K/V of `tokens` at positions len(table.tokens).. are written: record them and
+        seal every page they complete."""
+        end = len(table.tokens) + len(tokens)
+        if end > len(table.pages) * PAGE_TOKENS:
+            raise ValueError(
+                f"commit up to position {end} runs past the {len(table.pages)} pages reserved"
+            )
+        table.tokens.extend(int(t) for t in tokens)
+        if self.prefix_caching:
+            while (table._sealed + 1) * PAGE_TOKENS <= end:
+                self._seal(table)
+
+    def release(self, table: PageTable) -> None:
+        """Drop the table's references, tail first (sealed pages stay cached); empties it."""
+        for page in reversed(table.pages):
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if self._entries[page] is None:
+                    self._free.append(page)
+                else:
+                    self._lru[page] = None
+        table.pages.clear()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _take(self, page: int) -> None:
+        """One more reference to a cached page (out of the LRU if it was unreferenced)."""
+        self._lru.pop(page, None)
+        self._refs[page] += 1
+
+    def _evict(self) -> int:
+        """The least recently used cached page, forgotten by the cache."""
+        page, _ = self._lru.popitem(last=False)
+        del self._by_key[self._entries[page].key]
+        self._entries[page] = None
+        self._evictions += 1
+        return page
+
+    def _seal(self, table: PageTable) -> None:
+        """Enter the table's next full page into the cache. A page whose key is already taken
+        is not entered: by an equal entry (same ids, same parent: this content was computed
+        twice) the chain continues through that entry; by another, the chain stops, since no
+        lookup could pass this page to reach the ones after it."""
+        i = table._sealed
+        table._sealed += 1
+        if table._parent is None:
+            return
+        tokens = tuple(table.tokens[i * PAGE_TOKENS : (i + 1) * PAGE_TOKENS])
+        key = page_hash(table._key, tokens)
+        other = self._by_key.get(key)
+        if other is None:
+            entry = CachedPage(key, tokens, next(self._serials), table._parent)
+            self._entries[table.pages[i]] = entry
+            self._by_key[key] = table.pages[i]
+        else:
+            entry = self._entries[other]
+            if entry.tokens != tokens or entry.parent != table._parent:
+                table._parent = None
+                return
+        table._key, table._parent = key, entry.serial
