@@ -11,7 +11,6 @@ the protocol, token counts and sampling controls (seed, stop), not content.
 from __future__ import annotations
 
 import json
-import signal
 import time
 
 import httpx
@@ -29,8 +28,8 @@ CHAT = [{"role": "user", "content": "Write is_prime(n)."}]
 def server(serve, tiny_model):
     proc = serve(tiny_model, "--api-key", KEY)
     yield proc
-    # Graceful shutdown on SIGTERM, the engine closed, then the conventional 128 + TERM.
-    assert proc.stop() == 128 + signal.SIGTERM, proc.log.read_text()
+    # SIGTERM drains the server and closes the engine; the process exits 0.
+    assert proc.stop() == 0, proc.log.read_text()
 
 
 @pytest.fixture(scope="module")

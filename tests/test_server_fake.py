@@ -9,6 +9,7 @@ queued requests, and asks the server to shut down.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -199,9 +200,87 @@ def test_app_stream_error_after_first_token_is_an_error_event() -> None:
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 200
             events = [line for line in r.text.split("\n\n") if line]
-            assert len(events) == 4  # three text chunks, then the error event; no [DONE]
-            assert '"code":"device_error"' in events[-1]
+            assert len(events) == 5  # three text chunks, the error event, [DONE]
+            assert '"code":"device_error"' in events[-2] and events[-1] == "data: [DONE]"
         worker.stop()
+
+
+def test_drain_fails_the_queue_and_abort_ends_the_running_job() -> None:
+    async def main() -> None:
+        llm = FakeLLM(step_s=0.003)
+        worker = Worker(llm, max_queue=4)
+        worker.start()
+        loop = asyncio.get_running_loop()
+        running, queued = (Job([1], SamplingParams(max_tokens=100_000), loop) for _ in range(2))
+        worker.submit(running)
+        await _next(running)
+        worker.submit(queued)
+        worker.drain()
+        assert isinstance(await _next(queued), EngineDown) and not worker.alive
+        with pytest.raises(EngineDown, match="shutting down"):
+            worker.submit(Job([1], SamplingParams(max_tokens=1), loop))
+        produced = llm.produced
+        await asyncio.sleep(0.05)
+        assert worker.running and llm.produced > produced + 3, "drain stopped the running job"
+        worker.abort_running()
+        produced = llm.produced
+        while not isinstance(event := await _next(running), EngineDown):
+            assert event.text == "x"  # deltas already on their way, then the error
+        await _wait_idle(worker)
+        assert llm.produced - produced <= 1 and llm.kv_pages_in_use == 0
+        worker.stop()
+
+    asyncio.run(main())
+
+
+async def _post_then_leave(app, path: str, body: dict, leave: asyncio.Event) -> list[dict]:
+    """Call the ASGI app as a server would for a client that sends `body` and disconnects
+    once `leave` is set; returns the messages the app sent."""
+    payload = json.dumps(body).encode()
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+        "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": None,
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode())],
+    }  # fmt: skip
+    messages = [{"type": "http.request", "body": payload, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent
+
+
+def test_disconnect_cancels_a_non_streamed_request_while_tokens_flow() -> None:
+    async def main() -> None:
+        llm = FakeLLM(step_s=0.002)  # a token every 2 ms: the handler is never idle for long
+        worker = Worker(llm, max_queue=1)
+        worker.start()
+        app = create_app(llm, worker)
+        body = {"model": "fake", "prompt": "hi", "max_tokens": 4000}
+        leave = asyncio.Event()
+        task = asyncio.ensure_future(_post_then_leave(app, "/v1/completions", body, leave))
+        while llm.produced < 50:
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.002)
+        produced_at_leave = llm.produced
+        leave.set()
+        sent = await asyncio.wait_for(task, 5)
+        await _wait_idle(worker)
+        assert sent[0]["status"] == 499, sent
+        assert llm.produced - produced_at_leave <= 2 and llm.kv_pages_in_use == 0
+        worker.stop()
+
+    asyncio.run(main())
 
     asyncio.run(main())
 

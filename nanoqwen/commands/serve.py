@@ -5,21 +5,32 @@ Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/complet
 one generation at a time; other requests wait in a bounded queue and get 429 when it is full.
 The server binds to loopback unless --host says otherwise. After a sticky CUDA error it answers
 the request in flight with a 500, reports 503 on /health, and exits non-zero so that a
-supervisor restarts it. SIGTERM / Ctrl-C shut it down gracefully.
+supervisor restarts it. SIGTERM / Ctrl-C drain it: new and queued requests get a 503, the
+running one gets --shutdown-grace seconds to finish (then its stream ends with an error event
+and [DONE]), and the process exits 0 (nanoqwen/server/shutdown.py).
+
+Operations: GET /metrics (Prometheus text format; like /health it needs no API key: it holds
+only aggregate counts, no request content, and scrapers usually carry no application
+credentials), an `x-request-id` on every response and one log line per request (at
+--log-level info), --served-model-name, --cors-origin.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
-import signal
+import re
 import sys
 
 from .generate import add_backend_arguments, open_llm
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 API_KEY_ENV = "NANOQWEN_API_KEY"
-GRACEFUL_SHUTDOWN_S = 5  # open streams get this long to finish when the server stops
+GRACEFUL_SHUTDOWN_S = 5.0  # --shutdown-grace's default
+# After the drain, uvicorn's own shutdown waits this long for responses still being written.
+FLUSH_S = 2.0
+CORS_ORIGIN = re.compile(r"https?://[^/\s]+")  # what a browser sends: scheme://host[:port]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every route but /health; ${API_KEY_ENV} "
+        help="require 'Authorization: Bearer KEY' on every route but /health and /metrics; "
+        f"${API_KEY_ENV} "
         "is used when this is not given (it keeps the key out of the process list)",
     )
     p.add_argument(
@@ -46,47 +58,109 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
         default="info",
-        help="uvicorn log level (info logs one line per request)",
+        help="log level (info logs one line per request, with its x-request-id and timings)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        type=_model_name,
+        default=None,
+        metavar="NAME",
+        help="the model id that /v1/models reports and requests must name "
+        "(default: the model name in the file, else the file's stem)",
+    )
+    p.add_argument(
+        "--cors-origin",
+        type=_cors_origin,
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="allow browser requests from ORIGIN (e.g. http://localhost:3000; '*' for any), "
+        "repeatable; CORS is off without it",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=GRACEFUL_SHUTDOWN_S,
+        metavar="SECONDS",
+        help="on SIGTERM / Ctrl-C, how long the running request may take to finish before its "
+        "stream is ended with an error event",
     )
     add_backend_arguments(p)
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signal.SIGTERM)
+def _model_name(text: str) -> str:
+    if not text or any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is empty or has spaces or control characters")
+    return text
+
+
+def _cors_origin(text: str) -> str:
+    if text != "*" and not CORS_ORIGIN.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an origin: give scheme://host[:port] without a path or a "
+            "trailing slash (what a browser sends), or '*'"
+        )
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
+    return value
+
+
+def _log_config(level: str) -> dict:
+    """uvicorn's logging set-up plus the `nanoqwen` loggers (the request lines) on stderr."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    logger = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    config["loggers"]["nanoqwen"] = logger
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server import Worker, create_app
+    from ..server.shutdown import GracefulServer
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     llm = open_llm(args.file, args)
     worker = Worker(llm, args.max_queue)
     try:
-        app = create_app(llm, worker, api_key=api_key)
+        app = create_app(
+            llm,
+            worker,
+            api_key=api_key,
+            model_name=args.served_model_name,
+            cors_origins=tuple(args.cors_origin),
+        )
         config = uvicorn.Config(
             app,
             host=args.host,
             port=args.port,
             log_level=args.log_level,
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            log_config=_log_config(args.log_level),
+            access_log=False,  # RequestTelemetry logs each request, with more in the line
+            timeout_graceful_shutdown=FLUSH_S,
         )
-        server = uvicorn.Server(config)
+        server = GracefulServer(config, worker, args.shutdown_grace)
         # On a fatal device error (worker thread): uvicorn's loop polls should_exit every
         # 0.1 s and shuts down gracefully, so the failed request still gets its 500 answer.
         worker.on_fatal = lambda exc: setattr(server, "should_exit", True)
         worker.start()
         key_note = " (API key required)" if api_key else ""
         print(
-            f"nanoqwen serve: {llm.model_name} on http://{args.host}:{args.port}/v1{key_note}",
+            f"nanoqwen serve: {args.served_model_name or llm.model_name} on "
+            f"http://{args.host}:{args.port}/v1{key_note}",
             file=sys.stderr,
         )
-        # uvicorn shuts down gracefully on SIGTERM, restores the previous handler and re-raises
-        # the signal: with the default handler the process would die before `finally` closes
-        # the engine (CUDA buffers, pinned memory). Exit 128 + SIGTERM after cleaning up.
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        server.run()
+        server.run()  # returns after a drain on SIGTERM / Ctrl-C (or a fatal engine error)
     finally:
         worker.stop()
         llm.close()

@@ -1,10 +1,14 @@
 """OpenAI-compatible HTTP API over one `LLM` (FastAPI + uvicorn), served by `nanoqwen serve`.
 
-    app.py       routes (/health, /v1/models, /v1/chat/completions, /v1/completions), streaming
-    schemas.py   request bodies (pydantic, strict, OpenAI's ranges)
-    protocol.py  OpenAI wire format: error objects, response bodies, SSE chunks
-    auth.py      Bearer API key (ASGI middleware, constant-time compare)
-    worker.py    the single engine thread and its bounded queue (batch 1)
+    app.py         routes (/health, /metrics, /v1/models, /v1/chat/completions,
+                   /v1/completions), streaming
+    schemas.py     request bodies (pydantic, strict, OpenAI's ranges)
+    protocol.py    OpenAI wire format: error objects, response bodies, SSE chunks
+    auth.py        Bearer API key (ASGI middleware, constant-time compare)
+    middleware.py  request id, per-request metrics and log line (ASGI middleware)
+    metrics.py     Prometheus metrics on the server's own registry (GET /metrics)
+    worker.py      the single engine thread and its bounded queue (batch 1)
+    shutdown.py    the drain on SIGTERM / Ctrl-C (a uvicorn.Server subclass)
 
 Importing this package imports FastAPI; the engine and the rest of the CLI never do.
 """

@@ -6,10 +6,13 @@ OpenAI error object. Prompts are tokenized in the thread pool (the tokenizer is 
 thread-safe); only the worker thread runs the engine.
 
 Streaming: the handler waits for the first delta before it answers, so a failure before the
-first token still gets its HTTP status (500/503); later failures become an error event in the
-stream. `JobStream` cancels the job whenever the response ends for any reason (client gone,
-task cancelled by Starlette's disconnect listener, normal end), and `job_events` also polls
-`request.is_disconnected()` so a non-streamed request whose client left is cancelled too.
+first token still gets its HTTP status (500/503); later failures become an error event, then
+`data: [DONE]`. `job_events` awaits the client's disconnect (ASGI `http.disconnect`) beside
+the job's events, so a request whose client left is cancelled at once, streamed or not, tokens
+flowing or not; `JobStream` also cancels the job however its response ends.
+
+Every request passes `RequestTelemetry` (request id, metrics, one log line; middleware.py),
+then CORS when origins are configured, then the API key. /health and /metrics need no key.
 """
 
 from __future__ import annotations
@@ -24,9 +27,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import ContextError, DeviceError, NanoqwenError
 from .auth import BearerAuth
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
+from .middleware import REQUEST_ID_HEADER, RequestTelemetry, record_of
 from .protocol import SSE_DONE, APIError, Reply, sse
 from .schemas import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -37,7 +44,7 @@ from .schemas import (
 )
 from .worker import DONE, EngineDown, Job, QueueFull, Worker
 
-DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks whether its client is still there
+OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 RETRY_AFTER_S = 1  # Retry-After on a 429 (queue full)
 FIELD_NAMES = field_names()
 
@@ -73,35 +80,56 @@ def engine_error(exc: BaseException) -> APIError:
 
 
 async def job_events(request: Request, job: Job) -> AsyncIterator[Any]:
-    """The job's deltas as they arrive; raises APIError on failure, ClientGone on disconnect."""
+    """The job's deltas as they arrive; raises APIError on failure, ClientGone on disconnect.
+
+    Call it once the request body has been read: a task then awaits the ASGI receive channel,
+    whose next message is `http.disconnect`, raced against every wait for an event, so a
+    disconnect is seen the moment it happens, tokens flowing or not. The job is cancelled
+    however the iteration ends, and each delta is accounted in the request's record (metrics,
+    the log line).
+    """
+    record = record_of(request.scope)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
     getter: asyncio.Future[Any] | None = None
     try:
         while True:
-            getter = getter or asyncio.ensure_future(job.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
-            if not done:
-                if await request.is_disconnected():
-                    raise ClientGone
-                continue
-            event, getter = getter.result(), None
+            if gone.done():
+                record.client_gone = True
+                raise ClientGone
+            if getter is None and not job.events.empty():
+                event = job.events.get_nowait()  # the fast path while tokens queue up
+            else:
+                getter = getter or asyncio.ensure_future(job.events.get())
+                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    continue  # the client left
+                event, getter = getter.result(), None
             if event is DONE:
                 return
             if isinstance(event, BaseException):
                 raise engine_error(event)
+            record.on_delta(job, event)
             yield event
     finally:
         job.cancel()
+        gone.cancel()
         if getter is not None:
             getter.cancel()
+
+
+async def _disconnected(receive: Any) -> None:
+    """Returns once the client has gone (ASGI `http.disconnect`)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class Service:
     """The request path shared by the two generation endpoints."""
 
-    def __init__(self, llm: Any, worker: Worker) -> None:
+    def __init__(self, llm: Any, worker: Worker, model: str | None = None) -> None:
         self.llm = llm
         self.worker = worker
-        self.model = llm.model_name
+        self.model = model or llm.model_name
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:
@@ -180,6 +208,7 @@ async def stream_body(
         yield SSE_DONE
     except APIError as exc:  # the status line is gone: report the failure as an event
         yield sse(exc.body)
+        yield SSE_DONE
     except ClientGone:
         return
     finally:
@@ -209,14 +238,37 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
 
 
-def create_app(llm: Any, worker: Worker, *, api_key: str | None = None) -> FastAPI:
-    """The ASGI app over a started `worker` that owns `llm` (an `nanoqwen.llm.LLM`)."""
+def create_app(
+    llm: Any,
+    worker: Worker,
+    *,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    cors_origins: tuple[str, ...] = (),
+) -> FastAPI:
+    """The ASGI app over a started `worker` that owns `llm` (an `nanoqwen.llm.LLM`).
+
+    `model_name` is the id clients see and must send (default: `llm.model_name`);
+    `cors_origins` turns on CORS for those browser origins ("*": any).
+    """
     app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None)
-    service = Service(llm, worker)
+    service = Service(llm, worker, model_name)
+    metrics = Metrics(worker, llm)
+    # add_middleware puts each one outside the ones before it: the key is checked last, after
+    # CORS has answered preflights (a browser sends them without credentials).
     if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key, open_paths=("/health",))
+        app.add_middleware(BearerAuth, api_key=api_key, open_paths=OPEN_PATHS)
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # OpenAI's JS SDK sends many x-stainless-* headers
+            expose_headers=[REQUEST_ID_HEADER],
+        )
+    app.add_middleware(RequestTelemetry, metrics=metrics)
     _add_error_handlers(app)
-    _add_info_routes(app, service)
+    _add_info_routes(app, service, metrics)
     _add_generation_routes(app, service)
     # The other protocols build on Service and JobStream, so they import this module.
     from .llamacpp import add_llamacpp_routes
@@ -245,7 +297,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return APIError(500, f"internal error: {exc}", type="server_error").response()
 
 
-def _add_info_routes(app: FastAPI, service: Service) -> None:
+def _add_info_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
     def card() -> dict[str, Any]:
         return {
             "id": service.model,
@@ -268,6 +320,10 @@ def _add_info_routes(app: FastAPI, service: Service) -> None:
             "kv_pages_in_use": service.llm.kv_pages_in_use if alive else None,
         }
         return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

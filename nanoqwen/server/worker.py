@@ -10,6 +10,11 @@ Cancellation: the handler sets `job.cancelled` (client disconnected, response to
 worker checks it after every delta, i.e. between decode steps, and closes the stream iterator,
 which frees the generation's KV pages. A job cancelled while still queued is skipped.
 
+Shutdown has two steps so that the server can drain: `drain` takes no more jobs and fails the
+queued ones with `EngineDown` (HTTP 503) while the running one goes on; `abort_running` then
+ends that one with `EngineDown` too, so its client gets an error rather than silence. A lock
+orders `drain` against the thread picking its next job: once `drain` returns, no new job starts.
+
 A `DeviceError` (sticky CUDA failure) is fatal: `on_fatal` (called on the worker thread)
 tells the server to shut down so that a supervisor can restart the process, the job gets the
 error, every queued job is failed with `EngineDown`, and later submissions are refused.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +52,8 @@ class Job:
     """One generation request: prompt ids and params in, events out on an asyncio queue.
 
     Events are `Delta`s, then `DONE`, or an exception instance if the generation failed.
+    `submitted_at` and `started_at` (time.monotonic(); the latter set by the worker thread when
+    the job leaves the queue) give its queue wait.
     """
 
     def __init__(
@@ -55,10 +63,17 @@ class Job:
         self.params = params
         self.events: asyncio.Queue[Any] = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.submitted_at = time.monotonic()
+        self.started_at: float | None = None
         self._loop = loop
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the job with `exc` as its last event (any thread); the generation stops."""
+        self.cancel()
+        self.post(exc)
 
     def post(self, event: Any) -> None:
         """Called from the worker thread: deliver `event` on the job's event loop."""
@@ -83,6 +98,7 @@ class Worker:
         self._pending: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
         self._running: Job | None = None
         self._stopping = False
+        self._lock = threading.Lock()  # orders drain() against the thread starting a job
         self._thread = threading.Thread(target=self._serve, name="nanoqwen-engine", daemon=True)
 
     # Called from the event loop --------------------------------------------------------
@@ -110,12 +126,22 @@ class Worker:
         except queue.Full:
             raise QueueFull(f"request queue is full ({self.max_queue} waiting)") from None
 
+    def drain(self) -> None:
+        """Take no more jobs and fail the queued ones with EngineDown; the running one goes on."""
+        with self._lock:
+            self._stopping = True
+        self._fail_pending(EngineDown(self._down_message()))
+
+    def abort_running(self) -> None:
+        """End the running job now with EngineDown (call after `drain`)."""
+        job = self._running  # read once: the thread may clear it meanwhile
+        if job is not None:
+            job.fail(EngineDown(self._down_message()))
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job, fail the queued ones, and join the thread."""
-        self._stopping = True
-        if self._running is not None:
-            self._running.cancel()
-        self._fail_pending(EngineDown("server is shutting down"))
+        """Drain, end the running job, and join the thread."""
+        self.drain()
+        self.abort_running()
         self._pending.put(None)  # wakes the thread; the queue was just drained
         self._thread.join(timeout)
 
@@ -125,10 +151,14 @@ class Worker:
             job = self._pending.get()
             if job is None:
                 return
-            if self.fatal is not None or self._stopping:
+            with self._lock:
+                refused = self.fatal is not None or self._stopping
+                if not refused and not job.cancelled.is_set():
+                    self._running = job
+            if refused:
                 job.post(EngineDown(self._down_message()))
-            elif not job.cancelled.is_set():
-                self._running = job
+            elif self._running is job:
+                job.started_at = time.monotonic()
                 try:
                     self._generate(job)
                 finally:

@@ -1,0 +1,96 @@
+"""Prometheus metrics of one server (GET /metrics, the text exposition format).
+
+The metrics live on the server's own `CollectorRegistry`: the process-global one would also
+export whatever else registered there, and two apps in one process (the in-process tests)
+would collide on the names. Engine gauges (queue depth, running, alive, KV pages) are read
+when scraped, so they are never stale; counters and histograms are fed as requests are served
+(`nanoqwen.server.middleware`).
+
+Latencies are taken on the event loop, where a delta becomes a response chunk: what a client
+can see, less the network. The histogram buckets run from half a millisecond (a GPU decode
+step) to minutes (a long generation on the CPU reference backend), so one dashboard serves
+both backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the format generate_latest writes
+
+# Seconds. Inter-token latency: a decode step (GPU ~ms, CPU tens of ms) up to a stall.
+ITL_BUCKETS = (
+    0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5,
+)  # fmt: skip
+# Time to first token and queue wait: a prefill up to a long wait behind other requests.
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0,
+)  # fmt: skip
+# Whole requests: an info route's microseconds up to a long generation.
+DURATION_BUCKETS = (
+    0.001, 0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    600.0,
+)  # fmt: skip
+
+
+class Metrics:
+    """The metric families of one server, reading the engine state from `worker` and `llm`."""
+
+    def __init__(self, worker: Any, llm: Any) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "nanoqwen_http_requests",
+            "HTTP requests answered, by method, route template and status",
+            ["method", "route", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "nanoqwen_http_request_duration_seconds",
+            "Request arrival to the end of its response, by route template",
+            ["route"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "nanoqwen_prompt_tokens", "Prompt tokens prefilled", registry=r
+        )
+        self.generation_tokens = Counter(
+            "nanoqwen_generation_tokens", "Tokens generated", registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "nanoqwen_time_to_first_token_seconds",
+            "Request arrival to its first generated token (queue wait and prefill included)",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            "nanoqwen_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "nanoqwen_queue_wait_seconds",
+            "Time a generation waited in the queue before the engine took it",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        gauges = {
+            "nanoqwen_queue_depth": ("Requests waiting for the engine", lambda: worker.queue_depth),
+            "nanoqwen_engine_running": ("Generations running (0 or 1)", lambda: worker.running),
+            "nanoqwen_engine_alive": (
+                "1 while the engine takes work; 0 after a fatal error or once shutdown begins",
+                lambda: int(worker.alive),
+            ),
+            "nanoqwen_kv_pages_in_use": ("KV cache pages held", lambda: llm.kv_pages_in_use),
+        }
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(read)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
