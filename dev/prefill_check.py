@@ -42,6 +42,7 @@ from nanoqwen.harness.prefill_checks import (
     check_attention,
     check_gemm,
     gemm_shapes,
+    paged_kv,
     random_int4_weight,
 )
 
@@ -117,9 +118,11 @@ def time_all(pk, cfg, gen):
     for t in ATTN_TIMED_T:
         q = torch.randn(t, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.float16)
         kv = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.float16)
+        kc, vc, table = paged_kv(kv, kv, gen)
         out = torch.empty_like(q)
         attn_ms[t] = time_ms(
-            pk.gpu, lambda q=q, kv=kv, out=out, t=t: pk.attention(q, kv, kv, out, t)
+            pk.gpu,
+            lambda q=q, c=(kc, vc, table), out=out, t=t: pk.attention(q, *c, out, 0, t),
         )
         attn_flop = 4 * cfg.num_heads * cfg.head_dim * t * (t + 1) / 2
         results.append(("attention", f"T={t}", attn_ms[t], attn_flop / attn_ms[t] / 1e9))

@@ -189,6 +189,12 @@ class BlockManager:
                     self._lru[page] = None
         table.pages.clear()
 
+    def clear_cache(self) -> None:
+        """Forget every cached page (they become free): for whoever writes K/V outside the
+        tables (host-driven decode steps over the whole pool)."""
+        while self._lru:
+            self._free.append(self._evict())
+
     # -- internals ---------------------------------------------------------------------------
     def _take(self, page: int) -> None:
         """One more reference to a cached page (out of the LRU if it was unreferenced)."""

@@ -138,6 +138,48 @@ def test_variants_generate_the_same_tokens(tiny, tiny_model, pdl, overrides):
     assert np.abs(got - want_logits).max() <= bound
 
 
+def test_prefix_reuse_matches_a_cold_prefill(tiny_model):
+    """A prompt sharing a prefix with earlier requests (their prompts and their replies, as a
+    chat's next turn resends them) prefills only its uncached tokens, attending over the
+    cached pages: its first token's logits match a cold engine's within the graph tier's bound
+    (the GEMMs run over fewer rows, so they round differently), the greedy tokens are the
+    same, and nothing stays held."""
+    import numpy as np
+
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.sampling import SamplingParams
+
+    one, greedy = SamplingParams(max_tokens=1), SamplingParams(max_tokens=24)
+    with NanoqwenFile(tiny_model) as f:
+        warm = CudaBackend(f, max_context=2048)
+        cold = CudaBackend(f, max_context=2048, prefix_caching=False)
+        try:
+            V = warm.config.vocab_size
+            base = [(13 * i + 7) % V for i in range(300)]
+            reply = list(warm.generate(base + [5, 6, 7], greedy, frozenset()))
+            turn = base + [5, 6, 7] + reply + [(3 * i + 1) % V for i in range(40)]
+            for prompt, cached in ((base + [9] * 37, 288), (turn, (303 + 23) // 16 * 16)):
+                got_tokens = list(warm.generate(prompt, greedy, frozenset()))
+                assert warm.cached_tokens == cached
+                list(warm.generate(prompt, one, frozenset()))
+                got = warm.gpu.download(warm.forward.logits, np.empty(V, np.float32))
+                want_tokens = list(cold.generate(prompt, greedy, frozenset()))
+                assert cold.cached_tokens == 0
+                list(cold.generate(prompt, one, frozenset()))
+                want = cold.gpu.download(cold.forward.logits, np.empty(V, np.float32))
+                assert np.isfinite(got).all()
+                assert (
+                    np.abs(got - want).max() <= LADDER["graph"]["logit_max_over_std"] * want.std()
+                )
+                assert got_tokens == want_tokens
+            stats = warm.kv_stats
+            assert warm.kv_pages_in_use == 0 and stats.cached > 0 and stats.hit_tokens > 0
+        finally:
+            warm.close()
+            cold.close()
+
+
 REAL_REQUESTS = [
     {"chat": "Write a Python function is_prime(n) with a docstring."},
     {"chat": "Reverse a singly linked list in Python; explain the loop in one line."},

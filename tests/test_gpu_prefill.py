@@ -97,4 +97,6 @@ def test_bad_shapes_raise(env):
     with pytest.raises(ValueError, match="does not match swiglu=True"):
         kernels.gemm(0, 0, 0, None, 0, 4, 256, 128, swiglu=True, spec=plain)
     with pytest.raises(ValueError, match="T=0"):
-        kernels.attention(0, 0, 0, 0, 0)
+        kernels.attention(0, 0, 0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="start=-1"):
+        kernels.attention(0, 0, 0, 0, 0, -1, 4)

@@ -106,14 +106,14 @@ class DecodeKernels(Launcher):
         self.launch(key, grid, *args, stream=stream, label=f"gemv {kind}",
                     nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
 
-    def rope_kv(self, qkv, pos, rope, pages, kc, vc, q, k_out, v_out, T, stream=None) -> None:
-        """RoPE + paged K/V write for T tokens at positions *pos .. *pos + T - 1.
+    def rope_kv(self, qkv, pos0: int, rope, pages, kc, vc, q, T, stream=None) -> None:
+        """RoPE + paged K/V write for T tokens at positions pos0 .. pos0 + T - 1.
 
-        qkv fp16 [T, q+2kv] (bias added); pos int32* (device); rope float32 [max_pos, D/2, 2]
-        (cos, sin); pages int32 [max_pages]; kc, vc the layer's K/V caches (engine.kv_cache's
-        device layout); q fp16 [T, n_heads, D]; k_out, v_out fp16 [T, n_kv, D] or 0.
+        qkv fp16 [T, q+2kv] (bias added); rope float32 [max_pos, D/2, 2] (cos, sin); pages
+        int32 [max_pages]; kc, vc the layer's K/V caches (engine.kv_cache's device layout);
+        q fp16 [T, n_heads, D] (the rotated queries).
         """
-        self.launch("rope_kv", (T, 1, 1), qkv, pos, rope, pages, kc, vc, q, k_out, v_out,
+        self.launch("rope_kv", (T, 1, 1), qkv, _I32(pos0), rope, pages, kc, vc, q,
                     stream=stream, label="rope_kv_write")  # fmt: skip
 
     def attention(self, q, kc, vc, pages, pos, part_ml, part_acc, counters, out,

@@ -1,5 +1,5 @@
 """Launchers of the prefill kernels: the INT4 tensor-core GEMM (prefill_gemm_wgmma.cu) and the
-causal GQA attention over a whole prompt (prefill_attention.cu).
+causal GQA attention of a prompt's new tokens over the paged K/V (prefill_attention.cu).
 
 `PrefillKernels(gpu, config)` builds the registry's prefill specs (one GEMM instantiation per
 registry.GEMM_TILES entry, then attention). `gemm` and `attention` check shapes in Python,
@@ -154,19 +154,22 @@ class PrefillKernels(Launcher):
         return tmap
 
     # -- attention ------------------------------------------------------------------------------
-    def attention(self, q, k, v, out, T: int, *, stream=None) -> None:
-        """Causal GQA attention over positions 0..T-1, softmax scale 1/sqrt(head_dim).
+    def attention(self, q, kc, vc, pages, out, start: int, T: int, *, stream=None) -> None:
+        """Causal GQA attention of T new tokens at positions start .. start + T - 1 over the
+        sequence's paged K/V (positions 0 .. start + T - 1 written), softmax scale
+        1/sqrt(head_dim).
 
-        q    fp16 [T, num_heads, head_dim]     RoPE applied, row-major
-        k, v fp16 [T, num_kv_heads, head_dim]  RoPE applied to k, row-major
-        out  fp16 [T, num_heads, head_dim]     must not alias q, k, v
+        q      fp16 [T, num_heads, head_dim]  RoPE applied, row-major
+        kc, vc the layer's K/V caches (engine.kv_cache's device layout)
+        pages  int32 page table of the sequence
+        out    fp16 [T, num_heads, head_dim]  must not alias q
         """
-        if T < 1:
-            raise ValueError(f"prefill attention: T={T} must be >= 1")
-        ptrs = [_ptr(x) for x in (q, k, v, out)]
+        if T < 1 or start < 0:
+            raise ValueError(f"prefill attention: need T >= 1 and start >= 0; T={T} start={start}")
+        ptrs = [_ptr(x) for x in (q, kc, vc, pages, out)]
         if any(p % 16 for p in ptrs):
             raise ValueError(f"prefill attention: pointers must be 16-byte aligned, got {ptrs}")
         grid = (self.config.num_heads, -(-T // self.geometry.prefill_attn_tile), 1)
         with self.gpu.guard("prefill attention"):
-            self.launch("prefill_attention", grid, *ptrs, np.int32(T), stream=stream,
-                        label="prefill attention")  # fmt: skip
+            self.launch("prefill_attention", grid, *ptrs, np.int32(start), np.int32(T),
+                        stream=stream, label="prefill attention")  # fmt: skip

@@ -6,21 +6,21 @@ Life of a generation (batch 1):
     load      the kernels (registry: compiled or from the cache), the weights (weights.py),
               the KV pool sized from max_context (kv_cache.py: refused at start-up with needed
               against free bytes), the decode state and the host ring (decode_loop.py)
-    pages     the block manager (nanoqwen.kv_pages, the reference's too) takes the pages for
-              prompt + max_tokens at once, so the graph never changes; their table goes to the
-              device through the staging area, queued before the prefill.
-              Prefix caching is OFF on this backend: every prompt is prefilled cold and
-              `cached_tokens` stays 0. Turning it on takes a prefill that starts at
-              `table.cached_tokens` and attends over the cached pages as well as its own
-              tokens (a kernel change), then commits: the prompt after the prefill's sync, and
-              after the final sync the generated tokens whose K/V the graph wrote (ring tokens
-              0 .. count - 2: the last sampled token never runs through a decode step).
-    prefill   the prompt through forward.prefill (tensor-core GEMMs and causal attention,
-              launched with PDL; its last layer takes the last token alone), lm_head and the
-              sampler on that row: the first token
+    pages     the block manager (nanoqwen.kv_pages, the reference's too) admits the prompt
+              with its longest cached prefix (prefix caching: `cached_tokens` of it are not
+              computed again) and takes the pages for prompt + max_tokens at once, so the
+              graph never changes; the table goes to the device through the staging area,
+              queued before the prefill
+    prefill   the prompt's uncached tokens through forward.prefill (tensor-core GEMMs, causal
+              attention over the cached and the new K/V, launched with PDL; its last layer
+              takes the last token alone), lm_head and the sampler on that row: the first
+              token
     decode    ONE launch of the generation graph (decode_loop.DecodeLoop: a while loop over
               forward.decode_step + the sampler) until a stop id, max_tokens or cancel; the
-              host streams tokens from the mapped ring.
+              host streams tokens from the mapped ring. After the final sync the prompt and the
+              generated tokens whose K/V the graph wrote are committed to the prefix cache
+              (ring tokens 0 .. count - 2: the last sampled token never runs through a decode
+              step), so a chat's next turn, which resends the reply, reuses them too.
 
 The seam: `forward` (decode_step, layer, prefill, the activations), `loop` (the state, the
 sampler, the graph), `kernels` / `prefill_kernels` (the launchers), `weights`, `kv`; and the
@@ -58,9 +58,11 @@ class CudaBackend:
         *,
         geometry: Geometry = DEFAULT_GEOMETRY,
         pdl: bool = True,
+        prefix_caching: bool = True,
     ) -> None:
         """file: an open NanoqwenFile; geometry: the kernels' (registry.Geometry; dev/
-        kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels."""
+        kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels;
+        prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full pages."""
         cfg = file.config
         self.config, self.file = cfg, file
         self.max_context = check_max_context(max_context, cfg)
@@ -71,11 +73,11 @@ class CudaBackend:
         # which a server's first request would otherwise wait for.
         self.prefill_kernels = PrefillKernels(self.gpu, cfg, geometry, pdl=pdl)
         self.weights = upload_weights(self.gpu, file)
-        self.kv = KVCache(self.gpu, cfg, max_context)
+        self.kv = KVCache(self.gpu, cfg, max_context, prefix_caching)
         self.loop = DecodeLoop(self.gpu, self.kernels, max_context)
         self.forward = Forward(self.gpu, cfg, self.kernels, self.prefill_kernels, self.weights,
                                self.kv, self.loop, max_context)  # fmt: skip
-        self.cached_tokens = 0  # no prefix reuse on this backend yet (module docstring)
+        self.cached_tokens = 0  # of the running (or last) generation's prompt
         self.gpu.sync("load")
 
     # -- the seam ----------------------------------------------------------------------------
@@ -203,18 +205,19 @@ class CudaBackend:
     def _generate(self, ids: np.ndarray, params: SamplingParams, stop_ids) -> Iterator[int]:
         T, h, f, loop = len(ids), self.config.hidden_size, self.forward, self.loop
         pages = self.kv.pages
-        table = pages.admit(ids)  # prefix caching off: an empty table
-        self.cached_tokens = table.cached_tokens
-        graph_running = False
+        table = pages.admit(ids)  # holds the longest cached prefix (kv_pages' reuse rule)
+        S = self.cached_tokens = table.cached_tokens
+        prefilled = graph_running = ended = False
         try:
             self._map_pages(table, T + params.max_tokens)
             with self.gpu.guard("prefill"):
                 loop.begin(DecodeState.for_prompt(T, params, stop_ids))
-                loop.stage_ids(ids, f.scratch(T)["ids"])
-                x = f.prefill(T, last_only=True)
-                f.head(x + (T - 1) * h * 2)
+                loop.stage_ids(ids[S:], f.scratch(T - S)["ids"])
+                x = f.prefill(T - S, start=S, last_only=True)
+                f.head(x + (T - S - 1) * h * 2)
                 loop.sample(f.logits, f.key)
                 self.gpu.sync("prefill")
+            prefilled = True
             first = loop.host.token(0)
             yield first
             if first in stop_ids or params.max_tokens == 1:
@@ -230,7 +233,14 @@ class CudaBackend:
                 loop.host.cancel()  # the sampler stops after the current step
             try:
                 self.gpu.sync("generation end")
+                ended = True
             finally:
+                if prefilled and ended:
+                    # Committed here, off the first token's path (hashing a 32k prompt's pages
+                    # takes milliseconds): the prompt, and every sampled token but the last,
+                    # whose K/V the graph wrote.
+                    generated = loop.host.tokens(max(loop.host.count - 1, 0))
+                    pages.commit(table, [*ids[S:].tolist(), *generated])
                 pages.release(table)
 
     def close(self) -> None:

@@ -137,6 +137,10 @@ class HostRing:
     def token(self, i: int) -> int:
         return int(self.view[2 + i])
 
+    def tokens(self, n: int) -> list[int]:
+        """Tokens 0 .. n - 1 of the ring."""
+        return self.view[2 : 2 + n].tolist()
+
 
 class DecodeLoop:
     """The decode state and token ring on the device, the host ring, the sampler launch and

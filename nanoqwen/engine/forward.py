@@ -11,11 +11,12 @@ Decode step (captured into the generation graph), per layer:
 
 then lm_head (final RMSNorm + logits + argmax key); the sampler is the loop's (decode_loop).
 
-Prefill, per layer: RMSNorm, the q/k/v GEMM, RoPE + K/V pages (and contiguous K, V for the
-prompt's attention), causal attention, the o GEMM + residual, RMSNorm, gate/up GEMM + SwiGLU,
-down GEMM + residual. When only the last row is wanted (a generation's first token), the last
-layer writes every token's K/V but runs the last token alone through the decode kernels:
-nothing reads the other rows of its output.
+Prefill of the tokens at positions start .. start + T - 1 (start > 0: a cached prefix whose
+K/V are already in the sequence's pages), per layer: RMSNorm, the q/k/v GEMM, RoPE + K/V into
+the pages, causal attention over the pages (cached and new keys alike), the o GEMM + residual,
+RMSNorm, gate/up GEMM + SwiGLU, down GEMM + residual. When only the last row is wanted (a
+generation's first token), the last layer writes every token's K/V but runs the last token
+alone through the decode kernels: nothing reads the other rows of its output.
 """
 
 from __future__ import annotations
@@ -61,8 +62,6 @@ class Forward:
         self.logits = a(c.vocab_size * 4, "logits").ptr
         self.key = a(8, "argmax key").ptr
         self.attn_scratch = kernels.attention_scratch()
-        self.zero = a(4, "zero").ptr  # position 0 for the prefill's rope_kv
-        gpu.memset(self.zero, 0, 4)
         gpu.memset(self.key, 0, 8)
         self.last_token_shortcut = True  # prefill(last_only=True) ends on the decode kernels
         self._scratch: dict[str, int] = {}
@@ -111,8 +110,7 @@ class Forward:
     # -- prefill -----------------------------------------------------------------------------
     def scratch(self, T: int) -> dict[str, int]:
         """The prefill's buffers for T tokens (device addresses), grown as prompts grow:
-        ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q]; kk, vv [T, kv];
-        mlp [T, I]."""
+        ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q]; mlp [T, I]."""
         if T <= self._scratch_tokens:
             return self._scratch
         for b in self._scratch_buffers:
@@ -124,8 +122,6 @@ class Forward:
             "h": c.hidden_size * 2,
             "qkv": (c.q_size + 2 * c.kv_size) * 2,
             "q": c.q_size * 2,
-            "kk": c.kv_size * 2,
-            "vv": c.kv_size * 2,
             "attn": c.q_size * 2,
             "mlp": c.intermediate_size * 2,
         }
@@ -134,25 +130,23 @@ class Forward:
         self._scratch_tokens = cap
         return self._scratch
 
-    def prefill(self, T: int, last_only: bool = False) -> int:
-        """Positions 0..T-1 of the prompt in scratch(T)["ids"] through every layer, their K/V
-        into the pages. Returns the device address of x fp16 [T, H] (pre final-norm hidden
-        states); with last_only (and last_token_shortcut) only row T - 1 of it is valid, and
-        state[POS] must be T - 1 (the decode kernels of the last layer read it)."""
-        c, k, pk = self.config, self.kernels, self.prefill_kernels
+    def prefill(self, T: int, start: int = 0, last_only: bool = False) -> int:
+        """The T tokens in scratch(T)["ids"] at positions start .. start + T - 1 through every
+        layer, their K/V into the pages (positions 0 .. start - 1 already there). Returns the
+        device address of x fp16 [T, H] (pre final-norm hidden states); with last_only (and
+        last_token_shortcut) only row T - 1 of it is valid, and state[POS] must be
+        start + T - 1 (the decode kernels of the last layer read it)."""
+        c, k, pk, kv = self.config, self.kernels, self.prefill_kernels, self.kv
         h, qkv_n, b = c.hidden_size, c.q_size + 2 * c.kv_size, self.scratch(T)
         k.embed(b["ids"], self.weights.embed, b["x"], T)
         for i, L in enumerate(self.weights.layers):
-            last = last_only and self.last_token_shortcut and i == c.num_layers - 1
             k.rmsnorm(b["x"], L.input_norm, b["h"], T)
             pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, label="gemm qkv")
-            k_out, v_out = (0, 0) if last else (b["kk"], b["vv"])
-            k.rope_kv(b["qkv"], self.zero, self.rope, self.kv.page_table, self.kv.k[i],
-                      self.kv.v[i], b["q"], k_out, v_out, T)  # fmt: skip
-            if last:
+            k.rope_kv(b["qkv"], start, self.rope, kv.page_table, kv.k[i], kv.v[i], b["q"], T)
+            if last_only and self.last_token_shortcut and i == c.num_layers - 1:
                 self._token_tail(i, b["q"] + (T - 1) * c.q_size * 2, b["x"] + (T - 1) * h * 2)
                 break
-            pk.attention(b["q"], b["kk"], b["vv"], b["attn"], T)
+            pk.attention(b["q"], kv.k[i], kv.v[i], kv.page_table, b["attn"], start, T)
             pk.gemm(b["attn"], L.o_w, L.o_s, None, b["x"], T, h, c.q_size, residual=b["x"],
                     label="gemm o")  # fmt: skip
             k.rmsnorm(b["x"], L.post_norm, b["h"], T)

@@ -11,9 +11,7 @@ between that and the reference's [pages, PAGE_TOKENS, n_kv, head_dim].
 The page table (int32 [num_pages], device memory) maps the running sequence's logical page to
 a physical one; the kernels read `page_table[pos // PAGE_TOKENS]` for every position they touch.
 The pages come from the block manager both backends share (nanoqwen.kv_pages, `KVCache.pages`,
-over the whole pool); whoever writes K/V uploads its own table first. Prefix caching is off
-here: reusing cached K/V needs a prefill that attends over pages written earlier, which the
-prefill kernels do not do yet (they attend over the prompt's own contiguous K, V).
+over the whole pool, prefix caching included); whoever writes K/V uploads its own table first.
 """
 
 from __future__ import annotations
@@ -53,7 +51,9 @@ class KVCache:
     bytes) when they would not leave MEMORY_MARGIN free; `pages` allocates them, `page_table`
     is the device's int32 [num_pages] map of the sequence being computed."""
 
-    def __init__(self, gpu: Gpu, config: ModelConfig, max_context: int) -> None:
+    def __init__(
+        self, gpu: Gpu, config: ModelConfig, max_context: int, prefix_caching: bool = True
+    ) -> None:
         self.num_pages = -(-max_context // PAGE_TOKENS)
         layer_bytes = self.num_pages * PAGE_TOKENS * config.kv_size * 2
         self.nbytes = config.num_layers * 2 * layer_bytes
@@ -70,19 +70,19 @@ class KVCache:
             self.k.append(gpu.alloc(layer_bytes, "k cache").ptr)
             self.v.append(gpu.alloc(layer_bytes, "v cache").ptr)
         self.page_table = gpu.alloc(self.num_pages * 4, "page table").ptr
-        self.pages = BlockManager(self.num_pages, prefix_caching=False)
+        self.pages = BlockManager(self.num_pages, prefix_caching)
         self._identity = np.arange(self.num_pages, dtype=np.int32)
         self.map_whole_pool()  # a bare KVCache maps every page (dev/kernel_tune.py)
 
     def map_whole_pool(self) -> None:
         """Upload the identity page table (synchronous) for host-driven decode steps at any
         position whose K/V persist between calls (CudaBackend.set_decode_state). They write
-        pages no table holds, so every page must be free: no generation running, nothing
-        cached."""
-        stats = self.pages.stats
-        if stats.free != self.num_pages:
+        pages no table holds, so no generation may run, and the prefix cache is cleared."""
+        held = self.pages.pages_held
+        if held:
             raise NanoqwenError(
-                f"host-driven decode steps map the whole KV pool, but {stats.held} pages are "
-                f"held and {stats.cached} cached: finish or close the running generation first"
+                f"host-driven decode steps map the whole KV pool, but {held} pages are held: "
+                "finish or close the running generation first"
             )
+        self.pages.clear_cache()
         self.gpu.upload(self.page_table, self._identity)

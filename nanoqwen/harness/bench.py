@@ -122,6 +122,78 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
     }
 
 
+def run_prefix_bench(
+    engine, prefix_len: int, new_len: int, gen_len: int, warmup: int, runs: int, seed: int = 0
+) -> dict:
+    """The prefix workload (bench --workload prefix): an editor resending a file, a chat
+    resending its conversation. Each request is one fixed random prefix of `prefix_len` ids
+    plus `new_len` fresh ones. Warm: the request before it (the same prefix, other new ids)
+    left the prefix in the cache, so only the new tokens (and the prefix's partial last page)
+    are prefilled. Cold: the same request with the cache cleared first (every token
+    prefilled). TTFT medians of `runs`
+    after `warmup`, and whether warm and cold give the same greedy tokens (gen_len each)."""
+    from ..sampling import SamplingParams
+
+    if runs < 1 or new_len < 1 or gen_len < 1:
+        raise ValueError("the prefix workload needs runs, new_len and gen_len >= 1")
+    vocab = engine.config.vocab_size
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, vocab, prefix_len).tolist()
+    params = SamplingParams(max_tokens=gen_len)
+
+    def request(ids):
+        t0 = time.perf_counter()
+        tokens = []
+        for token in engine.generate(ids, params, frozenset()):
+            if not tokens:
+                ttft = time.perf_counter() - t0
+            tokens.append(token)
+        return ttft, tokens, engine.cached_tokens
+
+    ttft = {"cold": [], "warm": []}
+    cached, same = [], []
+    for r in range(warmup + runs):
+        ids = prefix + rng.integers(0, vocab, new_len).tolist()
+        engine.kv.pages.clear_cache()
+        request(prefix + rng.integers(0, vocab, new_len).tolist())  # the request before
+        t_warm, warm_tokens, hit = request(ids)
+        engine.kv.pages.clear_cache()
+        t_cold, cold_tokens, _ = request(ids)
+        if r >= warmup:
+            ttft["cold"].append(t_cold)
+            ttft["warm"].append(t_warm)
+            cached.append(hit)
+            same.append(cold_tokens == warm_tokens)
+    return {
+        "gpu": engine.gpu.name,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": engine.config.name,
+        "workload": "prefix",
+        "prefix_len": prefix_len,
+        "new_len": new_len,
+        "gen_len": gen_len,
+        "max_context": engine.max_context,
+        "warmup": warmup,
+        "runs": runs,
+        "ttft_cold_ms": 1e3 * float(np.median(ttft["cold"])),
+        "ttft_warm_ms": 1e3 * float(np.median(ttft["warm"])),
+        "cached_tokens": int(np.median(cached)),
+        "identical_tokens": all(same),
+        "memory": engine.memory(),
+    }
+
+
+def print_prefix_result(res: dict) -> None:
+    print(f"{res['gpu']}  model {res['model']}  prefix {res['prefix_len']} + {res['new_len']} "
+          f"new tokens, gen {res['gen_len']}")  # fmt: skip
+    print(f"  ttft cold      {res['ttft_cold_ms']:10.3f} ms")
+    print(
+        f"  ttft warm      {res['ttft_warm_ms']:10.3f} ms  ({res['cached_tokens']} cached tokens)"
+    )
+    print(f"  warm tokens identical to cold: {res['identical_tokens']}")
+
+
 def print_result(res: dict) -> None:
     print(f"{res['gpu']}  model {res['model']}  prompt {res['prompt_len']}  gen {res['gen_len']}")
     for k in ("ttft_ms", "itl_ms", "itl_wall_ms", "tokens_per_s", "achieved_tb_s", "copy_tb_s"):

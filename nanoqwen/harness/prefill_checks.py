@@ -11,8 +11,10 @@ is checked against nanoqwen.quant on a slice) and multiplies in fp32, so what is
 summation order (~1e-6 relative) and the final fp16 rounding (2^-11 relative): the tolerance
 is max|out - ref| <= GEMM_REL_TOL * max|ref|.
 
-Attention: T in ATTN_T against an fp32 causal softmax; P is rounded to fp16 before P V, so
-the tolerance is max abs error <= ATTN_ABS_TOL on outputs of magnitude ~1.
+Attention: T new tokens after `start` cached ones, (start, T) in ATTN_CASES, K/V in paged
+caches behind a scattered page table, against an fp32 causal softmax over all start + T
+positions; P is rounded to fp16 before P V, so the tolerance is max abs error <= ATTN_ABS_TOL
+on outputs of magnitude ~1.
 
 The inputs are torch tensors on torch's current stream; the kernels run on the Gpu's stream.
 Every check synchronizes the device before its launch and waits for the Gpu's stream after
@@ -29,11 +31,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..config import GROUP_SIZE, ModelConfig
+from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
+from ..engine.kv_cache import kv_cache_to_device
 from ..quant import LANE_SHIFTS, dequantize_packed
 
 GEMM_M = (1, 3, 17, 128, 511, 512, 513)  # one row, odd counts, whole tiles and one either side
-ATTN_T = (1, 15, 16, 17, 100, 512, 1000)  # one token, odd lengths, part tiles (64 rows)
+# (start, T): whole prompts of one token, odd lengths, part tiles (64 rows); then new tokens
+# after a cached prefix that ends on a page, mid-tile, on a tile, and one token after 4000.
+ATTN_CASES = tuple((0, t) for t in (1, 15, 16, 17, 100, 512, 1000)) + (
+    (16, 1), (37, 1), (37, 64), (64, 100), (100, 200), (1000, 65), (4000, 1),
+)  # fmt: skip
 GEMM_REL_TOL = 2e-3  # fp16 output rounding (2^-11) with room for fp32 summation order
 GUARD_ROWS = 256  # poisoned rows past M after every GEMM output (must stay untouched)
 ATTN_ABS_TOL = 4e-3  # P is rounded to fp16 before P V; outputs are of magnitude ~1
@@ -92,15 +99,35 @@ def gemm_reference(a, deq, bias=None, residual=None, swiglu=False):
 
 
 def attention_reference(q, k, v):
-    """fp32 causal GQA softmax attention. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    """fp32 causal GQA softmax attention of the last T positions: q [T, Hq, D] at positions
+    L - T .. L - 1, k/v [L, Hkv, D] -> [T, Hq, D]."""
     t, hq, d = q.shape
+    n = k.shape[0]
     group = hq // k.shape[1]
     kf = k.float().repeat_interleave(group, dim=1)
     vf = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("thd,shd->hts", q.float(), kf) / math.sqrt(d)
-    mask = torch.ones(t, t, device=q.device, dtype=torch.bool).triu(1)
+    mask = torch.ones(t, n, device=q.device, dtype=torch.bool).triu(n - t + 1)
     s.masked_fill_(mask, float("-inf"))
     return torch.einsum("hts,shd->thd", s.softmax(-1), vf)
+
+
+def paged_kv(k, v, gen: torch.Generator):
+    """k, v [L, Hkv, D] fp16 -> (K cache, V cache, page table) on the GPU in the engine's
+    layout (engine.kv_cache), the pages scattered by a random permutation with spare pages."""
+    n, hkv, d = k.shape
+    pages = -(-n // PAGE_TOKENS) + 3
+    table = torch.randperm(pages, generator=gen, device=gen.device).to(torch.int32).cpu()
+
+    def cache(x):
+        rows = torch.zeros(pages * PAGE_TOKENS, hkv, d, dtype=torch.float16)
+        rows[:n] = x.cpu()
+        logical = rows.view(pages, PAGE_TOKENS, hkv, d).numpy()
+        physical = np.empty_like(logical)
+        physical[table.numpy()] = logical
+        return torch.from_numpy(kv_cache_to_device(physical)).cuda()
+
+    return cache(k), cache(v), table.cuda()
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -189,25 +216,27 @@ def check_gemm(pk, cfg: ModelConfig, gen: torch.Generator, log: Log = print, qui
 
 
 def check_attention(configs, gen: torch.Generator, log: Log = print):
-    """The prefill attention of each (config, PrefillKernels) in `configs` at every T of
-    ATTN_T, random q, k, v. Returns (all ok, the worst max abs error)."""
+    """The prefill attention of each (config, PrefillKernels) in `configs` at every (start, T)
+    of ATTN_CASES, random q, k, v. Returns (all ok, the worst max abs error)."""
     ok_all, worst = True, 0.0
     for cfg, pk in configs:
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        for t in ATTN_T:
+        for start, t in ATTN_CASES:
             q = torch.randn(t, hq, d, device="cuda", dtype=torch.float16, generator=gen)
-            k = torch.randn(t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
-            v = torch.randn(t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+            k = torch.randn(start + t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+            v = torch.randn(start + t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+            kc, vc, table = paged_kv(k, v, gen)
             out = torch.full_like(q, float("nan"))
             torch.cuda.synchronize()
-            pk.attention(q, k, v, out, t)
-            wait_or_die(pk.gpu, f"prefill attention {cfg.name} T={t}")
+            pk.attention(q, kc, vc, table, out, start, t)
+            wait_or_die(pk.gpu, f"prefill attention {cfg.name} start={start} T={t}")
             err = (out.float() - attention_reference(q, k, v)).abs().max().item()
             ok = bool(torch.isfinite(out).all().item()) and err <= ATTN_ABS_TOL
             worst = max(worst, err)
             ok_all &= ok
             if not ok:
-                log(f"ATTN FAIL {cfg.name} {hq}:{hkv} D={d} T={t}: max err {err:.3g}")
+                log(f"ATTN FAIL {cfg.name} {hq}:{hkv} D={d} start={start} T={t}: max err "
+                    f"{err:.3g}")  # fmt: skip
     log(f"attention correctness: {'pass' if ok_all else 'FAIL'}; worst max abs err {worst:.2e} "
         f"(tol {ATTN_ABS_TOL})")  # fmt: skip
     return ok_all, worst

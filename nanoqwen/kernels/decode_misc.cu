@@ -65,18 +65,16 @@ rmsnorm_rows(const uint4* __restrict__ x, const uint4* __restrict__ w, uint4* __
 
 // RoPE (NEOX halves) on q and k, then K/V into the paged cache.
 // qkv    fp16 [T, kQKVSize]   q | k | v per token, bias already added (gemv epilogue)
-// pos0   int32 *              position of token 0 (device memory: decode reads state[kPos])
+// pos0   int                  position of token 0 (the prefill's first uncached token)
 // rope   float2 [max_pos, kHeadDim/2]  (cos, sin), formed in float64 on the host
 // pages  int32 [max_pages]    page table of the sequence: logical page -> physical page
-// kc, vc fp16                this layer's caches (kv_cache.cuh)
+// kc, vc fp16                this layer's caches (kv_cache.cuh; prefill attention reads them)
 // q_out  fp16 [T, kHeads, kHeadDim]
-// k_out, v_out fp16 [T, kKVHeads, kHeadDim] or null (prefill attention reads them contiguous)
 // Grid T, block kMiscThreads. A thread takes 16 bytes: 8 rotations (chunk c of a head's first
 // half and of its second) or 8 values of v; a cache chunk is 8 contiguous halves (kv_chunk).
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
-rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __restrict__ rope,
-              const int* __restrict__ pages, half* kc, half* vc, half* q_out, half* k_out,
-              half* v_out) {
+rope_kv_write(const half* __restrict__ qkv, int pos0, const float2* __restrict__ rope,
+              const int* __restrict__ pages, half* kc, half* vc, half* q_out) {
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kChunks = kHalf / 8;                    // 16-byte chunks of half a head
   constexpr int kRot = (kHeads + kKVHeads) * kChunks;  // rotation items; the v items follow
@@ -84,7 +82,7 @@ rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __res
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
-  const int pos = *pos0 + t;
+  const int pos = pos0 + t;
   const half* row = qkv + (size_t)t * kQKVSize;
   const int page = pages[pos / kPageTokens], tp = pos % kPageTokens;
   const float4* cs = reinterpret_cast<const float4*>(rope + (size_t)pos * kHalf);
@@ -93,7 +91,6 @@ rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __res
       const int e = 8 * (i - kRot);
       const uint4 v = *reinterpret_cast<const uint4*>(row + kQSize + kKVSize + e);
       *reinterpret_cast<uint4*>(vc + kv_offset(page, e / kHeadDim, tp, e % kHeadDim)) = v;
-      if (v_out) *reinterpret_cast<uint4*>(v_out + (size_t)t * kKVSize + e) = v;
       continue;
     }
     const int head = i / kChunks, j = 8 * (i % kChunks);  // pairs j .. j + 7
@@ -117,11 +114,6 @@ rope_kv_write(const half* __restrict__ qkv, const int* pos0, const float2* __res
       const int kh = head - kHeads;
       *reinterpret_cast<uint4*>(kc + kv_offset(page, kh, tp, j)) = lo;
       *reinterpret_cast<uint4*>(kc + kv_offset(page, kh, tp, j + kHalf)) = hi;
-      if (k_out) {
-        half* ko = k_out + ((size_t)t * kKVHeads + kh) * kHeadDim + j;
-        *reinterpret_cast<uint4*>(ko) = lo;
-        *reinterpret_cast<uint4*>(ko + kHalf) = hi;
-      }
     }
   }
 }

@@ -1,13 +1,17 @@
-// prefill_attention.cu — causal grouped-query attention over a prompt (flash-attention style,
-// Hopper wgmma).
+// prefill_attention.cu — causal grouped-query attention of a prompt's new tokens over the
+// sequence's paged K/V (flash-attention style, Hopper wgmma).
 //
-//   out[i, h, :] = sum_{j <= i} softmax_j(q[i, h, :] . k[j, h / G, :] / sqrt(D)) v[j, h / G, :]
-//   with G = HQ / HKV query heads per KV head.
+//   out[i, h, :] = sum_{j <= start + i} softmax_j(q[i, h, :] . k[j, h / G, :] / sqrt(D))
+//                  v[j, h / G, :]
+//   with G = HQ / HKV query heads per KV head: query row i is position start + i; keys 0 ..
+//   start - 1 are a cached prefix (written by an earlier request), the rest the new tokens'
+//   own (rope_kv_write puts them into the pages before this launch).
 //
 // One CTA = one warpgroup per (64-query tile, query head). Per 64-key tile: S = Q K^T as
 // wgmma m64n64k16 with both operands in shared memory (Q and K tiles are K-major: the head dim
 // runs along their rows), an fp32 online softmax in the exp2 domain on the accumulators (the
-// 1/sqrt(D) scale folded into the exponent, the causal mask on the diagonal tile only), then
+// 1/sqrt(D) scale folded into the exponent, the causal mask on the tiles that reach past the
+// tile's first query position: one, or two when start is not a multiple of 64), then
 // O += P V as wgmma m64nDk16 with P straight from the accumulator registers (wgmma's D layout
 // per 8 columns is mma.m16n8k16's, so S's n8 tiles 2kk, 2kk+1 are the A fragment of k-step kk)
 // and V N-major from shared memory (keys along its rows: the transposed-B form, no transpose in
@@ -28,15 +32,22 @@
 //
 // On the 7B shapes a launch at T = 8192 takes ~1.07 ms (449 TFLOP/s; dev/prefill_check.py).
 //
-// Arguments (device pointers, 16-byte aligned, row-major, fp16 bits):
-//   q    fp16 [T, HQ, D]    query (RoPE already applied), row stride HQ * D
-//   k    fp16 [T, HKV, D]   key   (RoPE already applied), row stride HKV * D
-//   v    fp16 [T, HKV, D]   value
-//   out  fp16 [T, HQ, D]    may not alias q, k or v
-//   T >= 1 tokens, positions 0..T-1 (the whole prompt; no earlier context).
+// K/V tiles come straight from the paged cache (kv_cache.cuh): a 64-key tile is four pages'
+// 16-row tiles of the kv head, each row 16-byte chunks in the cache's XOR order, which is the
+// order the shared tile wants (chunk c of row r lands at (c % 8) ^ (r & 7) of block c / 8, and
+// the cache stores it at c ^ (r & 7): the same low bits, r & 7 being the row's slot & 7).
+//
+// Arguments (device pointers, 16-byte aligned, fp16 bits):
+//   q      fp16 [T, HQ, D]  the new tokens' queries (RoPE applied), row-major
+//   kc, vc fp16             this layer's K and V caches (kv_cache.cuh), positions
+//                           0 .. start + T - 1 written
+//   pages  int32            the sequence's page table (logical page -> physical page)
+//   out    fp16 [T, HQ, D]  may not alias q
+//   start >= 0 cached positions before the new tokens; T >= 1 new tokens.
 // Grid (HQ, ceil(T / 64)), 128 threads, dynamic shared memory Layout<D>::kSmemBytes.
 
 #include "common.cuh"
+#include "kv_cache.cuh"
 #include "wgmma.cuh"
 
 namespace nanoqwen_prefill_attention {
@@ -56,20 +67,44 @@ struct Layout {
   // (host side: nanoqwen/cuda/registry.py prefill_attention_smem_bytes)
 };
 
-// Rows tok0..tok0+63 of one head (row stride `stride` halves) into a swizzled tile: 16-byte
-// chunk c of row r at block c / 8, row r, chunk (c % 8) ^ (r & 7). Rows >= T read as zeros.
+// Shared-memory byte offset of 16-byte chunk c of tile row r: block c / 8, row r, chunk
+// (c % 8) ^ (r & 7) (the 128-byte swizzle).
+__device__ __forceinline__ int tile_chunk(int r, int c) {
+  return (c / 8) * kBlockBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4);
+}
+
+// Query rows tok0..tok0+63 of one head (row stride `stride` halves) into a swizzled tile.
+// Rows >= T read as zeros.
 template <int D>
-__device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned short* src,
-                                          int tok0, int T, int stride) {
+__device__ __forceinline__ void load_q_tile(unsigned char* dst, const unsigned short* src,
+                                            int tok0, int T, int stride) {
+  constexpr int kChunks = D / 8;
+  static_assert(kTileQ * kChunks % kThreads == 0, "tile copy must split evenly");
+#pragma unroll
+  for (int i = 0; i < kTileQ * kChunks / kThreads; ++i) {
+    const int u = threadIdx.x + i * kThreads, row = u / kChunks, c = u % kChunks;
+    const int tok = tok0 + row;
+    const unsigned short* s = src + (long)(tok < T ? tok : 0) * stride + c * 8;
+    cp_async16(dst + tile_chunk(row, c), s, tok < T ? 16 : 0);
+  }
+}
+
+// Keys key0..key0+63 of kv head `head` from a layer's paged cache into a swizzled tile. Keys
+// >= n_keys read as zeros (their page-table entries are never read).
+template <int D>
+__device__ __forceinline__ void load_kv_tile(unsigned char* dst, const unsigned short* cache,
+                                             const int* __restrict__ pages, int head, int key0,
+                                             int n_keys) {
   constexpr int kChunks = D / 8;
   static_assert(kTileK * kChunks % kThreads == 0, "tile copy must split evenly");
 #pragma unroll
   for (int i = 0; i < kTileK * kChunks / kThreads; ++i) {
     const int u = threadIdx.x + i * kThreads, row = u / kChunks, c = u % kChunks;
-    const int tok = tok0 + row;
-    const unsigned short* s = src + (long)(tok < T ? tok : 0) * stride + c * 8;
-    cp_async16(dst + (c / 8) * kBlockBytes + row * 128 + (((c % 8) ^ (row & 7)) << 4), s,
-               tok < T ? 16 : 0);
+    const int key = key0 + row;
+    const bool live = key < n_keys;
+    const int page = live ? pages[key / kPageTokens] : 0;
+    const unsigned short* s = cache + kv_offset(page, head, key % kPageTokens, c * 8);
+    cp_async16(dst + tile_chunk(row, c), s, live ? 16 : 0);
   }
 }
 
@@ -77,12 +112,13 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned sho
 
 template <int D, int HQ, int HKV>
 __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
-    prefill_attention(const unsigned short* __restrict__ q, const unsigned short* __restrict__ k,
-                      const unsigned short* __restrict__ v, unsigned short* __restrict__ out,
-                      int T) {
+    prefill_attention(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc,
+                      const unsigned short* __restrict__ vc, const int* __restrict__ pages,
+                      unsigned short* __restrict__ out, int start, int T) {
   using namespace nanoqwen_prefill_attention;
   using L = Layout<D>;
   static_assert(HQ % HKV == 0, "query heads must be a multiple of KV heads (GQA)");
+  static_assert(D == kHeadDim && HKV == kKVHeads, "the cache layout is the model's");
   constexpr int kGroup = HQ / HKV;
   constexpr int kDSteps = D / 16;   // k16 steps of S = Q K^T
   constexpr int kKSteps = kTileK / 16;  // k16 steps of O += P V
@@ -100,16 +136,17 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   const int q_tile = gridDim.y - 1 - blockIdx.y;  // latest (longest) tiles first
   const int head = blockIdx.x, kv_head = head / kGroup;
   const int q0 = q_tile * kTileQ;
-  const unsigned short* k_head = k + kv_head * D;
-  const unsigned short* v_head = v + kv_head * D;
-  constexpr int kQStride = HQ * D, kKVStride = HKV * D;
+  const int n_keys = start + T;
+  constexpr int kQStride = HQ * D;
 
-  load_tile<D>(q_s, q + head * D, q0, T, kQStride);
-  load_tile<D>(k_s, k_head, 0, T, kKVStride);
-  load_tile<D>(v_s, v_head, 0, T, kKVStride);
+  load_q_tile<D>(q_s, q + head * D, q0, T, kQStride);
+  load_kv_tile<D>(k_s, kc, pages, kv_head, 0, n_keys);
+  load_kv_tile<D>(v_s, vc, pages, kv_head, 0, n_keys);
   cp_async_commit();
 
+  // This thread's two query rows (local to the new tokens) and their positions.
   const int row_a = q0 + warp * 16 + (lane >> 2), row_b = row_a + 8;
+  const int pos_a = start + row_a, pos_b = start + row_b;
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(D));
 
   float o[D / 2];
@@ -117,15 +154,19 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;
 
-  const int n_kv = q_tile + 1;  // causal: key tiles 0..q_tile
+  // Causal: key tiles up to the one holding the tile's last live position; masking from the
+  // first tile that reaches past the tile's first position.
+  const int n_kv = (start + min(q0 + kTileQ, T) - 1) / kTileK + 1;
+  const int first_masked = (start + q0) / kTileK;
   for (int kb = 0; kb < n_kv; ++kb) {
     const int buf = kb & 1;
     cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();  // tile kb landed and visible to wgmma; buffer buf ^ 1 no longer read
     if (kb + 1 < n_kv) {
-      load_tile<D>(k_s + (buf ^ 1) * L::kTileBytes, k_head, (kb + 1) * kTileK, T, kKVStride);
-      load_tile<D>(v_s + (buf ^ 1) * L::kTileBytes, v_head, (kb + 1) * kTileK, T, kKVStride);
+      const int key0 = (kb + 1) * kTileK;
+      load_kv_tile<D>(k_s + (buf ^ 1) * L::kTileBytes, kc, pages, kv_head, key0, n_keys);
+      load_kv_tile<D>(v_s + (buf ^ 1) * L::kTileBytes, vc, pages, kv_head, key0, n_keys);
     }
     cp_async_commit();
 
@@ -143,15 +184,16 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
     fence_acc(s);
 
     // Online softmax in the log2 domain, on the raw scores (the scale folded into the
-    // exponent); keys after the query are masked on the diagonal tile only.
-    if (kb == q_tile) {
+    // exponent); keys after the query's position are masked (only tiles >= first_masked hold
+    // any; keys >= n_keys are past every live row's position, so the mask covers them too).
+    if (kb >= first_masked) {
 #pragma unroll
       for (int j = 0; j < kTileK / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = kb * kTileK + j * 8 + 2 * t + e;
-          if (key > row_a) s[4 * j + e] = neg_inf();
-          if (key > row_b) s[4 * j + 2 + e] = neg_inf();
+          if (key > pos_a) s[4 * j + e] = neg_inf();
+          if (key > pos_b) s[4 * j + 2 + e] = neg_inf();
         }
       }
     }
