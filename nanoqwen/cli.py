@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 COMMANDS = (
@@ -47,7 +49,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_left() -> int:
+    """stdout's reader closed the pipe (`nanoqwen generate ... | head`): exit quietly.
+
+    As Python's signal docs advise ("Note on SIGPIPE"): catch BrokenPipeError and point stdout
+    at /dev/null, so the interpreter's final flush cannot raise it again. SIGPIPE stays ignored
+    (not SIG_DFL): `serve` would otherwise die whenever a client's socket closes mid-write.
+    The status is 128 + SIGPIPE = 141, what a shell reports for `cat` or `yes` ended by the
+    same pipe, so a `set -o pipefail` script reads nanoqwen as any Unix tool; it cannot be
+    mistaken for 1 (a check failed: bench, validate) or 2 (an error).
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _dispatch(argv)
+        finally:  # on any outcome: a closed pipe must show here, not in the exit-time flush
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_left()
+
+
+def _dispatch(argv: list[str] | None) -> int:
     from .errors import NanoqwenError
 
     args = build_parser().parse_args(argv)

@@ -72,10 +72,21 @@ def choose_backend(requested: str) -> tuple[str, str]:
     return ("cuda" if usable else "reference"), reason
 
 
+def context_size(requested: int | None, backend: str, config: ModelConfig) -> int:
+    """The positions a backend allocates: `requested` (checked against the model), else the
+    backend's default capped by the model's max_position_embeddings."""
+    if requested is None:
+        return min(DEFAULT_CONTEXT[backend], config.max_position_embeddings)
+    return check_max_context(requested, config)
+
+
 class LLM:
     """A loaded .nanoqwen model with its tokenizer, on one backend (batch 1)."""
 
-    def __init__(self, path: str | os.PathLike, backend: str = "auto", max_context=None):
+    def __init__(
+        self, path: str | os.PathLike, backend: str = "auto", max_context=None, progress=False
+    ):
+        """progress: show the reference backend's load progress (a bar per layer) on stderr."""
         from .fileformat import NanoqwenFile
 
         self.backend_name, self.backend_reason = choose_backend(backend)
@@ -84,18 +95,14 @@ class LLM:
         try:
             self.config: ModelConfig = self._file.config
             self.tokenizer = Tokenizer.from_file(self._file)
-            self.max_context = self._resolve_context(max_context)
+            self.max_context = context_size(max_context, self.backend_name, self.config)
+            self._progress = progress
             self._backend = self._open_backend()
         except BaseException:
             self._file.close()
             raise
         self._stop_ids = frozenset(self.tokenizer.eos_token_ids)
         self.model_name = str(self._file.metadata.get("model_name") or self.path.stem)
-
-    def _resolve_context(self, requested: int | None) -> int:
-        if requested is None:
-            return min(DEFAULT_CONTEXT[self.backend_name], self.config.max_position_embeddings)
-        return check_max_context(requested, self.config)
 
     def _open_backend(self):
         if self.backend_name == "cuda":
@@ -108,7 +115,7 @@ class LLM:
             return CudaBackend(self._file, max_context=self.max_context)
         from .reference import ReferenceBackend
 
-        return ReferenceBackend(self._file, max_context=self.max_context)
+        return ReferenceBackend(self._file, max_context=self.max_context, progress=self._progress)
 
     # Prompts -----------------------------------------------------------------------------
     def prepare(

@@ -95,10 +95,10 @@ def unpack_value_shuffle(words: np.ndarray) -> np.ndarray:
     if words.ndim != 2 or words.dtype != np.uint32:
         raise QuantError(f"unpack: expected uint32 [N, K/8], got {words.dtype} {words.shape}")
     n, kw = words.shape
-    nibbles = (words[:, :, None] >> LANE_SHIFTS) & 0xF  # [N, K/8, 8]
-    signed = nibbles.astype(np.int8)
-    signed[signed > 7] -= 16
-    return signed.reshape(n, kw * 8)
+    nibbles = ((words[:, :, None] >> LANE_SHIFTS) & 0xF).astype(np.int8)  # [N, K/8, 8]
+    # Two's complement of a nibble without a masked write (4x slower on a 1.5B's weights):
+    # flipping bit 3 then subtracting 8 maps 0..7 to 0..7 and 8..15 to -8..-1.
+    return ((nibbles ^ 8) - 8).reshape(n, kw * 8)
 
 
 def quantize_pack(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:

@@ -31,6 +31,16 @@ def tiny(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def torch_threads():
+    """open_llm sets torch's threads for the whole process: give the other tests theirs back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def run_cli(capsys, *argv: str, stdin: str | None = None, monkeypatch=None):
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
@@ -47,7 +57,7 @@ def test_generate_chat_streams_the_greedy_completion(tiny, capsys):
         capsys, "generate", str(tiny), "--chat", "hi", "--max-tokens", "6", "--backend", "reference"
     )
     assert rc == 0
-    assert "nanoqwen: backend reference (requested)" in err
+    assert "nanoqwen: backend reference (requested, " in err and "loaded in" in err
     assert "generated 6 tokens" in err and "tokens/s" in err and "finish length" in err
     with LLM(tiny, backend="reference") as llm:
         ids = llm.prepare(messages=[{"role": "user", "content": "hi"}])
@@ -156,6 +166,7 @@ def test_chat_survives_a_full_context_and_ends_at_eof(tiny, capsys, monkeypatch,
 @pytest.fixture
 def demo_cache(tiny, tmp_path, monkeypatch):
     """A cache whose "GGUF" is fetched already; pack_source copies the tiny model."""
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
     gguf = tmp_path / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     gguf.write_bytes(b"GGUF")
     packs: list[Path] = []
@@ -180,6 +191,53 @@ def test_demo_packs_once_then_reuses(demo_cache, capsys):
     packs[0].write_bytes(b"NANOQWEN but cut short")
     rc, _, err = run_cli(capsys, *argv)
     assert rc == 0 and len(packs) == 2 and "re-packing" in err
+
+
+def test_demo_without_a_gpu_runs_the_small_model_briefly_and_says_so(
+    demo_cache, capsys, monkeypatch
+):
+    cache, _ = demo_cache
+    monkeypatch.setattr("nanoqwen.llm._cuda_available", lambda: (False, "no sm_90 GPU found"))
+    fetched: list[tuple[str, str]] = []
+
+    def fetch_model(model):
+        fetched.append((model, capsys.readouterr().err))  # what stderr said before the download
+        return cache / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+    monkeypatch.setattr(fetch, "fetch_model", fetch_model)
+    rc, _, err = run_cli(capsys, "demo")
+    assert rc == 0 and [model for model, _ in fetched] == ["0.5b"]
+    said = fetched[0][1]
+    assert "no sm_90 GPU found" in said and "the 0.5B model on the CPU" in said
+    assert "at most 128 tokens" in said
+    assert re.search(r"generated (\d+) tokens", err)[1] == "128" and "finish length" in err
+
+
+@pytest.mark.parametrize(
+    "gpu, cached, argv, expected, says",
+    [
+        (True, [], [], ("1.5b", 256), False),
+        (False, [], [], ("0.5b", 128), True),
+        (False, ["1.5b"], [], ("1.5b", 128), True),  # no second download on a CPU
+        (False, ["1.5b", "0.5b"], [], ("0.5b", 128), True),
+        (False, [], ["--model", "1.5b", "--max-tokens", "7"], ("1.5b", 7), False),
+        (False, [], ["--max-tokens", "7"], ("0.5b", 7), True),
+    ],
+)
+def test_demo_plan(tmp_path, monkeypatch, capsys, gpu, cached, argv, expected, says):
+    from nanoqwen.cli import build_parser
+    from nanoqwen.commands import demo
+
+    monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
+    for model in cached:
+        (tmp_path / fetch.MODELS[model].filename).write_bytes(b"GGUF")
+    reason = "sm_90 GPU found" if gpu else "no sm_90 GPU found"
+    monkeypatch.setattr("nanoqwen.llm._cuda_available", lambda: (gpu, reason))
+    model, params = demo.plan(build_parser().parse_args(["demo", *argv]))
+    assert (model, params.max_tokens) == expected
+    err = capsys.readouterr().err
+    assert ("nanoqwen demo:" in err) == says
+    assert ("is in the cache already" in err) == (cached == ["1.5b"] and not argv)
 
 
 # fetch ----------------------------------------------------------------------------------------

@@ -4,21 +4,12 @@ the same run. --kernels adds a per-kernel table of one decode step, --plot draws
 latency by position, --baseline transformers times Hugging Face transformers (bf16, random
 weights of the same shapes) on the same GPU in the same run, after our engine is closed."""
 
-import argparse
 import sys
+
+from .argtypes import int_range
 
 HELP = "benchmark the CUDA engine (needs an sm_90 GPU)"
 BASELINES = ("transformers",)
-
-
-def _at_least(lo: int):
-    def parse(text: str) -> int:
-        v = int(text)
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
-        return v
-
-    return parse
 
 
 def add_arguments(p) -> None:
@@ -26,16 +17,16 @@ def add_arguments(p) -> None:
 
     protocol = load_protocol()["benchmark"]  # the defaults: config/nanoqwen.yaml
     p.add_argument("file", help=".nanoqwen model file")
-    p.add_argument("--prompt-len", type=_at_least(1), default=protocol["prompt_len"],
+    p.add_argument("--prompt-len", type=int_range(1), default=protocol["prompt_len"],
                    help="prompt tokens (random ids)")  # fmt: skip
-    p.add_argument("--gen-len", type=_at_least(2), default=protocol["gen_len"],
+    p.add_argument("--gen-len", type=int_range(2), default=protocol["gen_len"],
                    help="generated tokens per run")  # fmt: skip
-    p.add_argument("--warmup", type=_at_least(0), default=protocol["warmup"],
+    p.add_argument("--warmup", type=int_range(0), default=protocol["warmup"],
                    help="untimed runs first")  # fmt: skip
-    p.add_argument("--runs", type=_at_least(1), default=protocol["runs"], help="timed runs")
+    p.add_argument("--runs", type=int_range(1), default=protocol["runs"], help="timed runs")
     p.add_argument(
         "--max-context",
-        type=_at_least(1),
+        type=int_range(1),
         default=None,
         help="KV cache positions; default: prompt-len + gen-len rounded up to a 16-token page",
     )
@@ -47,7 +38,7 @@ def add_arguments(p) -> None:
         "(table: us, bytes, TB/s, share of the step; JSON key 'kernels')",
     )
     p.add_argument(
-        "--kernel-reps", type=_at_least(1), default=20, help="--kernels: launches per timing graph"
+        "--kernel-reps", type=int_range(1), default=20, help="--kernels: launches per timing graph"
     )
     p.add_argument(
         "--plot",
@@ -62,8 +53,8 @@ def add_arguments(p) -> None:
         help="also run this baseline (bf16, same shapes, same GPU) and print the "
         "ratio; skipped with a message when not importable",
     )
-    p.add_argument("--baseline-warmup", type=_at_least(0), default=1, help="untimed baseline runs")
-    p.add_argument("--baseline-runs", type=_at_least(1), default=3, help="timed baseline runs")
+    p.add_argument("--baseline-warmup", type=int_range(0), default=1, help="untimed baseline runs")
+    p.add_argument("--baseline-runs", type=int_range(1), default=3, help="timed baseline runs")
 
 
 def run(args) -> int:

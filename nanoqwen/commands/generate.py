@@ -9,8 +9,12 @@ stdout holds only the generated text.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
+from pathlib import Path
+
+from .argtypes import int_range
 
 HELP = "generate a completion (raw prompt, one chat message, or fill-in-the-middle)"
 
@@ -45,6 +49,13 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="context positions to allocate; None = 4096 on reference, 32768 on cuda",
     )
+    p.add_argument(
+        "--threads",
+        type=int_range(1),
+        default=None,
+        help="torch threads of the reference backend; None = $OMP_NUM_THREADS if set, else "
+        "the physical cores - 1 (at least 1): a thread that shares its core stalls every op",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,12 +82,55 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
-def open_llm(path, args: argparse.Namespace):
-    """Load the model on the requested backend and say on stderr which one it got."""
-    from ..llm import LLM
+def require_packed(path) -> None:
+    """Refuse what `nanoqwen pack` converts (a GGUF file, a Hugging Face checkpoint directory
+    or one of its .safetensors files), naming the command that packs it."""
+    from ..errors import NanoqwenError
 
-    llm = LLM(path, backend=args.backend, max_context=args.max_context)
-    print(f"nanoqwen: backend {llm.backend_name} ({llm.backend_reason})", file=sys.stderr)
+    given = Path(path)
+    if given.suffix.lower() == ".gguf":
+        kind, source = "a GGUF file", given
+        out = given.with_suffix(".nanoqwen")
+    elif given.suffix.lower() == ".safetensors" or given.is_dir():
+        kind = "a directory" if given.is_dir() else "a safetensors file"
+        source = given.resolve() if given.is_dir() else given.resolve().parent
+        out = source.with_name(source.name + ".nanoqwen")
+    else:
+        return
+    done = f" ({out} exists already: pass that)" if out.exists() else ""
+    raise NanoqwenError(
+        f"{given} is {kind}, not a .nanoqwen model: pack it first: nanoqwen pack "
+        f"{shlex.quote(str(source))} -o {shlex.quote(str(out))}{done}"
+    )
+
+
+def open_llm(path, args: argparse.Namespace, max_tokens: int | None = None):
+    """Load the model, saying on stderr which backend (and how many threads) it gets, with a
+    load progress bar when stderr is a terminal. A `max_tokens` that leaves no room for a
+    prompt in the context fails before the load (it reads only the file's header)."""
+    from ..backend import check_fits
+    from ..errors import NanoqwenError
+    from ..fileformat import NanoqwenFile
+    from ..llm import LLM, choose_backend, context_size
+
+    require_packed(path)
+    backend, reason = choose_backend(args.backend)
+    if max_tokens is not None:
+        with NanoqwenFile(path) as f:
+            check_fits(1, max_tokens, context_size(args.max_context, backend, f.config))
+    if backend == "reference":
+        try:
+            from ..reference import set_threads
+        except ImportError as exc:
+            raise NanoqwenError(
+                f"the reference backend needs PyTorch ({exc}): pip install 'nanoqwen[reference]'"
+            ) from None
+        threads = set_threads(args.threads)
+        reason += f", {threads} torch thread{'s' * (threads > 1)}"
+    print(f"nanoqwen: backend {backend} ({reason}); loading {path}", file=sys.stderr)
+    start = time.perf_counter()
+    llm = LLM(path, backend=backend, max_context=args.max_context, progress=sys.stderr.isatty())
+    print(f"nanoqwen: loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return llm
 
 
@@ -128,7 +182,7 @@ def _check_combinations(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     _check_combinations(args)
     params = sampling_params(args)
-    with open_llm(args.file, args) as llm:
+    with open_llm(args.file, args, params.max_tokens) as llm:
         ids = _prompt_ids(llm, args)
         stream_to_stdout(llm, ids, params)
     return 0

@@ -11,6 +11,8 @@ import json
 from collections import defaultdict
 from typing import Any
 
+from .argtypes import int_range
+
 HELP = "describe a .nanoqwen file (config, quant, tokenizer, tensors); --verify checksums"
 
 
@@ -30,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--largest",
-        type=int,
+        type=int_range(0),
         default=5,
         help="how many of the largest tensors to list in the text output",
     )

@@ -21,8 +21,10 @@ import argparse
 import copy
 import os
 import re
+import socket
 import sys
 
+from .argtypes import int_range, port
 from .generate import add_backend_arguments, open_llm
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
@@ -40,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="address to bind; 0.0.0.0 exposes the server to the network (use --api-key)",
     )
-    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--port", type=port, default=8000, help="TCP port to listen on (1..65535)")
     p.add_argument(
         "--api-key",
         default=None,
@@ -50,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-queue",
-        type=int,
+        type=int_range(1),
         default=16,
         help="requests that may wait behind the running one; more get 429",
     )
@@ -123,7 +125,30 @@ def _log_config(level: str) -> dict:
     return config
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket on host:port, before the model loads: a port in use, a privileged
+    port or an unknown host fails in a second, not after the load. Connections that arrive
+    while the model loads wait in the backlog and are answered once it is up."""
+    from ..errors import NanoqwenError
+
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise NanoqwenError(f"cannot resolve --host {host}: {exc.strerror}") from None
+    try:
+        return socket.create_server(address, family=family)  # SO_REUSEADDR, as uvicorn binds
+    except OSError as exc:
+        raise NanoqwenError(
+            f"cannot listen on {host}:{port}: {os.strerror(exc.errno)}; choose another --port"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    with listen(args.host, args.port) as sock:
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from ..server import Worker, create_app
@@ -142,8 +167,6 @@ def run(args: argparse.Namespace) -> int:
         )
         config = uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
             log_level=args.log_level,
             log_config=_log_config(args.log_level),
             access_log=False,  # RequestTelemetry logs each request, with more in the line
@@ -160,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
             f"http://{args.host}:{args.port}/v1{key_note}",
             file=sys.stderr,
         )
-        server.run()  # returns after a drain on SIGTERM / Ctrl-C (or a fatal engine error)
+        server.run(sockets=[sock])  # returns after a drain on SIGTERM / Ctrl-C (or a fatal error)
     finally:
         worker.stop()
         llm.close()

@@ -2,6 +2,8 @@
 kernel vs numpy on awkward sizes), layer (one decoder block vs the reference), graph (prompts
 end to end vs the reference). Exits non-zero if any check fails."""
 
+from .argtypes import int_range
+
 HELP = "validate the CUDA kernels and engine against the reference"
 
 
@@ -11,13 +13,13 @@ def add_arguments(p) -> None:
                    help="which rung(s) of the ladder")  # fmt: skip
     p.add_argument(
         "--prompts",
-        type=int,
+        type=int_range(1),
         default=None,
         help="graph tier prompts; None = the count in config/nanoqwen.yaml",
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=int_range(0),
         default=None,
         help="seed of the random inputs; None = fresh inputs each run",
     )
