@@ -30,11 +30,14 @@ BACKENDS = ("auto", "cuda", "reference")
 
 @dataclass(frozen=True)
 class Delta:
-    """A piece of a streamed completion. The last one has finish_reason "stop" or "length"."""
+    """A piece of a streamed completion. The last one has finish_reason "stop" or "length".
+    The first one carries `cached_tokens`: the prompt's tokens whose K/V came from the prefix
+    cache (0 on every other delta, so summing over deltas counts them once)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    cached_tokens: int = 0  # of prompt_tokens, served from the prefix cache
 
 
 def _cuda_available() -> tuple[bool, str]:
@@ -169,15 +173,16 @@ class LLM:
 
         try:
             for count, token in enumerate(tokens, start=1):
+                cached = self._backend.cached_tokens if count == 1 else 0
                 if token in self._stop_ids:  # EOS: ends the text, adds none
-                    yield Delta(flush("")[0], (token,), "stop")
+                    yield Delta(flush("")[0], (token,), "stop", cached)
                     return
                 text, stopped = matcher.feed(detok.feed([token]))
                 if not stopped and count == max_tokens:
                     text, stopped = flush(text)
-                    yield Delta(text, (token,), "stop" if stopped else "length")
+                    yield Delta(text, (token,), "stop" if stopped else "length", cached)
                     return
-                yield Delta(text, (token,), "stop" if stopped else None)
+                yield Delta(text, (token,), "stop" if stopped else None, cached)
                 if stopped:
                     return
             yield Delta(flush("")[0], (), "length")  # a backend that ended early on its own
@@ -188,17 +193,24 @@ class LLM:
         """The whole completion at once (same stopping rules as `stream`)."""
         text: list[str] = []
         token_ids: list[int] = []
-        finish = "length"
+        finish, cached = "length", 0
         for delta in self.stream(ids, params):
             text.append(delta.text)
             token_ids += delta.token_ids
             finish = delta.finish_reason or finish
-        return Completion("".join(text), tuple(token_ids), len(ids), len(token_ids), finish)
+            cached += delta.cached_tokens
+        return Completion("".join(text), tuple(token_ids), len(ids), len(token_ids), finish,
+                          cached)  # fmt: skip
 
     # Lifetime ----------------------------------------------------------------------------
     @property
     def kv_pages_in_use(self) -> int:
         return 0 if self._backend is None else self._backend.kv_pages_in_use
+
+    @property
+    def kv_stats(self):
+        """The KV pool and the prefix cache (nanoqwen.kv_pages.KVStats), or None when closed."""
+        return None if self._backend is None else self._backend.kv_stats
 
     def _require_open(self) -> None:
         if self._backend is None:

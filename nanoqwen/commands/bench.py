@@ -2,7 +2,11 @@
 token), inter-token latency, tokens/s, achieved TB/s against a device-to-device copy measured in
 the same run. --kernels adds a per-kernel table of one decode step, --plot draws inter-token
 latency by position, --baseline transformers times Hugging Face transformers (bf16, random
-weights of the same shapes) on the same GPU in the same run, after our engine is closed."""
+weights of the same shapes) on the same GPU in the same run, after our engine is closed.
+
+--workload prefix: the prefix cache's case (an editor resending a file, a chat its
+conversation): TTFT of a --prompt-len prefix + --new-len new tokens with the prefix cached by
+the request before, against the same request cold, and whether both give the same tokens."""
 
 import sys
 
@@ -10,6 +14,7 @@ from .argtypes import int_range
 
 HELP = "benchmark the CUDA engine (needs an sm_90 GPU)"
 BASELINES = ("transformers",)
+WORKLOADS = ("e2e", "prefix")
 
 
 def add_arguments(p) -> None:
@@ -17,6 +22,10 @@ def add_arguments(p) -> None:
 
     protocol = load_protocol()["benchmark"]  # the defaults: config/nanoqwen.yaml
     p.add_argument("file", help=".nanoqwen model file")
+    p.add_argument("--workload", choices=WORKLOADS, default="e2e",
+                   help="e2e: benchmark_e2e; prefix: warm against cold TTFT")  # fmt: skip
+    p.add_argument("--new-len", type=int_range(1), default=64,
+                   help="prefix workload: new tokens after the --prompt-len prefix")  # fmt: skip
     p.add_argument("--prompt-len", type=int_range(1), default=protocol["prompt_len"],
                    help="prompt tokens (random ids)")  # fmt: skip
     p.add_argument("--gen-len", type=int_range(2), default=protocol["gen_len"],
@@ -71,6 +80,8 @@ def run(args) -> int:
         save,
     )
 
+    if args.workload == "prefix":
+        return _prefix(args)
     if args.plot:
         require_matplotlib()  # before minutes of benchmarking, not after
     with NanoqwenFile(args.file) as f:
@@ -105,3 +116,27 @@ def run(args) -> int:
     if args.json:
         save(res, args.json)
     return rc
+
+
+def _prefix(args) -> int:
+    from ..engine import CudaBackend
+    from ..errors import NanoqwenError
+    from ..fileformat import NanoqwenFile
+    from ..harness.bench import default_max_context, print_prefix_result, run_prefix_bench, save
+
+    if args.kernels or args.plot or args.baseline:
+        raise NanoqwenError("--kernels, --plot and --baseline belong to the e2e workload")
+    with NanoqwenFile(args.file) as f:
+        max_context = args.max_context or default_max_context(
+            args.prompt_len + args.new_len, args.gen_len, f.config.max_position_embeddings
+        )
+        engine = CudaBackend(f, max_context=max_context)
+        try:
+            res = run_prefix_bench(engine, args.prompt_len, args.new_len, args.gen_len,
+                                   args.warmup, args.runs)  # fmt: skip
+        finally:
+            engine.close()
+    print_prefix_result(res)
+    if args.json:
+        save(res, args.json)
+    return 0 if res["identical_tokens"] else 1

@@ -132,12 +132,21 @@ def listen(host: str, port: int) -> socket.socket:
     from ..errors import NanoqwenError
 
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise NanoqwenError(f"cannot resolve --host {host}: {exc.strerror}") from None
+    # The protocol number matters: asyncio sets TCP_NODELAY only on accepted sockets whose proto
+    # is IPPROTO_TCP, and socket.create_server's is 0. Without it Nagle holds back every small
+    # write (an SSE chunk, a response body after its headers) until the client's delayed ACK,
+    # tens of milliseconds.
+    sock = socket.socket(family, kind, proto)
     try:
-        return socket.create_server(address, family=family)  # SO_REUSEADDR, as uvicorn binds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+        sock.listen()
+        return sock
     except OSError as exc:
+        sock.close()
         raise NanoqwenError(
             f"cannot listen on {host}:{port}: {os.strerror(exc.errno)}; choose another --port"
         ) from None

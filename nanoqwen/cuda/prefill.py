@@ -26,6 +26,11 @@ from .device import Gpu
 from .launcher import Launcher
 
 _MAX_MAPS = 512  # TMA descriptors kept (each 128 bytes): prompt buffers x shapes x weights
+# Attention's key splits (prefill_attention.cu): when the (head, query tile) CTAs would not
+# fill two an SM, each one's key tiles are cut into ranges of at least SPLIT_MIN_TILES, up to
+# two CTAs an SM in all (SPLIT_CTAS_PER_SM: the partials buffer's bound).
+SPLIT_MIN_TILES = 16  # 1024 keys: shorter loops gain less than the merge launch costs
+SPLIT_CTAS_PER_SM = 3
 
 
 def _ptr(x) -> int:
@@ -68,6 +73,11 @@ class PrefillKernels(Launcher):
         self._parts = gpu.alloc(n * 256 * tokens // 2 * 4, "prefill parts")
         self._flags = gpu.alloc(n * 4, "prefill part flags")
         gpu.memset(self._flags.ptr, 0, n * 4)
+        # Attention's key-split partials: at most SPLIT_CTAS_PER_SM CTAs an SM of 64 query
+        # rows, each row D fp32 sums and (m, l).
+        rows = SPLIT_CTAS_PER_SM * n * geometry.prefill_attn_tile
+        self._part_o = gpu.alloc(rows * config.head_dim * 4, "prefill attention partials")
+        self._part_ml = gpu.alloc(rows * 2 * 4, "prefill attention partial (m, l)")
 
     # -- GEMM ---------------------------------------------------------------------------------
     def pick_gemm(self, M: int, swiglu: bool = False) -> registry.KernelSpec:
@@ -169,7 +179,28 @@ class PrefillKernels(Launcher):
         ptrs = [_ptr(x) for x in (q, kc, vc, pages, out)]
         if any(p % 16 for p in ptrs):
             raise ValueError(f"prefill attention: pointers must be 16-byte aligned, got {ptrs}")
-        grid = (self.config.num_heads, -(-T // self.geometry.prefill_attn_tile), 1)
+        tile, heads = self.geometry.prefill_attn_tile, self.config.num_heads
+        ctas = heads * -(-T // tile)
+        Z = self.splits(start, T)
+        part = (self._part_o.ptr, self._part_ml.ptr)
         with self.gpu.guard("prefill attention"):
-            self.launch("prefill_attention", grid, *ptrs, np.int32(start), np.int32(T),
-                        stream=stream, label="prefill attention")  # fmt: skip
+            self.launch("prefill_attention", (heads, ctas // heads, Z), *ptrs, *part,
+                        np.int32(start), np.int32(T), stream=stream,
+                        label="prefill attention")  # fmt: skip
+            if Z > 1:
+                warps = self.geometry.prefill_merge_threads // 32
+                self.launch("prefill_attention_merge", (-(-T * heads // warps), 1, 1), *part,
+                            ptrs[4], np.int32(T), np.int32(Z), stream=stream,
+                            label="prefill attention merge")  # fmt: skip
+
+    def splits(self, start: int, T: int) -> int:
+        """Key splits of one attention launch (Z; prefill_attention.cu): 1 when the (head,
+        query tile) CTAs fill two an SM; else as many as fill them, each range at least
+        SPLIT_MIN_TILES key tiles, within the partials buffer."""
+        tile, n = self.geometry.prefill_attn_tile, self.gpu.num_sms
+        ctas = self.config.num_heads * -(-T // tile)
+        if ctas >= 2 * n:
+            return 1
+        key_tiles = -(-(start + T) // tile)
+        return max(1, min(-(-2 * n // ctas), key_tiles // SPLIT_MIN_TILES,
+                          SPLIT_CTAS_PER_SM * n // ctas))  # fmt: skip

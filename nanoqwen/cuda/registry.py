@@ -104,12 +104,14 @@ class Geometry:
     # drains to reconfigure between overlapping (PDL) kernels.
     smem_carveout: int = 100  # host only
     # prefill_gemm_wgmma.cu (K per k-tile, weight rows a CTA, threads) and
-    # prefill_attention.cu (query rows a CTA = keys a K/V tile, threads).
+    # prefill_attention.cu (query rows a CTA = keys a K/V tile, threads; the split merge's
+    # threads, a warp a (row, head)).
     prefill_k_tile: int = 64
     prefill_rows: int = 128
     prefill_threads: int = 384
     prefill_attn_tile: int = 64
     prefill_attn_threads: int = 128
+    prefill_merge_threads: int = 256
 
     @property
     def gv_threads(self) -> int:
@@ -299,7 +301,8 @@ def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[K
 def prefill_specs(
     config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY, tiles: tuple = GEMM_TILES
 ) -> tuple[KernelSpec, ...]:
-    """The prefill's tensor-core kernels: one GEMM spec per tile, then attention."""
+    """The prefill's tensor-core kernels: one GEMM spec per tile, then attention and the merge
+    of its key splits."""
     gemms = tuple(
         KernelSpec(f"gemm_{t.tokens}x{t.stages}{'_swiglu' if t.swiglu else ''}", PREFILL_GEMM,
                    "prefill_gemm_wgmma", g.prefill_threads, gemm_smem_bytes(t, g),
@@ -311,9 +314,14 @@ def prefill_specs(
         "prefill_attention", PREFILL_ATTENTION, "prefill_attention", g.prefill_attn_threads,
         prefill_attention_smem_bytes(config.head_dim, g),
         targs=(config.head_dim, config.num_heads, config.num_kv_heads),
-        tunables=("kPrefillAttnTile", "kPrefillAttnThreads"),
+        tunables=("kPrefillAttnTile", "kPrefillAttnThreads", "kPrefillMergeThreads"),
     )  # fmt: skip
-    return (*gemms, attention)
+    merge = KernelSpec(
+        "prefill_attention_merge", PREFILL_ATTENTION, "prefill_attention_merge",
+        g.prefill_merge_threads, 0, targs=(config.head_dim, config.num_heads),
+        tunables=("kPrefillAttnTile", "kPrefillMergeThreads"),
+    )  # fmt: skip
+    return (*gemms, attention, merge)
 
 
 def kernel_table(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:

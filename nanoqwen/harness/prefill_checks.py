@@ -37,9 +37,11 @@ from ..quant import LANE_SHIFTS, dequantize_packed
 
 GEMM_M = (1, 3, 17, 128, 511, 512, 513)  # one row, odd counts, whole tiles and one either side
 # (start, T): whole prompts of one token, odd lengths, part tiles (64 rows); then new tokens
-# after a cached prefix that ends on a page, mid-tile, on a tile, and one token after 4000.
+# after a cached prefix that ends on a page, mid-tile, on a tile; then prefixes long enough for
+# key splits (PrefillKernels.splits > 1 on every model: the partials and their merge).
 ATTN_CASES = tuple((0, t) for t in (1, 15, 16, 17, 100, 512, 1000)) + (
-    (16, 1), (37, 1), (37, 64), (64, 100), (100, 200), (1000, 65), (4000, 1),
+    (16, 1), (37, 1), (37, 64), (64, 100), (100, 200), (1000, 65), (2000, 100), (4000, 1),
+    (8190, 64),
 )  # fmt: skip
 GEMM_REL_TOL = 2e-3  # fp16 output rounding (2^-11) with room for fp32 summation order
 GUARD_ROWS = 256  # poisoned rows past M after every GEMM output (must stay untouched)
@@ -229,14 +231,15 @@ def check_attention(configs, gen: torch.Generator, log: Log = print):
             out = torch.full_like(q, float("nan"))
             torch.cuda.synchronize()
             pk.attention(q, kc, vc, table, out, start, t)
-            wait_or_die(pk.gpu, f"prefill attention {cfg.name} start={start} T={t}")
+            wait_or_die(pk.gpu, f"prefill attention {cfg.name} start={start} T={t} "
+                        f"splits={pk.splits(start, t)}")  # fmt: skip
             err = (out.float() - attention_reference(q, k, v)).abs().max().item()
             ok = bool(torch.isfinite(out).all().item()) and err <= ATTN_ABS_TOL
             worst = max(worst, err)
             ok_all &= ok
             if not ok:
-                log(f"ATTN FAIL {cfg.name} {hq}:{hkv} D={d} start={start} T={t}: max err "
-                    f"{err:.3g}")  # fmt: skip
+                log(f"ATTN FAIL {cfg.name} {hq}:{hkv} D={d} start={start} T={t} splits="
+                    f"{pk.splits(start, t)}: max err {err:.3g}")  # fmt: skip
     log(f"attention correctness: {'pass' if ok_all else 'FAIL'}; worst max abs err {worst:.2e} "
         f"(tol {ATTN_ABS_TOL})")  # fmt: skip
     return ok_all, worst

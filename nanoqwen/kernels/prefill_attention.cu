@@ -30,6 +30,16 @@
 // byte offset 8 KB (the next 64 head dims) and the stride byte offset 1024 (the next 8 keys);
 // the reverse reads garbage.
 //
+// Splits along the keys (grid z = Z > 1): a few new tokens after a long cached prefix make few
+// CTAs (T = 64 after 8k: 28 on the 7B, one per head) each with a long key loop, so the host
+// cuts every (head, query tile)'s key tiles into Z even ranges, one a CTA. Such a CTA writes
+// its unnormalized partial O, running max m (raw-score units) and row sum l to part_o / part_ml
+// and prefill_attention_merge combines the Z partials of each (row, head):
+// out = sum_z 2^((m_z - M) c) O_z / sum_z 2^((m_z - M) c) l_z with M = max_z m_z and c the
+// log2-domain scale. A range can hold no key at or before some of its rows' positions (those
+// rows keep m = -inf, l = 0, O = 0: the softmax update below guards its exponents); the range
+// holding key tile 0 has key 0 for every row, so M is finite.
+//
 // On the 7B shapes a launch at T = 8192 takes ~1.07 ms (449 TFLOP/s; dev/prefill_check.py).
 //
 // K/V tiles come straight from the paged cache (kv_cache.cuh): a 64-key tile is four pages'
@@ -42,9 +52,11 @@
 //   kc, vc fp16             this layer's K and V caches (kv_cache.cuh), positions
 //                           0 .. start + T - 1 written
 //   pages  int32            the sequence's page table (logical page -> physical page)
-//   out    fp16 [T, HQ, D]  may not alias q
+//   out    fp16 [T, HQ, D]  may not alias q (written when Z = 1)
+//   part_o  fp32 [Z, HQ, R, D], part_ml fp32 [Z, HQ, R, 2] with R = 64 ceil(T / 64): the
+//           partials when Z > 1 (unused, may be null, when Z = 1)
 //   start >= 0 cached positions before the new tokens; T >= 1 new tokens.
-// Grid (HQ, ceil(T / 64)), 128 threads, dynamic shared memory Layout<D>::kSmemBytes.
+// Grid (HQ, ceil(T / 64), Z), 128 threads, dynamic shared memory Layout<D>::kSmemBytes.
 
 #include "common.cuh"
 #include "kv_cache.cuh"
@@ -114,7 +126,8 @@ template <int D, int HQ, int HKV>
 __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
     prefill_attention(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc,
                       const unsigned short* __restrict__ vc, const int* __restrict__ pages,
-                      unsigned short* __restrict__ out, int start, int T) {
+                      unsigned short* __restrict__ out, float* __restrict__ part_o,
+                      float* __restrict__ part_ml, int start, int T) {
   using namespace nanoqwen_prefill_attention;
   using L = Layout<D>;
   static_assert(HQ % HKV == 0, "query heads must be a multiple of KV heads (GQA)");
@@ -139,9 +152,17 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   const int n_keys = start + T;
   constexpr int kQStride = HQ * D;
 
+  // Causal: key tiles up to the one holding the tile's last live position; masking from the
+  // first tile that reaches past the tile's first position. This CTA's split: [kb0, kb1).
+  const int n_kv = (start + min(q0 + kTileQ, T) - 1) / kTileK + 1;
+  const int first_masked = (start + q0) / kTileK;
+  const int kb0 = blockIdx.z * n_kv / gridDim.z, kb1 = (blockIdx.z + 1) * n_kv / gridDim.z;
+
   load_q_tile<D>(q_s, q + head * D, q0, T, kQStride);
-  load_kv_tile<D>(k_s, kc, pages, kv_head, 0, n_keys);
-  load_kv_tile<D>(v_s, vc, pages, kv_head, 0, n_keys);
+  if (kb0 < kb1) {
+    load_kv_tile<D>(k_s, kc, pages, kv_head, kb0 * kTileK, n_keys);
+    load_kv_tile<D>(v_s, vc, pages, kv_head, kb0 * kTileK, n_keys);
+  }
   cp_async_commit();
 
   // This thread's two query rows (local to the new tokens) and their positions.
@@ -154,16 +175,12 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
   float m_a = neg_inf(), m_b = neg_inf(), l_a = 0.f, l_b = 0.f;
 
-  // Causal: key tiles up to the one holding the tile's last live position; masking from the
-  // first tile that reaches past the tile's first position.
-  const int n_kv = (start + min(q0 + kTileQ, T) - 1) / kTileK + 1;
-  const int first_masked = (start + q0) / kTileK;
-  for (int kb = 0; kb < n_kv; ++kb) {
-    const int buf = kb & 1;
+  for (int kb = kb0; kb < kb1; ++kb) {
+    const int buf = (kb - kb0) & 1;
     cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();  // tile kb landed and visible to wgmma; buffer buf ^ 1 no longer read
-    if (kb + 1 < n_kv) {
+    if (kb + 1 < kb1) {
       const int key0 = (kb + 1) * kTileK;
       load_kv_tile<D>(k_s + (buf ^ 1) * L::kTileBytes, kc, pages, kv_head, key0, n_keys);
       load_kv_tile<D>(v_s + (buf ^ 1) * L::kTileBytes, vc, pages, kv_head, key0, n_keys);
@@ -208,12 +225,14 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
       mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, off));
       mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, off));
     }
-    // Every row has key 0 <= its own position unmasked, so mx_* is finite from tile 0 on.
-    const float alpha_a = fast_exp2((m_a - mx_a) * scale_log2);
-    const float alpha_b = fast_exp2((m_b - mx_b) * scale_log2);
+    // A row whose keys so far are all masked (only in a split that starts past its position)
+    // keeps m = -inf: its exponents take 0 for the max, so they give 0, not NaN.
+    const float safe_a = mx_a == neg_inf() ? 0.f : mx_a, safe_b = mx_b == neg_inf() ? 0.f : mx_b;
+    const float alpha_a = fast_exp2((m_a - safe_a) * scale_log2);
+    const float alpha_b = fast_exp2((m_b - safe_b) * scale_log2);
     m_a = mx_a;
     m_b = mx_b;
-    const float base_a = -mx_a * scale_log2, base_b = -mx_b * scale_log2;
+    const float base_a = -safe_a * scale_log2, base_b = -safe_b * scale_log2;
     l_a *= alpha_a;
     l_b *= alpha_b;
 #pragma unroll
@@ -253,6 +272,25 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
     l_a += __shfl_xor_sync(0xffffffffu, l_a, off);
     l_b += __shfl_xor_sync(0xffffffffu, l_b, off);
   }
+  if (gridDim.z > 1) {  // this split's partial: O unnormalized, (m, l) once a row (lane t 0)
+    const long rows = (long)gridDim.y * kTileQ;
+    const long base = ((long)blockIdx.z * HQ + head) * rows;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const int col = n * 8 + 2 * t;
+      if (row_a < T)
+        *reinterpret_cast<float2*>(part_o + (base + row_a) * D + col) =
+            make_float2(o[4 * n], o[4 * n + 1]);
+      if (row_b < T)
+        *reinterpret_cast<float2*>(part_o + (base + row_b) * D + col) =
+            make_float2(o[4 * n + 2], o[4 * n + 3]);
+    }
+    if (t == 0 && row_a < T)
+      *reinterpret_cast<float2*>(part_ml + (base + row_a) * 2) = make_float2(m_a, l_a);
+    if (t == 0 && row_b < T)
+      *reinterpret_cast<float2*>(part_ml + (base + row_b) * 2) = make_float2(m_b, l_b);
+    return;
+  }
   const float inv_a = 1.f / l_a, inv_b = 1.f / l_b;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
@@ -264,5 +302,47 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
       *reinterpret_cast<unsigned*>(out + (long)row_b * kQStride + col) =
           pack_half2(o[4 * n + 2] * inv_b, o[4 * n + 3] * inv_b);
   }
+}
+
+// The Z split partials of prefill_attention -> out fp16 [T, HQ, D] (formula above). One warp a
+// (row, head): lane j takes columns 2j, 2j + 1, 2j + 64, ... Grid ceil(T HQ / warps), block
+// kPrefillMergeThreads.
+template <int D, int HQ>
+__global__ void __launch_bounds__(kPrefillMergeThreads)
+    prefill_attention_merge(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                            unsigned short* __restrict__ out, int T, int Z) {
+  using namespace nanoqwen_prefill_attention;
+  static_assert(D % 64 == 0, "a lane takes whole float2 pairs");
+  pdl_wait();
+  pdl_trigger();
+  constexpr int warps = kPrefillMergeThreads / 32;
+  const int lane = threadIdx.x & 31;
+  const int item = blockIdx.x * warps + (threadIdx.x >> 5);
+  if (item >= T * HQ) return;
+  const int row = item / HQ, head = item % HQ;
+  const long rows = (long)((T + kTileQ - 1) / kTileQ) * kTileQ;
+  const float scale_log2 = kLog2e / sqrtf(static_cast<float>(D));
+  float mx = neg_inf();
+  for (int z = 0; z < Z; ++z) mx = fmaxf(mx, part_ml[((z * HQ + head) * rows + row) * 2]);
+  float acc[D / 32], l = 0.f;
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) acc[i] = 0.f;
+  for (int z = 0; z < Z; ++z) {
+    const long at = (z * HQ + head) * rows + row;
+    const float2 ml = *reinterpret_cast<const float2*>(part_ml + at * 2);
+    const float w = ml.x == neg_inf() ? 0.f : fast_exp2((ml.x - mx) * scale_log2);
+    l += w * ml.y;
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) {
+      const float2 v = *reinterpret_cast<const float2*>(part_o + at * D + 64 * i + 2 * lane);
+      acc[2 * i] += w * v.x;
+      acc[2 * i + 1] += w * v.y;
+    }
+  }
+  const float inv = 1.f / l;
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i)
+    *reinterpret_cast<unsigned*>(out + ((long)row * HQ + head) * D + 64 * i + 2 * lane) =
+        pack_half2(acc[2 * i] * inv, acc[2 * i + 1] * inv);
 }
 
