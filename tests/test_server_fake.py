@@ -41,7 +41,7 @@ class FakeLLM:
         self.seen: list[tuple[dict, SamplingParams]] = []  # (prepare's arguments, params)
         self._prompt: dict = {}
 
-    def prepare(self, prompt=None, *, messages=None, fim=None) -> list[int]:
+    def prepare(self, prompt=None, *, messages=None, fim=None, special_tokens="parse") -> list[int]:
         self._prompt = {"prompt": prompt, "messages": messages, "fim": fim}
         return [1, 2, 3]
 
