@@ -6,8 +6,9 @@
         print(delta.text, end="", flush=True)
 
 The front end owns everything around the token ids: the tokenizer and chat template
-(`prepare`), the context check, detokenization that never splits a UTF-8 sequence, and stop
-strings (text that might start one is held back). A backend only turns prompt ids into
+(`prepare`, which stops tokenizing once a prompt cannot fit the context), the context check,
+detokenization that never splits a UTF-8 sequence, and stop strings (text that might start one
+is held back). A backend only turns prompt ids into
 generated ids (nanoqwen/backend.py). Generation stops on the tokenizer's EOS ids ("stop"),
 on a user stop string ("stop"), or after `max_tokens` ("length").
 """
@@ -17,15 +18,19 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
-from .backend import DEFAULT_CONTEXT, check_fits, check_max_context
+from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
 from .config import ModelConfig
 from .errors import ContextError, NanoqwenError
 from .sampling import SamplingParams
-from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer, TooManyTokens
 
 BACKENDS = ("auto", "cuda", "reference")
+# How a raw prompt's special-token text is encoded: "parse" makes `<|fim_prefix|>` etc. the
+# control tokens (as vLLM and llama.cpp do), "text" keeps it as text (nanoqwen/tokenizer.py).
+SPECIAL_TOKENS = ("parse", "text")
 
 
 @dataclass(frozen=True)
@@ -124,23 +129,51 @@ class LLM:
     # Prompts -----------------------------------------------------------------------------
     def prepare(
         self,
-        prompt: str | None = None,
+        prompt: str | Sequence[int] | None = None,
         *,
         messages: Sequence[dict[str, str]] | None = None,
         fim: tuple[str, str] | None = None,
+        special_tokens: str = "parse",
     ) -> list[int]:
-        """Prompt token ids from exactly one of: a raw prompt, chat messages, (prefix, suffix)."""
+        """Prompt token ids from exactly one of: a raw prompt (text, or token ids checked
+        against the vocabulary), chat messages, (prefix, suffix).
+
+        `special_tokens` (SPECIAL_TOKENS) says how a raw text prompt's special-token text is
+        encoded; message contents and FIM prefix/suffix always stay text. A prompt that
+        cannot fit the context with one token to generate is a TooManyTokens (ContextError),
+        raised once tokenization passes max_context - 1 ids (the rest is never encoded).
+        """
         given = [x is not None for x in (prompt, messages, fim)]
         if sum(given) != 1:
             raise NanoqwenError("prepare() takes exactly one of prompt=, messages=, fim=")
-        if prompt is not None:
-            ids = self.tokenizer.encode(prompt)
-        elif messages is not None:
-            ids = self.tokenizer.encode_chat(list(messages))
-        else:
-            if not (isinstance(fim, tuple | list) and len(fim) == 2):
-                raise NanoqwenError("fim= must be a (prefix, suffix) pair of strings")
-            ids = self.tokenizer.fim_prompt(*fim)
+        if special_tokens not in SPECIAL_TOKENS:
+            raise NanoqwenError(
+                f"special_tokens must be one of {', '.join(SPECIAL_TOKENS)}, got {special_tokens!r}"
+            )
+        limit = self.max_context - 1
+        too_long = TooManyTokens(
+            limit,
+            f"the prompt is longer than {limit} tokens, so with a token to generate it exceeds "
+            f"the context of {self.max_context} tokens",
+        )
+        try:
+            if isinstance(prompt, str):
+                allow = special_tokens == "parse"
+                ids = self.tokenizer.encode(prompt, allow_special=allow, limit=limit)
+            elif prompt is not None:
+                if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+                    raise NanoqwenError("prompt= must be a string or a sequence of token ids")
+                ids = check_prompt(prompt, self.config.vocab_size).tolist()
+            elif messages is not None:
+                ids = self.tokenizer.encode_chat(list(messages), limit=limit)
+            else:
+                if not (isinstance(fim, tuple | list) and len(fim) == 2):
+                    raise NanoqwenError("fim= must be a (prefix, suffix) pair of strings")
+                ids = self.tokenizer.fim_prompt(*fim, limit=limit)
+        except TooManyTokens:
+            raise too_long from None
+        if len(ids) > limit:  # token ids given as such
+            raise too_long
         if not ids:
             raise ContextError("the prompt is empty: it encodes to 0 tokens")
         return ids

@@ -3,6 +3,14 @@
 Semantics shared by every backend: temperature 0 is greedy (argmax, lowest id on ties);
 otherwise logits / temperature, then top-k (0 = off), then top-p (nucleus, 1.0 = off) over the
 tokens sorted by probability, then one draw from a generator seeded by `seed` (None = random).
+
+Degenerate values have one rule, applied here when the parameters are made, so no backend ever
+sees them: a temperature below MIN_TEMPERATURE is greedy (as vLLM does), and so is a top_p
+below MIN_TOP_P (it keeps only the most probable token); both are stored as temperature 0,
+top_p 1. The samplers divide by the temperature (the device in float32): from 1e-5 on,
+1 / temperature and the scaled logit gaps stay finite, where a temperature of 1e-40 would turn
+them into inf and the probabilities into NaN; and a top_p below float32's smallest value would
+compare as 0 and keep no token at all.
 """
 
 from __future__ import annotations
@@ -16,12 +24,22 @@ if TYPE_CHECKING:
     import torch
 
 
+MIN_TEMPERATURE = 1e-5  # below: greedy (vLLM's _SAMPLING_EPS)
+# Below: greedy. The top token has probability >= 1 / vocab (> 1e-6 for any vocabulary under a
+# million tokens), so such a top_p keeps only it anyway.
+MIN_TOP_P = 1e-6
+
+
 class SamplingError(NanoqwenError, ValueError):
     """Sampling parameters out of range."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """temperature in [0, 100], top_k >= 0 (0 = off), top_p in [0, 1] (0 = the top token only),
+    seed in [0, 2**63) or None, max_tokens >= 1, stop strings. Degenerate temperature / top_p
+    are made greedy (module docstring): read `temperature` and `top_p` back, not the inputs."""
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -34,12 +52,15 @@ class SamplingParams:
             raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.top_p <= 1.0):
+            raise SamplingError(f"top_p must be in [0, 1], got {self.top_p}")
         if self.max_tokens < 1:
             raise SamplingError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise SamplingError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.temperature < MIN_TEMPERATURE or self.top_p < MIN_TOP_P:
+            object.__setattr__(self, "temperature", 0.0)
+            object.__setattr__(self, "top_p", 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -4,13 +4,25 @@ Design decisions, stated once:
 
 * **No BOS.** Qwen2.5 prompts start with whatever the text or template says; `encode` adds
   nothing.
-* **Special-token text in user input stays text.** `encode(text)` never turns the characters
-  `<|im_end|>` into the control token 151645: it encodes them as ordinary bytes, so a prompt
-  cannot forge turn boundaries. `encode(text, allow_special=True)` opts in (every added token of
-  the tokenizer is then matched, as Hugging Face does). Chat prompts get the safe behaviour per
-  message: the template's own text may contain control tokens, message contents never do
-  (`encode_chat`). Plain text is always encoded as one run, so the ids equal Hugging Face's
-  whenever the input holds no special-token text.
+* **Raw prompts may hold control tokens; chat contents never do.** `encode(text)` encodes the
+  characters `<|im_end|>` as ordinary text; `encode(text, allow_special=True)` matches every
+  added token of the tokenizer as Hugging Face does. `LLM.prepare(prompt=...)` (and so the
+  server's /v1/completions and `generate -p`) parses them by default, as vLLM, llama.cpp's
+  server and Hugging Face do: code-completion clients (Tabby, Continue, Twinny, llm-ls) build
+  FIM prompts from `<|fim_prefix|>`, `<|fim_suffix|>`, `<|fim_middle|>` text, and a raw prompt
+  is the caller's own text. `special_tokens="text"` opts out. Chat prompts get the safe
+  behaviour per message: the template's own text may contain control tokens, message
+  contents never do (`encode_chat`), so a user message cannot forge turn boundaries. Plain
+  text is always encoded as one run, so the ids equal Hugging Face's.
+* **Encoding is bounded and off the GIL.** With `limit`, encoding stops once the ids pass it
+  (TooManyTokens): a text too long for the context costs about `limit` tokens of work, not
+  its whole length. Long text is encoded in chunks cut only where the Qwen2 pre-tokenizer
+  splits anyway (`_CUT`), so the ids equal those of one encoding of the whole text; a stretch
+  with no such cut (one run of letters, spaces or symbols megabytes long) is encoded whole,
+  which the server's body limit bounds (~3-4 s for 4 MiB on one core). Each chunk goes
+  through `encode_batch_fast`, which releases the GIL while it works (`encode` holds it), and
+  long regex scans run in windows, so a big prompt never stalls the other threads of the
+  process (the server's event loop among them).
 * **Streaming never emits broken UTF-8.** Token ids map to raw bytes (the GPT-2 byte alphabet);
   `IncrementalDetokenizer` feeds them through an incremental UTF-8 decoder that holds back an
   incomplete multi-byte sequence until the bytes that finish it arrive.
@@ -31,10 +43,63 @@ import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from .errors import TokenizerError
+from .convert.tokenizers import QWEN2_SPLIT_REGEX
+from .errors import ContextError, TokenizerError
 
 ROLES = ("system", "user", "assistant", "tool")
 FIM_KEYS = ("fim_prefix", "fim_suffix", "fim_middle")
+
+CHUNK_CHARS = 16384  # text encoded per call: ~4k Qwen tokens of code, ~5 ms on one core
+SCAN_WINDOW = 65536  # characters one regex search covers before other threads may run
+# NFC merges at most 4 characters into one (the longest canonical decomposition, U+1FAF), so a
+# text of n characters normalizes to at least n / 4.
+NFC_MAX_MERGE = 4
+
+# Positions s where the Qwen2 pre-tokenizer (NFC, then QWEN2_SPLIT_REGEX) splits the text
+# anyway, so that text[:s] and text[s:] encoded apart give the ids of the whole. text[s] is
+# ASCII (NFC never composes an ASCII character with what precedes it), and one of:
+#   text[s-1] is a digit: a digit is a piece of its own (\p{N});
+#   text[s-1] is an ASCII letter and text[s] is not a letter: the letter run ends at s;
+#   text[s] is a digit and text[s-1] is not whitespace: nothing runs into a digit, and no
+#     whitespace run reaches s, so no `\s+(?!\S)` looks at text[s];
+#   text[s-1] is a newline and text[s] is not whitespace: the newline run ends at s.
+# (Python's \S excludes a superset of the regex's whitespace.) tests/test_tokenizer_bounds.py
+# checks the identity on random text and on the standard library's sources.
+_CUT = re.compile(
+    r"(?<=[0-9])[\x00-\x7f]|(?<=[A-Za-z])[\x00-\x40\x5b-\x60\x7b-\x7f]|(?<=\S)[0-9]|(?<=\n)[!-~]"
+)
+
+
+class TooManyTokens(ContextError):
+    """The text encodes to more than `limit` tokens; encoding stopped soon after the limit."""
+
+    def __init__(self, limit: int, message: str | None = None) -> None:
+        super().__init__(message or f"the text encodes to more than {limit} tokens")
+        self.limit = limit
+
+
+def _search(pattern: re.Pattern, text: str, pos: int, reach: int) -> re.Match | None:
+    """pattern.search(text, pos), SCAN_WINDOW characters at a time: a search through megabytes
+    without a match would hold the GIL for the whole scan. `reach`: the longest match."""
+    while pos < len(text):
+        m = pattern.search(text, pos, pos + SCAN_WINDOW + reach)
+        if m is not None and m.start() < pos + SCAN_WINDOW:
+            return m
+        pos += SCAN_WINDOW
+    return None
+
+
+def _splits_like_qwen2(spec: dict[str, Any]) -> bool:
+    """Whether `spec` normalizes and pre-tokenizes as Qwen2 (what _CUT relies on)."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    splits = [p for p in steps if p.get("type") == "Split"]
+    return (
+        spec.get("normalizer") in (None, {"type": "NFC"})
+        and len(splits) == 1
+        and splits[0].get("pattern") == {"Regex": QWEN2_SPLIT_REGEX}
+        and splits[0].get("behavior") == "Isolated"
+    )
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -57,12 +122,16 @@ def check_text(text: str, what: str = "input") -> str:
     """Refuse text that is not valid Unicode (e.g. lone surrogates from undecodable argv)."""
     if not isinstance(text, str):
         raise TokenizerError(f"{what} must be a string, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise TokenizerError(
-            f"{what} is not valid UTF-8 text (undecodable character at position {exc.start})"
-        ) from None
+    if text.isascii():  # known without a scan
+        return text
+    for start in range(0, len(text), SCAN_WINDOW):  # in windows: megabytes would hold the GIL
+        try:
+            text[start : start + SCAN_WINDOW].encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise TokenizerError(
+                f"{what} is not valid UTF-8 text (undecodable character at position "
+                f"{start + exc.start})"
+            ) from None
     return text
 
 
@@ -100,6 +169,10 @@ class Tokenizer:
         self._added_ids = {i: s.encode("utf-8") for s, i in self._added.items()}
         by_length = sorted(self._added, key=len, reverse=True)  # longest match first
         self._special_re = re.compile("|".join(map(re.escape, by_length))) if by_length else None
+        self._longest_special = len(by_length[0]) if by_length else 0
+        # A token covers at most this many characters of normalized text (its bytes).
+        self._max_token_chars = max(map(len, self._plain.get_vocab()), default=1)
+        self._cuttable = _splits_like_qwen2(spec)
         self.special_tokens = dict(special_tokens)
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
@@ -124,30 +197,62 @@ class Tokenizer:
         return cls.from_spec(file.tokenizer)
 
     # Encoding ----------------------------------------------------------------------------
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        """Token ids of `text` (no BOS). Special-token text stays text unless `allow_special`."""
+    def encode(
+        self, text: str, *, allow_special: bool = False, limit: int | None = None
+    ) -> list[int]:
+        """Token ids of `text` (no BOS). Special-token text stays text unless `allow_special`.
+        More than `limit` ids: TooManyTokens."""
         check_text(text)
-        if not allow_special:
-            return self._encode_plain(text)
-        return self._encode_segments([(text, True)])
+        return self._encode_segments([(text, allow_special)], limit)
 
-    def _encode_plain(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
-
-    def _encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+    def _encode_segments(
+        self, segments: Iterable[tuple[str, bool]], limit: int | None = None
+    ) -> list[int]:
         """Encode (text, specials_allowed) pieces; adjacent plain text is encoded as one run."""
         ids: list[int] = []
         run: list[str] = []
         for text, allowed in segments:
             pos = 0
-            matches = self._special_re.finditer(text) if allowed and self._special_re else ()
-            for m in matches:
+            while allowed and (m := self._find_special(text, pos)) is not None:
                 run.append(text[pos : m.start()])
-                ids += self._encode_plain("".join(run))
+                ids += self._encode_plain("".join(run), limit, len(ids))
                 ids.append(self._added[m.group()])
+                if limit is not None and len(ids) > limit:
+                    raise TooManyTokens(limit)
                 run, pos = [], m.end()
             run.append(text[pos:])
-        return ids + self._encode_plain("".join(run))
+        return ids + self._encode_plain("".join(run), limit, len(ids))
+
+    def _find_special(self, text: str, pos: int) -> re.Match | None:
+        if self._special_re is None:
+            return None
+        return _search(self._special_re, text, pos, self._longest_special)
+
+    def _encode_plain(self, text: str, limit: int | None = None, used: int = 0) -> list[int]:
+        """Ids of `text`, added tokens never matched. TooManyTokens if `used` + the ids pass
+        `limit`, at most one CHUNK_CHARS chunk after they do (module docstring)."""
+        if not text:
+            return []
+        if limit is None or not self._cuttable:
+            ids = self._encode_run(text)
+        elif len(text) > (limit - used) * NFC_MAX_MERGE * self._max_token_chars:
+            raise TooManyTokens(limit)  # too many characters for so few tokens
+        else:
+            ids, pos = [], 0
+            while pos < len(text) and used + len(ids) <= limit:
+                cut = None
+                if len(text) - pos > CHUNK_CHARS:
+                    cut = _search(_CUT, text, pos + CHUNK_CHARS, 1)
+                end = len(text) if cut is None else cut.start()
+                ids += self._encode_run(text[pos:end])
+                pos = end
+        if limit is not None and used + len(ids) > limit:
+            raise TooManyTokens(limit)
+        return ids
+
+    def _encode_run(self, text: str) -> list[int]:
+        # encode_batch_fast releases the GIL while it encodes (encode holds it throughout).
+        return self._plain.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def special_id(self, key: str) -> int:
         try:
@@ -155,11 +260,12 @@ class Tokenizer:
         except KeyError:
             raise TokenizerError(f"the tokenizer has no {key!r} special token") from None
 
-    def fim_prompt(self, prefix: str, suffix: str) -> list[int]:
-        """`<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`, built from the ids."""
+    def fim_prompt(self, prefix: str, suffix: str, *, limit: int | None = None) -> list[int]:
+        """`<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>`, built from the ids;
+        prefix and suffix stay text. More than `limit` ids: TooManyTokens."""
         pre, suf, mid = (self.special_id(k) for k in FIM_KEYS)
-        p = self._encode_plain(check_text(prefix, "FIM prefix"))
-        s = self._encode_plain(check_text(suffix, "FIM suffix"))
+        p = self._encode_plain(check_text(prefix, "FIM prefix"), limit, 3)
+        s = self._encode_plain(check_text(suffix, "FIM suffix"), limit, 3 + len(p))
         return [pre, *p, suf, *s, mid]
 
     def repo_name(self, name: str) -> list[int]:
@@ -181,9 +287,14 @@ class Tokenizer:
         return self._render(validate_messages(messages), add_generation_prompt)
 
     def encode_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        limit: int | None = None,
     ) -> list[int]:
         """Token ids of a chat: template text may hold control tokens, message contents never.
+        More than `limit` ids: TooManyTokens.
 
         Each content is rendered as a unique placeholder and encoded as plain text. If the
         template transforms contents (so the placeholders do not reproduce the real
@@ -200,8 +311,8 @@ class Tokenizer:
             for i, p in enumerate(parts)
         ]
         if "".join(s for s, _ in segments) != text:
-            return self._encode_segments([(text, True)])
-        return self._encode_segments(segments)
+            return self._encode_segments([(text, True)], limit)
+        return self._encode_segments(segments, limit)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if not self.chat_template:

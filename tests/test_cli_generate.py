@@ -79,7 +79,7 @@ def test_generate_prompt_from_stdin_and_fim(tiny, capsys, monkeypatch):
 
 def test_generate_stop_strings_are_repeatable(tiny, capsys, monkeypatch):
     class Scripted:  # yields the bytes of a fixed text, whatever the prompt
-        kv_pages_in_use = 0
+        kv_pages_in_use = cached_tokens = 0
 
         def generate(self, prompt_ids, params, stop_ids):
             yield from b"ab\n\ncd zz"[: params.max_tokens]
@@ -100,7 +100,7 @@ def test_generate_stop_strings_are_repeatable(tiny, capsys, monkeypatch):
         (["-p", "x", "--fim-suffix", "s"], "--fim-suffix goes with --fim-prefix"),
         (
             ["-p", "x" * 40, "--max-context", "32", "--max-tokens", "8"],
-            "40 tokens \\+ max_tokens 8",
+            "longer than 31 tokens, so with a token to generate it exceeds the context of 32",
         ),
         (["-p", "bad \udcff"], "not valid UTF-8"),
         (["-p", "x", "--temperature", "-1"], "temperature must be"),

@@ -10,6 +10,7 @@ import pytest
 from nanoqwen.errors import ContextError, NanoqwenError, TokenizerError
 from nanoqwen.llm import LLM, Completion, Delta
 from nanoqwen.sampling import SamplingParams
+from nanoqwen.tokenizer import TooManyTokens
 
 CHAT = [{"role": "user", "content": "Write is_prime(n) in Python."}]
 
@@ -56,6 +57,84 @@ def test_prepare_kinds(llm):
         llm.prepare(prompt="")
     with pytest.raises(TokenizerError):
         llm.prepare(prompt="\udcff")
+
+
+FIM_RAW = "<|fim_prefix|>def add(a, b):\n<|fim_suffix|>\n    return c<|fim_middle|>"
+
+
+def test_raw_prompt_special_tokens_parse_or_text(llm):
+    fim = llm.prepare(fim=("def add(a, b):\n", "\n    return c"))
+    assert llm.prepare(prompt=FIM_RAW) == fim  # the default, as vLLM and llama.cpp
+    assert llm.prepare(prompt=FIM_RAW, special_tokens="parse") == fim
+    assert llm.prepare(prompt=FIM_RAW, special_tokens="text") == llm.tokenizer.encode(FIM_RAW)
+    assert len(llm.prepare(prompt=FIM_RAW, special_tokens="text")) > len(fim) + 30
+    # Chat contents and FIM parts stay text whatever the raw-prompt setting.
+    chat = [{"role": "user", "content": FIM_RAW}]
+    assert llm.prepare(messages=chat, special_tokens="parse") == llm.tokenizer.encode_chat(chat)
+    fim_prefix = llm.tokenizer.special_tokens["fim_prefix"]
+    assert llm.prepare(fim=(FIM_RAW, "")).count(fim_prefix) == 1
+    with pytest.raises(NanoqwenError, match="special_tokens must be one of parse, text"):
+        llm.prepare(prompt="a", special_tokens="allow")
+
+
+def test_prepare_token_ids(llm):
+    assert llm.prepare(prompt=[1, 2, 3]) == [1, 2, 3]
+    assert llm.prepare(prompt=(ord("a"),)) == llm.prepare(prompt="a")
+    with pytest.raises(ContextError, match="outside"):
+        llm.prepare(prompt=[1, llm.config.vocab_size])
+    with pytest.raises(ContextError, match="empty"):
+        llm.prepare(prompt=[])
+    with pytest.raises(NanoqwenError, match="token ids"):
+        llm.prepare(prompt=[1, True])
+    with pytest.raises(NanoqwenError, match="token ids"):
+        llm.prepare(prompt=[1.0])
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        {"prompt": "x" * 100_000},
+        {"prompt": [7] * 256},
+        {"messages": [{"role": "user", "content": "y" * 300}]},
+        {"fim": ("a" * 200, "b" * 60)},
+    ],
+    ids=["text", "ids", "chat", "fim"],
+)
+def test_prompt_past_the_context_is_refused_early(llm, kind):
+    with pytest.raises(
+        TooManyTokens, match="longer than 255 tokens, so .* exceeds the context of 256"
+    ):
+        llm.prepare(**kind)
+
+
+def test_prompt_that_just_fits_is_prepared(llm):
+    assert len(llm.prepare(prompt="x" * 255)) == 255
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-45, max_tokens=6),
+        SamplingParams(temperature=1e-38, max_tokens=6),
+        SamplingParams(temperature=1e-6, max_tokens=6),
+        SamplingParams(temperature=1.0, top_p=1e-45, max_tokens=6),
+        SamplingParams(temperature=1.0, top_p=0.0, max_tokens=6),
+    ],
+)
+def test_degenerate_sampling_on_the_reference_backend_is_greedy(llm, params):
+    ids = llm.prepare(prompt="def f(")
+    assert llm.generate(ids, params) == llm.generate(ids, SamplingParams(max_tokens=6))
+
+
+def test_generate_command_special_tokens_option(tiny_path, capsys):
+    from nanoqwen.cli import main
+
+    counts = {}
+    for mode in ("parse", "text"):
+        argv = ["generate", str(tiny_path), "-p", FIM_RAW, "--backend", "reference"]
+        assert main([*argv, "--max-tokens", "1", "--special-tokens", mode]) == 0
+        counts[mode] = int(capsys.readouterr().err.split("prompt ")[1].split(" tokens")[0])
+    assert counts["text"] == counts["parse"] - 3 + len("<|fim_prefix|><|fim_suffix|><|fim_middle|>")
 
 
 def test_greedy_is_deterministic_and_runs_to_length(llm):
@@ -141,6 +220,7 @@ class ScriptedBackend:
     """Yields a fixed list of token ids, honouring stop_ids and max_tokens like a backend."""
 
     name = "reference"
+    cached_tokens = 0  # no prefix cache
 
     def __init__(self, script: list[int]):
         self.script = script

@@ -4,7 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from nanoqwen.sampling import SamplingError, SamplingParams, make_generator, sample
+from nanoqwen.sampling import (
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+    SamplingError,
+    SamplingParams,
+    make_generator,
+    sample,
+)
 
 
 def _random_logits(v: int, rng: np.random.Generator | None = None) -> torch.Tensor:
@@ -116,3 +123,50 @@ def test_bad_logits_shape():
         sample(torch.zeros(2, 3), SamplingParams(), None)
     with pytest.raises(SamplingError, match="shape"):
         sample(torch.zeros(0), SamplingParams(temperature=1.0), None)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "greedy"),
+    [
+        (5e-324, 1.0, True),
+        (1e-45, 1.0, True),
+        (1e-40, 0.9, True),
+        (1e-38, 1.0, True),
+        (1e-6, 1.0, True),
+        (MIN_TEMPERATURE, 1.0, False),
+        (1.0, 0.0, True),
+        (1.0, 1e-46, True),
+        (1.0, 1e-45, True),
+        (1.0, 1e-7, True),
+        (1.0, MIN_TOP_P, False),
+        (0.0, 0.5, True),
+    ],
+)
+def test_degenerate_params_are_stored_greedy(temperature, top_p, greedy):
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    assert params.greedy == greedy
+    if greedy:  # one form, so no backend ever sees the degenerate values
+        assert (params.temperature, params.top_p) == (0.0, 1.0)
+    else:
+        assert (params.temperature, params.top_p) == (temperature, top_p)
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1e-45}, {"top_p": -0.0001}, {"top_p": 1.01}])
+def test_out_of_range_params_are_refused(bad):
+    with pytest.raises(SamplingError):
+        SamplingParams(**bad)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=MIN_TEMPERATURE),
+        SamplingParams(temperature=1.0, top_p=MIN_TOP_P),
+        SamplingParams(temperature=MIN_TEMPERATURE, top_p=MIN_TOP_P, top_k=7),
+    ],
+)
+def test_sampler_at_the_edges_draws_the_top_token(params):
+    # Logit gaps of up to 400: / 1e-5 stays finite in float32, and the top token takes all mass.
+    logits = _random_logits(151_936) * 40
+    gen = make_generator(3)
+    assert {sample(logits, params, gen) for _ in range(20)} == {int(torch.argmax(logits))}

@@ -91,6 +91,7 @@ def test_completion_and_fim(client):
 
 def test_completion_stream_raw_sse(server, sse_events):
     body = {"model": "tiny", "prompt": "x = ", "suffix": "\n", "max_tokens": 3, "stream": True}
+    body["stream_options"] = {"include_usage": True}
     r = httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
@@ -102,12 +103,16 @@ def test_completion_stream_raw_sse(server, sse_events):
     assert usage["usage"]["completion_tokens"] >= 1
 
 
-def test_stream_without_usage_when_declined(server, sse_events):
-    body = {"model": "tiny", "messages": CHAT, "max_tokens": 2, "stream": True}
-    body["stream_options"] = {"include_usage": False}
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_without_usage_unless_asked(server, sse_events, path, options):
+    # OpenAI's default: no usage chunk (clients reading chunk.choices[0] break on `choices: []`).
+    body = {"model": "tiny", "messages": CHAT, "prompt": "a", "max_tokens": 2, "stream": True}
+    if options is not None:
+        body["stream_options"] = options
+    r = httpx.post(server.url + path, json=body, headers=AUTH, timeout=60)
     events = sse_events(r.text)
-    assert events[-1] == "[DONE]" and all(e["choices"] for e in events[:-1])
+    assert events[-1] == "[DONE]" and all(e["choices"] and "usage" not in e for e in events[:-1])
 
 
 def test_seed_and_stop_are_honoured(client):
@@ -173,18 +178,19 @@ MSG = {"role": "user", "content": "x"}
 
 # field -> wrong values, for both endpoints
 SHARED_WRONG = {
-    "model": ["gpt-4o", "", 5, [], {"id": "tiny"}, True, "TINY", None],
+    "model": [5, [], {"id": "tiny"}, True, None],  # a name not served is a 404 (below)
     "max_tokens": [-1, 0, "5", 1.5, True, [4], 10**9, 2**70, 4096, -(10**9)],
     "temperature": [-0.1, 2.01, "hot", True, [1], {}, 1e308, "0.5"],
     "top_p": [-0.5, 1.5, "x", False, [0.5], 1.0001],
     "top_k": [-1, 1.5, "x"],
     "seed": [-1, 2**63, "x", 1.5, True, [1]],
     "stop": ["", [""], ["a"] * 5, 5, [5], {"a": 1}, [None], ["a", 1]],
-    "n": [2, 0, "1", -1],
+    "n": [2, 0, "1", -1, True, 1.0],
     "stream": ["yes", 1, [True]],
     "stream_options": ["x", {"include_usage": "yes"}, [1], {"include_usage": 1}],
     "presence_penalty": [0.5, -1],
     "frequency_penalty": [1, "x"],
+    "logit_bias": [{"50256": -100}, {"1": 5}, "x"],
 }
 ROUTE_WRONG = {
     "chat": {
@@ -206,14 +212,44 @@ ROUTE_WRONG = {
         ],
         "max_completion_tokens": [-1, 0, "x", 10**9],
         "logprobs": [True, "yes"],
+        "top_logprobs": [1, 20],
         "tools": [[{"type": "function", "function": {"name": "f"}}]],
+        "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
+        "functions": [[{"name": "f"}]],
+        "function_call": ["auto", {"name": "f"}],
+        "response_format": [{"type": "json_object"}, {"type": "json_schema"}, "text"],
+        "audio": [{"voice": "alloy", "format": "wav"}],
+        "modalities": [["text", "audio"], ["audio"]],
+        "prediction": [{"type": "content", "content": "x"}],
+        "moderation": [{"model": "omni-moderation-latest"}],
+        "reasoning_effort": ["low", "high"],
+        "verbosity": ["low", "high"],
+        "web_search_options": [{}],
     },
     "completion": {
-        "prompt": ["", 5, ["a", "b"], [1, 2], {"text": "a"}, True, "x" * 5000],
+        "prompt": [
+            "",
+            5,
+            {"text": "a"},
+            True,
+            "x" * 5000,
+            [],
+            [[]],
+            [""],
+            ["a", 1],
+            [[1], "a"],
+            [1.5],
+            [True],
+            [-1],
+            [2**40],
+            ["a"] * 33,
+            [[1, 2], [3, -4]],
+            [1] * 5000,
+        ],
         "suffix": [5, ["a"], {}],
         "echo": [True, "no"],
         "best_of": [2, 0],
-        "logprobs": [1, True],
+        "logprobs": [1, True, 0],
     },
 }
 REQUIRED = {"chat": ["model", "messages"], "completion": ["model", "prompt"]}
@@ -229,8 +265,8 @@ MALFORMED_BODIES = [
     b"\xff\xfe{}",
     b'{"model": "tiny", "prompt": "a", "messages": [], "temperature": NaN}',
 ]
-# A body without a Content-Type is read as JSON (FastAPI's rule), so it is not among these.
 CONTENT_TYPES = [
+    None,  # no header: FastAPI does not read the body as JSON
     "text/plain",
     "application/x-www-form-urlencoded",
     "multipart/form-data",
@@ -288,7 +324,8 @@ def http(server):
 
 @pytest.mark.parametrize("route,field,body,content_type", CASES)
 def test_invalid_request_gets_400(http, route, field, body, content_type):
-    r = http.post(ROUTES[route][0], content=body, headers={"Content-Type": content_type})
+    headers = {"Content-Type": content_type} if content_type else {}
+    r = http.post(ROUTES[route][0], content=body, headers=headers)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -311,6 +348,7 @@ def test_not_found_and_wrong_method_are_error_objects(http):
     assert r.status_code == 404 and r.json()["error"]["message"]
     r = http.get("/v1/completions")
     assert r.status_code == 405 and r.json()["error"]["message"]
+    assert r.headers["allow"] == "POST"
     r = http.get("/v1/models/gpt-4o")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
@@ -319,3 +357,193 @@ def test_still_serving_after_invalid_requests(server, client):
     out = client.completions.create(model="tiny", prompt="ok", max_tokens=2)
     assert out.usage.completion_tokens >= 1
     assert server.wait_idle()["kv_pages_in_use"] == 0
+
+
+# OpenAI conformance ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpt-4o", "", "TINY", "tiny "])
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_unknown_model_is_404(http, client, route, name):
+    path, ok = ROUTES[route]
+    r = http.post(path, json=ok | {"model": name})
+    assert r.status_code == 404, r.text
+    assert r.json()["error"] | {"message": ""} == {
+        "message": "",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=name, prompt="a", max_tokens=1)
+
+
+@pytest.mark.parametrize(
+    "content_type, says",
+    [(None, "no Content-Type header"), ("text/plain", "Content-Type 'text/plain'")],
+)
+def test_content_type_problem_is_named(http, content_type, says):
+    headers = {"Content-Type": content_type} if content_type else {}
+    r = http.post("/v1/completions", content=json.dumps(COMPLETION_OK).encode(), headers=headers)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and says in message and "application/json" in message, message
+
+
+def test_too_many_stop_strings_says_so(http):
+    r = http.post("/v1/completions", json=COMPLETION_OK | {"stop": list("abcde")})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "stop"
+    assert error["message"] == "stop: at most 4 stop strings are supported, got 5"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"50256": -100}),
+        ("response_format", {"type": "json_object"}),
+        ("tool_choice", "auto"),
+        ("logprobs", True),
+        ("n", 2),
+        ("prediction", {"type": "content", "content": "x"}),
+    ],
+)
+def test_unsupported_field_is_named(http, field, value):
+    r = http.post("/v1/chat/completions", json=CHAT_OK | {field: value})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == field
+    assert error["message"].startswith(f"{field}: not supported by this server; only ")
+
+
+def test_neutral_and_metadata_fields_are_accepted(http):
+    extras = {
+        "user": "u-1",
+        "metadata": {"team": "x"},
+        "store": True,
+        "service_tier": "auto",
+        "safety_identifier": "s",
+        "prompt_cache_key": "k",
+        "parallel_tool_calls": True,
+        "logit_bias": {},
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+        "tools": [],
+        "logprobs": False,
+        "top_logprobs": 0,
+        "modalities": ["text"],
+        "n": 1,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "stream_options": {"include_usage": False, "include_obfuscation": False},
+    }
+    r = http.post("/v1/chat/completions", json=CHAT_OK | extras)
+    assert r.status_code == 200, r.text
+    extras = {"user": "u", "echo": False, "best_of": 1, "logit_bias": {}, "n": 1}
+    r = http.post("/v1/completions", json=COMPLETION_OK | extras)
+    assert r.status_code == 200, r.text
+
+
+def _greedy(http, prompt, **fields) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0} | fields
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [["def f(", "x = 1\n", "import os"], [[100, 101, 102], [65]], [[33, 34, 35]]],
+    ids=["strings", "id-lists", "one-id-list"],
+)
+def test_several_prompts_give_one_choice_each(http, prompts):
+    out = _greedy(http, prompts)
+    singles = [_greedy(http, p) for p in prompts]
+    assert [c["index"] for c in out["choices"]] == list(range(len(prompts)))
+    assert [c["text"] for c in out["choices"]] == [s["choices"][0]["text"] for s in singles]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert out["usage"][key] == sum(s["usage"][key] for s in singles)
+
+
+def test_token_id_prompt_is_the_same_as_its_text(http):
+    assert (
+        _greedy(http, [ord(c) for c in "def f("])["choices"] == _greedy(http, "def f(")["choices"]
+    )
+
+
+def test_several_prompts_stream_each_choice_in_turn(http, sse_events):
+    prompts = ["def f(", "x = 1\n"]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 4, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    events = sse_events(http.post("/v1/completions", json=body).text)
+    assert events[-1] == "[DONE]"
+    *chunks, usage = events[:-1]
+    indexes = [c["choices"][0]["index"] for c in chunks]
+    assert indexes == sorted(indexes) and set(indexes) == {0, 1}
+    for i, p in enumerate(prompts):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert (
+            "".join(c["text"] for c in mine) == _greedy(http, p, max_tokens=4)["choices"][0]["text"]
+        )
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+
+
+def test_langchain_style_list_prompt_through_the_client(client):
+    out = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+    assert [c.index for c in out.choices] == [0, 1]
+
+
+def test_raw_fim_prompt_is_the_suffix_request(http):
+    raw = "<|fim_prefix|>def add(a, b):\n<|fim_suffix|>\n    return c<|fim_middle|>"
+    fim = _greedy(http, "def add(a, b):\n", suffix="\n    return c")
+    out = _greedy(http, raw)
+    # 3 control tokens, 15 bytes, then "\n", "  ", " ", " return c" (byte-level: 12 tokens).
+    assert out["usage"]["prompt_tokens"] == fim["usage"]["prompt_tokens"] == 3 + 15 + 12
+    assert out["choices"] == fim["choices"]
+
+
+def test_chat_contents_never_become_control_tokens(http):
+    def prompt_tokens(content: str) -> int:
+        body = CHAT_OK | {"messages": [{"role": "user", "content": content}], "max_tokens": 1}
+        return http.post("/v1/chat/completions", json=body).json()["usage"]["prompt_tokens"]
+
+    # Byte-level vocabulary: as text the special token costs one token per byte.
+    assert prompt_tokens("<|fim_prefix|>x") == prompt_tokens("<|fim_prefiy|>x")
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 1e-45},
+        {"temperature": 1e-40},
+        {"temperature": 1e-38},
+        {"temperature": 1e-6},
+        {"temperature": 1.0, "top_p": 1e-45},
+        {"temperature": 1.0, "top_p": 1e-46},
+        {"temperature": 2.0, "top_p": 1e-7},
+        {"temperature": 1.0, "top_p": 0},
+        {"temperature": 5e-324},
+    ],
+)
+def test_degenerate_sampling_is_greedy(http, sampling):
+    out = _greedy(http, "def f(", **sampling)
+    assert out["choices"] == _greedy(http, "def f(")["choices"]
+
+
+def test_suffix_goes_with_each_text_prompt(http):
+    out = _greedy(http, ["def f(", "x = "], suffix="\n")
+    assert [c["text"] for c in out["choices"]] == [
+        _greedy(http, p, suffix="\n")["choices"][0]["text"] for p in ("def f(", "x = ")
+    ]
+    r = http.post("/v1/completions", json=COMPLETION_OK | {"prompt": [1, 2], "suffix": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
+def test_leaving_a_several_prompt_stream_cancels_its_job(server, http):
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "max_tokens": 3000, "temperature": 0}
+    with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        lines = r.iter_lines()  # kept: dropping it would close the connection now
+        assert next(lines).startswith("data: ")
+        assert server.health()["running"] == 1
+    health = server.wait_idle(timeout=5.0)
+    assert (health["running"], health["queue_depth"], health["kv_pages_in_use"]) == (0, 0, 0)

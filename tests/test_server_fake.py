@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("fastapi")  # the serve extra; a GPU image may lack it
 
 from nanoqwen.errors import ContextError, DeviceError  # noqa: E402
+from nanoqwen.kv_pages import KVStats  # noqa: E402
 from nanoqwen.llm import Delta  # noqa: E402
 from nanoqwen.sampling import SamplingParams  # noqa: E402
 from nanoqwen.server import Worker, create_app  # noqa: E402
@@ -37,12 +38,14 @@ class FakeLLM:
         self.fail_at = fail_at
         self.produced = 0
         self.kv_pages_in_use = 0
+        self.kv_stats = KVStats(pages=64, held=0, cached=0, free=64, lookup_tokens=0,
+                                hit_tokens=0, evictions=0)  # fmt: skip
         self.gate = threading.Event()  # every generation waits for it before its first token
         self.gate.set()
         self.seen: list[tuple[dict, SamplingParams]] = []  # (prepare's arguments, params)
         self._prompt: dict = {}
 
-    def prepare(self, prompt=None, *, messages=None, fim=None) -> list[int]:
+    def prepare(self, prompt=None, *, messages=None, fim=None, special_tokens="parse") -> list[int]:
         self._prompt = {"prompt": prompt, "messages": messages, "fim": fim}
         return [1, 2, 3]
 

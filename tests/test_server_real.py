@@ -43,13 +43,23 @@ def test_fill_in_the_middle_is_the_same_every_way(server):
         ).json()["choices"][0]["text"]
         infill = http.post(
             "/infill",
-            json={"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 16,
-                  "temperature": 0, "samplers": ["temperature"]},  # fmt: skip
+            json={
+                "input_prefix": PREFIX,
+                "input_suffix": SUFFIX,
+                "n_predict": 16,
+                "temperature": 0,
+                "samplers": ["temperature"],
+            },  # fmt: skip
         ).json()["content"]
         ollama = http.post(
             "/api/generate",
-            json={"model": model, "prompt": PREFIX, "suffix": SUFFIX, "stream": False,
-                  "options": {"temperature": 0, "num_predict": 16}},  # fmt: skip
+            json={
+                "model": model,
+                "prompt": PREFIX,
+                "suffix": SUFFIX,
+                "stream": False,
+                "options": {"temperature": 0, "num_predict": 16},
+            },  # fmt: skip
         ).json()["response"]
     assert "return a + b" in openai, openai
     assert raw == infill == ollama == openai

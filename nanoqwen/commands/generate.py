@@ -1,9 +1,10 @@
 """Generate one completion from a .nanoqwen model, streaming the text to stdout.
 
-The prompt is a raw completion prompt (-p, `-p -` reads stdin), one chat message through the
-model's ChatML template (--chat, optionally with --system), or a fill-in-the-middle request
-(--fim-prefix / --fim-suffix). The backend picked and a statistics line go to stderr, so
-stdout holds only the generated text.
+The prompt is a raw completion prompt (-p, `-p -` reads stdin; special-token text in it such
+as <|fim_prefix|> becomes the control token unless --special-tokens text), one chat message
+through the model's ChatML template (--chat, optionally with --system), or a
+fill-in-the-middle request (--fim-prefix / --fim-suffix). The backend picked and a statistics
+line go to stderr, so stdout holds only the generated text.
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_special_tokens_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """--special-tokens: how `what` encode special-token text (LLM.prepare's special_tokens)."""
+    p.add_argument(
+        "--special-tokens",
+        choices=("parse", "text"),
+        default="parse",
+        help=f"{what}: 'parse' makes special-token text such as <|fim_prefix|> the control "
+        "token (as vLLM and llama.cpp do), 'text' keeps it text; chat messages are always text",
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="the .nanoqwen model file")
     source = p.add_mutually_exclusive_group(required=True)
@@ -66,6 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     source.add_argument("--fim-prefix", default=None, help="code before the gap (FIM)")
     p.add_argument("--fim-suffix", default="", help="code after the gap (with --fim-prefix)")
     p.add_argument("--system", default=None, help="system message (with --chat)")
+    add_special_tokens_argument(p, "raw prompts (-p)")
     add_sampling_arguments(p)
 
 
@@ -167,7 +180,7 @@ def _prompt_ids(llm, args: argparse.Namespace) -> list[int]:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         return llm.prepare(messages=[*messages, {"role": "user", "content": args.chat}])
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    return llm.prepare(prompt=prompt)
+    return llm.prepare(prompt=prompt, special_tokens=args.special_tokens)
 
 
 def _check_combinations(args: argparse.Namespace) -> None:

@@ -3,6 +3,10 @@
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with
 `suffix`: fill-in-the-middle), streamed (server-sent events) or not. One engine thread runs
 one generation at a time; other requests wait in a bounded queue and get 429 when it is full.
+A request body over --max-body-bytes is refused with 413 before it is read, and a prompt too
+long for the context is refused after tokenizing about a context's worth of it. Special-token
+text in a raw /v1/completions prompt (`<|fim_prefix|>` ...) becomes the control tokens, as
+in vLLM and llama.cpp (--special-tokens text keeps it text); chat message contents never do.
 The server binds to loopback unless --host says otherwise. After a sticky CUDA error it answers
 the request in flight with a 500, reports 503 on /health, and exits non-zero so that a
 supervisor restarts it. SIGTERM / Ctrl-C drain it: new and queued requests get a 503, the
@@ -25,7 +29,7 @@ import socket
 import sys
 
 from .argtypes import int_range, port
-from .generate import add_backend_arguments, open_llm
+from .generate import add_backend_arguments, add_special_tokens_argument, open_llm
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 API_KEY_ENV = "NANOQWEN_API_KEY"
@@ -56,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=16,
         help="requests that may wait behind the running one; more get 429",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int_range(1),
+        default=None,
+        help="largest request body accepted, in bytes; larger ones get 413 before they are "
+        "read. None = 4 MiB: any prompt a 32k context fits, JSON-escaped, with room to spare",
+    )
+    add_special_tokens_argument(p, "raw /v1/completions prompts")
     p.add_argument(
         "--log-level",
         choices=("critical", "error", "warning", "info", "debug"),
@@ -173,6 +185,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             api_key=api_key,
             model_name=args.served_model_name,
             cors_origins=tuple(args.cors_origin),
+            special_tokens=args.special_tokens,
+            max_body_bytes=args.max_body_bytes,
         )
         config = uvicorn.Config(
             app,

@@ -2,7 +2,11 @@
 
     app.py         routes (/health, /metrics, /v1/models, /v1/chat/completions,
                    /v1/completions), streaming
-    schemas.py     request bodies (pydantic, strict, OpenAI's ranges)
+    llamacpp.py    llama.cpp's /infill and /props (llama.vim, llama.vscode)
+    ollama.py      Ollama's /api/* (Continue, Twinny, Open WebUI)
+    compat.py      what those two share: body parsing, the generation record
+    limits.py      the request-body limit (ASGI middleware, 413 before the body is read)
+    schemas.py     request bodies (pydantic, strict, OpenAI's ranges and fields)
     protocol.py    OpenAI wire format: error objects, response bodies, SSE chunks
     auth.py        Bearer API key (ASGI middleware, constant-time compare)
     middleware.py  request id, per-request metrics and log line (ASGI middleware)

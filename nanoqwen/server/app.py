@@ -1,9 +1,17 @@
 """The FastAPI application: routes, validation, streaming and error mapping.
 
-Every request is validated (pydantic, model name, tokenization, `LLM.check_fits`) before it
-reaches the engine queue, so a bad request costs no GPU work and always gets a 400 with an
-OpenAI error object. Prompts are tokenized in the thread pool (the tokenizer is read-only and
-thread-safe); only the worker thread runs the engine.
+Every request is bounded and validated before it reaches the engine queue: a body over the
+limit is a 413 before it is read (limits.py), then pydantic, the model name (404 if not
+served), tokenization and `LLM.check_fits` (400), so a bad request costs no GPU work and always
+gets an OpenAI error object. Prompts are tokenized in the thread pool, the tokenizer releasing
+the GIL, and tokenization stops once a prompt cannot fit the context (`LLM.prepare`): a huge
+prompt never stalls the event loop or other requests. A raw /v1/completions prompt's
+special-token text (`<|fim_prefix|>` ...) becomes control tokens unless the server runs with
+`--special-tokens text`; chat message contents never do. Only the worker thread runs the
+engine.
+
+A completion request with several prompts gets one choice per prompt, generated one after
+another as separate jobs (`Choices`), so it holds one place in the queue at a time.
 
 Streaming: the handler waits for the first delta before it answers, so a failure before the
 first token still gets its HTTP status (500/503); later failures become an error event, then
@@ -30,7 +38,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from ..errors import ContextError, DeviceError, NanoqwenError
+from ..sampling import SamplingParams
+from ..tokenizer import TooManyTokens
 from .auth import BearerAuth
+from .limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .middleware import REQUEST_ID_HEADER, RequestTelemetry, record_of
@@ -55,20 +66,24 @@ class ClientGone(Exception):
 
 class JobStream(StreamingResponse):
     """A streamed response (server-sent events unless `media_type` says otherwise, e.g.
-    Ollama's NDJSON) that cancels its job however the response ends."""
+    Ollama's NDJSON) that cancels its work (a Job, or the Choices of a request) however the
+    response ends."""
 
     def __init__(
-        self, job: Job, content: AsyncIterator[bytes], media_type: str = "text/event-stream"
+        self,
+        work: Job | Choices,
+        content: AsyncIterator[bytes],
+        media_type: str = "text/event-stream",
     ) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, media_type=media_type, headers=headers)
-        self.job = job
+        self.work = work
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel()
+            self.work.cancel()
 
 
 def engine_error(exc: BaseException) -> APIError:
@@ -123,37 +138,76 @@ async def _disconnected(receive: Any) -> None:
         pass
 
 
+class Choices:
+    """The jobs of one request, one per prompt, submitted one after another: the first at
+    once (a full queue is a 429 before any answer), each next one when the previous ends."""
+
+    def __init__(
+        self,
+        service: Service,
+        request: Request,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+    ) -> None:
+        self.service, self.request = service, request
+        self.todo = list(zip(prompts, params, strict=True))
+        self.job = service.submit(*self.todo[0])
+
+    async def events(self) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, delta) in order; raises as `job_events` does."""
+        for index, (ids, params) in enumerate(self.todo):
+            if index:
+                self.job = self.service.submit(ids, params)
+            async for delta in job_events(self.request, self.job):
+                yield index, delta
+
+    def cancel(self) -> None:
+        self.job.cancel()
+
+
 class Service:
     """The request path shared by the two generation endpoints."""
 
-    def __init__(self, llm: Any, worker: Worker, model: str | None = None) -> None:
+    def __init__(
+        self, llm: Any, worker: Worker, model: str | None = None, special_tokens: str = "parse"
+    ) -> None:
         self.llm = llm
         self.worker = worker
         self.model = model or llm.model_name
+        self.special_tokens = special_tokens
         self.created = int(time.time())
 
     def check_model(self, name: str) -> None:
         if name != self.model:
             raise APIError(
-                400,
+                404,
                 f"model {name!r} is not served here; this server serves {self.model!r}",
                 param="model",
                 code="model_not_found",
             )
 
-    async def prepare(self, body: GenerationRequest, **prompt: Any) -> list[int]:
-        """Prompt ids (tokenized in the thread pool); a prompt the tokenizer refuses is a 400."""
+    async def prepare(self, param: str, **prompt: Any) -> list[int]:
+        """Prompt ids, tokenized in the thread pool; a prompt refused is a 400 naming `param`."""
         try:
-            return await run_in_threadpool(self.llm.prepare, **prompt)
+            return await run_in_threadpool(
+                self.llm.prepare, **prompt, special_tokens=self.special_tokens
+            )
+        except TooManyTokens as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except NanoqwenError as exc:
-            raise APIError(400, str(exc), param=body.prompt_field) from None
+            raise APIError(400, str(exc), param=param) from None
 
-    def submit(self, body: GenerationRequest, ids: list[int], default_max_tokens: int) -> Job:
-        """Check the context and the sampling parameters, then queue the job (or 429/503)."""
+    def sampling(
+        self, body: GenerationRequest, ids: list[int], default_max_tokens: int | None
+    ) -> SamplingParams:
+        """The params of one prompt after the context check (400); default None: the rest of
+        the context."""
+        if default_max_tokens is None:
+            default_max_tokens = self.llm.max_context - len(ids)
         max_tokens = body.requested_max_tokens() or max(1, default_max_tokens)
         try:
             self.llm.check_fits(len(ids), max_tokens)
-            params = body.sampling_params(max_tokens)
+            return body.sampling_params(max_tokens)
         except ContextError as exc:
             # Name the prompt when it cannot fit even alone, else the completion budget.
             too_long = len(ids) >= self.llm.max_context
@@ -161,6 +215,9 @@ class Service:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
         except NanoqwenError as exc:
             raise APIError(400, str(exc)) from None
+
+    def submit(self, ids: list[int], params: SamplingParams) -> Job:
+        """Queue a job (or 429/503)."""
         job = Job(ids, params, asyncio.get_running_loop())
         try:
             self.worker.submit(job)
@@ -174,16 +231,24 @@ class Service:
         return job
 
     async def respond(
-        self, request: Request, body: GenerationRequest, ids: list[int], job: Job
+        self,
+        request: Request,
+        body: GenerationRequest,
+        prompts: list[list[int]],
+        default_max_tokens: int | None,
     ) -> Response:
-        reply = Reply(chat=isinstance(body, ChatRequest), model=self.model, prompt_tokens=len(ids))
-        events = job_events(request, job)
+        """Check every prompt, then generate a choice for each and answer (or stream) them."""
+        params = [self.sampling(body, ids, default_max_tokens) for ids in prompts]
+        chat = isinstance(body, ChatRequest)
+        reply = Reply(chat=chat, model=self.model, prompt_tokens=[len(ids) for ids in prompts])
+        choices = Choices(self, request, prompts, params)
+        events = choices.events()
         try:
             if body.stream:
                 first = await anext(events, None)  # errors before the first token keep a status
-                return JobStream(job, stream_body(reply, first, events, body.include_usage))
-            async for delta in events:
-                reply.add(delta)
+                return JobStream(choices, stream_body(reply, first, events, body.include_usage))
+            async for index, delta in events:
+                reply.add(index, delta)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
         return JSONResponse(reply.body())
@@ -192,17 +257,20 @@ class Service:
 async def stream_body(
     reply: Reply, first: Any, events: AsyncIterator[Any], include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """The SSE body: role chunk (chat), text chunks, finish chunk, usage chunk, [DONE]."""
+    """The SSE body: role chunk (chat), then per choice its text chunks and finish chunk, the
+    usage chunk if asked for, [DONE]."""
     try:
         if reply.chat:
-            yield reply.chunk("", role=True)
-        delta = first
-        while delta is not None:
-            reply.add(delta)
+            yield reply.chunk(0, "", role=True)
+        item = first
+        while item is not None:
+            index, delta = item
+            reply.add(index, delta)
             if delta.text:
-                yield reply.chunk(delta.text)
-            delta = await anext(events, None)
-        yield reply.chunk(None, reply.finish_reason)
+                yield reply.chunk(index, delta.text)
+            if delta.finish_reason is not None:
+                yield reply.chunk(index, None, delta.finish_reason)
+            item = await anext(events, None)
         if include_usage:
             yield reply.usage_chunk()
         yield SSE_DONE
@@ -215,14 +283,23 @@ async def stream_body(
         await events.aclose()  # no await inside: safe even when the task is being cancelled
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 as OpenAI's 400: the first problem, with the offending field as `param`."""
+def validation_error(exc: RequestValidationError, content_type: str | None) -> APIError:
+    """FastAPI's 422 as OpenAI's 400: the first problem, with the offending field as `param`.
+
+    FastAPI reads a body as JSON only under a JSON Content-Type; any other body fails as "not
+    an object", which would mislead when the body is JSON: the Content-Type is named instead.
+    """
     errors = exc.errors()
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
     if first["type"] == "json_invalid":
         reason = first.get("ctx", {}).get("error", "cannot parse")
         return APIError(400, f"request body is not valid JSON: {reason}")
     path = _field_path(first["loc"])
+    if not path and first["type"] != "missing" and not _is_json(content_type):
+        got = f"Content-Type {content_type!r}" if content_type else "no Content-Type header"
+        return APIError(
+            400, f"the request has {got}: send the JSON body with 'Content-Type: application/json'"
+        )
     if not path:
         if first["type"] == "missing":
             return APIError(400, "request body is missing: send a JSON object")
@@ -230,6 +307,14 @@ def validation_error(exc: RequestValidationError) -> APIError:
     others = {_field_path(e["loc"]) for e in errors} - {path}
     more = f" (and {len(others)} more problems)" if others else ""
     return APIError(400, f"{path}: {first['msg']}{more}", param=path)
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's rule: application/json or application/*+json, parameters aside."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
@@ -245,19 +330,26 @@ def create_app(
     api_key: str | None = None,
     model_name: str | None = None,
     cors_origins: tuple[str, ...] = (),
+    special_tokens: str = "parse",
+    max_body_bytes: int | None = None,
 ) -> FastAPI:
     """The ASGI app over a started `worker` that owns `llm` (an `nanoqwen.llm.LLM`).
 
     `model_name` is the id clients see and must send (default: `llm.model_name`);
-    `cors_origins` turns on CORS for those browser origins ("*": any).
+    `cors_origins` turns on CORS for those browser origins ("*": any); `special_tokens`: how
+    raw completion prompts encode special-token text (`LLM.prepare`); `max_body_bytes`: the
+    largest request body taken (None: limits.DEFAULT_MAX_BODY_BYTES).
     """
     app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None)
-    service = Service(llm, worker, model_name)
+    service = Service(llm, worker, model_name, special_tokens)
     metrics = Metrics(worker, llm)
     # add_middleware puts each one outside the ones before it: the key is checked last, after
-    # CORS has answered preflights (a browser sends them without credentials).
+    # the body limit and after CORS has answered preflights (a browser sends them without
+    # credentials); the telemetry outside them all counts and logs every answer, 413 and 401
+    # included.
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=OPEN_PATHS)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
     if cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -286,15 +378,22 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        # exc.headers carries e.g. the Allow header of a 405.
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         return APIError(500, f"internal error: {exc}", type="server_error").response()
+
+
+def _prefix_cache(stats: Any) -> dict[str, Any]:
+    """/health's view of the KV pool and the prefix cache (nanoqwen.kv_pages.KVStats)."""
+    rate = stats.hit_tokens / stats.lookup_tokens if stats.lookup_tokens else 0.0
+    return {"pages": stats.pages, "cached_pages": stats.cached, "hit_rate": round(rate, 4)}
 
 
 def _add_info_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
@@ -318,6 +417,7 @@ def _add_info_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
             "max_queue": worker.max_queue,
             "running": worker.running,
             "kv_pages_in_use": service.llm.kv_pages_in_use if alive else None,
+            "prefix_cache": _prefix_cache(service.llm.kv_stats) if alive else None,
         }
         return JSONResponse(body, status_code=200 if alive else 503)
 
@@ -342,16 +442,12 @@ def _add_generation_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         service.check_model(body.model)
-        ids = await service.prepare(body, messages=[m.as_template_message() for m in body.messages])
-        job = service.submit(body, ids, service.llm.max_context - len(ids))
-        return await service.respond(request, body, ids, job)
+        messages = [m.as_template_message() for m in body.messages]
+        ids = await service.prepare("messages", messages=messages)
+        return await service.respond(request, body, [ids], None)  # default: the rest
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         service.check_model(body.model)
-        if body.suffix is None:
-            ids = await service.prepare(body, prompt=body.prompt)
-        else:
-            ids = await service.prepare(body, fim=(body.prompt, body.suffix))
-        job = service.submit(body, ids, COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await service.respond(request, body, ids, job)
+        prompts = [await service.prepare(param, **args) for param, args in body.prepare_args()]
+        return await service.respond(request, body, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS)

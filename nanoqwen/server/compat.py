@@ -108,9 +108,12 @@ class Run:
         self.last: float | None = None
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
+        self.cached_tokens = 0  # of prompt_tokens, served from the prefix cache
 
     def add(self, delta: Any) -> None:
-        """Account for one `Delta(text, token_ids, finish_reason)` from `LLM.stream`."""
+        """Account for one `Delta(text, token_ids, finish_reason, cached_tokens)` from
+        `LLM.stream`."""
+        self.cached_tokens += delta.cached_tokens
         self.last = time.perf_counter()
         if self.first is None:
             self.first = self.last

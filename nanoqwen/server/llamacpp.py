@@ -23,7 +23,8 @@ dropped. The prefix and suffix are never cut: a FIM core that does not fit is a 
 
 The fields, each honoured, accepted as a pure hint, or refused (400) unless neutral:
 
-    honoured  n_predict (-1: until the context; 0: no generation, the prompt is only checked;
+    honoured  n_predict (-1: until the context; 0: a warm-up, the prompt prefilled into the
+              prefix cache and nothing returned;
               max_tokens is its fallback), stream, temperature, top_k (<= 0: off), top_p,
               seed (-1 and 4294967295: random), stop (empty strings skipped), samplers (which
               of top_k / top_p / temperature apply: a chain without "temperature" samples at
@@ -31,7 +32,7 @@ The fields, each honoured, accepted as a pure hint, or refused (400) unless neut
               rules, below), n_cmpl (<= MAX_COMPLETIONS completions, generated one after the
               other; a JSON array answers n_cmpl > 1), return_tokens, response_fields,
               timings_per_token, model (must name the served model when given)
-    hints     cache_prompt (there is no prompt cache: every request runs its prefill),
+    hints     cache_prompt (the prefix cache is always on: tokens_cached says what it served),
               t_max_prompt_ms (llama.cpp ignores it too), id_slot (-1 or 0: one slot),
               the "infill" sampler (llama.cpp's EOG/prefix-merging sampler: both editors
               always send it; sampling here is top_k/top_p/temperature only), n_keep and
@@ -289,7 +290,9 @@ FIELD_NAMES = field_names(InfillRequest, Chunk)
 
 def infill_prompt(tokenizer: Any, body: InfillRequest, max_context: int) -> tuple[list[int], bool]:
     """(prompt ids, whether input_extra chunks were dropped): see the module docstring."""
-    core = tokenizer.fim_prompt(body.input_prefix + body.prompt, body.input_suffix)
+    # Bounded like every prompt: tokenizing stops past the context (TooManyTokens, a 400).
+    core = tokenizer.fim_prompt(body.input_prefix + body.prompt, body.input_suffix,
+                                limit=max_context - 1)  # fmt: skip
     if not body.input_extra:
         return core, False
     head, tail = tokenizer.repo_name(REPO_NAME), tokenizer.repo_file(CURRENT_FILE)
@@ -429,7 +432,7 @@ class InfillReply:
             "stopped_word": stop == "word",
             "stopped_limit": stop == "limit",
             "stopping_word": word,
-            "tokens_cached": 0,
+            "tokens_cached": run.cached_tokens,
             "timings": timings(run),
         }
         return select(out, self.body.response_fields)
@@ -510,6 +513,7 @@ def add_llamacpp_routes(app: FastAPI, service: Service) -> None:
     async def infill(request: Request) -> Response:
         reply = await prepare(request, service)
         if reply.body.predict == 0:
+            await warm_up(request, reply)
             return JSONResponse(reply.final(0, None, streamed=False))
         if reply.body.stream:
             return await stream(request, reply)
@@ -545,19 +549,33 @@ async def prepare(request: Request, service: Service) -> InfillReply:
         )
     except NanoqwenError as exc:
         raise LlamaError(400, str(exc)) from None
-    if body.predict == 0:  # only the prompt is checked: there is no prompt cache to fill
+    if body.predict == 0:  # a warm-up: the prompt is prefilled for the cache (warm_up)
         try:
-            llm.check_fits(len(ids), 0)
+            llm.check_fits(len(ids), 1)
         except ContextError as exc:
             raise LlamaError.context(str(exc), len(ids), llm.max_context) from None
     return InfillReply(service, body, ids, truncated)
+
+
+async def warm_up(request: Request, reply: InfillReply) -> None:
+    """n_predict 0 (llama.vim sends its context chunks so): the prompt's K/V go into the
+    prefix cache, so the completion requests that follow prefill only what they add. One
+    greedy token is sampled and dropped (the engine's generation unit)."""
+    try:
+        job = reply.service.submit(reply.ids, SamplingParams(max_tokens=1))
+        async for _ in job_events(request, job):
+            pass
+    except APIError as exc:
+        raise reply.error(exc) from None
+    except ClientGone:
+        return
 
 
 def submit(request: Request, reply: InfillReply) -> tuple[Completion, Job, AsyncIterator[Any]]:
     """Queue one completion of the reply's prompt: its record, its job, and its pieces."""
     ids, service = reply.ids, reply.service
     try:
-        job = service.submit(reply.body, ids, service.llm.max_context - len(ids))
+        job = service.submit(ids, service.sampling(reply.body, ids, None))
     except APIError as exc:
         raise reply.error(exc) from None
     completion = Completion(reply.body, len(ids), job.params.max_tokens)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the format generate_latest writes
 
@@ -91,6 +92,39 @@ class Metrics:
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
+        r.register(PrefixCacheCollector(llm))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PrefixCacheCollector:
+    """The KV pool and the prefix cache, read from the engine's block manager when scraped
+    (nanoqwen.kv_pages.KVStats: its counts are cumulative, so they export as counters). The
+    hit rate is hit_tokens / lookup_tokens over any window."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def collect(self):
+        stats = self.llm.kv_stats
+        if stats is None:  # the engine is closed
+            return
+        cached = GaugeMetricFamily(
+            "nanoqwen_kv_pages_cached", "KV pages held by no one but findable in the prefix cache"
+        )
+        cached.add_metric([], stats.cached)
+        yield cached
+        total = GaugeMetricFamily("nanoqwen_kv_pages", "KV pages in the pool")
+        total.add_metric([], stats.pages)
+        yield total
+        for name, doc, value in (
+            ("nanoqwen_prefix_cache_lookup_tokens", "Prompt tokens looked up", stats.lookup_tokens),
+            ("nanoqwen_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+             stats.hit_tokens),
+            ("nanoqwen_kv_page_evictions", "Cached KV pages taken back for new K/V",
+             stats.evictions),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family

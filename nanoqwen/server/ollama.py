@@ -439,8 +439,8 @@ async def respond(
 ) -> Response:
     """Tokenize, queue, and answer: one JSON object, or NDJSON lines as the tokens come."""
     try:
-        ids = await service.prepare(body, **prompt)
-        job = service.submit(body, ids, service.llm.max_context - len(ids))
+        ids = await service.prepare(body.prompt_field, **prompt)
+        job = service.submit(ids, service.sampling(body, ids, None))
     except APIError as exc:
         raise OllamaError.from_api(exc) from None
     run = Run(len(ids))

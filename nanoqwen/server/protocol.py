@@ -1,9 +1,12 @@
 """OpenAI wire format: error objects, completion bodies and server-sent-event chunks.
 
-One `Reply` per request accumulates deltas and renders either the whole response
-(`chat.completion` / `text_completion`) or the stream chunks (`chat.completion.chunk` /
-`text_completion`), the same id and `created` on every chunk, then a usage chunk with
-`choices: []` as OpenAI sends with `stream_options.include_usage`, then `data: [DONE]`.
+One `Reply` per request accumulates deltas, one choice per prompt (a chat has one; a
+completion request one per prompt it lists, each with its `index`), and renders either the
+whole response (`chat.completion` / `text_completion`, usage summed over the choices) or the
+stream chunks (`chat.completion.chunk` / `text_completion`, each carrying its choice's index),
+the same id and `created` on every chunk; a usage chunk with `choices: []` only when
+`stream_options.include_usage` asks for it (OpenAI's default is none: clients that read
+`chunk.choices[0]` break on it), then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -45,32 +49,46 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
-class Reply:
-    """The response to one chat (`chat=True`) or text completion request."""
+class Choice:
+    """One choice of a reply: its text so far, completion tokens and finish reason."""
 
-    def __init__(self, *, chat: bool, model: str, prompt_tokens: int) -> None:
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+
+
+class Reply:
+    """The response to one chat (`chat=True`) or text completion request; `prompt_tokens`
+    holds one count per choice."""
+
+    def __init__(self, *, chat: bool, model: str, prompt_tokens: Sequence[int]) -> None:
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.prompt_tokens = prompt_tokens
-        self.completion_tokens = 0
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
+        self.prompt_tokens = sum(prompt_tokens)
+        self.cached_tokens = 0  # of prompt_tokens, served from the prefix cache
+        self.choices = [Choice() for _ in prompt_tokens]
 
-    def add(self, delta: Any) -> None:
-        """Account for one `Delta(text, token_ids, finish_reason)` from `LLM.stream`."""
-        self.completion_tokens += len(delta.token_ids)
-        self.text.append(delta.text)
+    def add(self, index: int, delta: Any) -> None:
+        """Account for one `Delta(text, token_ids, finish_reason, cached_tokens)` of choice
+        `index`."""
+        self.cached_tokens += delta.cached_tokens
+        choice = self.choices[index]
+        choice.completion_tokens += len(delta.token_ids)
+        choice.text.append(delta.text)
         if delta.finish_reason is not None:
-            self.finish_reason = delta.finish_reason
+            choice.finish_reason = delta.finish_reason
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        completion = sum(c.completion_tokens for c in self.choices)
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,32 +103,31 @@ class Reply:
 
     def body(self) -> dict[str, Any]:
         """The whole non-streamed response, after the last `add`."""
-        text = "".join(self.text)
-        if self.chat:
-            message = {"role": "assistant", "content": text, "refusal": None}
-            choice = {"index": 0, "message": message, "logprobs": None}
-            out = self._envelope(
-                "chat.completion", [choice | {"finish_reason": self.finish_reason}]
-            )
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-            out = self._envelope(
-                "text_completion", [choice | {"finish_reason": self.finish_reason}]
-            )
-        return out | {"usage": self.usage}
+        choices = []
+        for index, c in enumerate(self.choices):
+            text = "".join(c.text)
+            if self.chat:
+                content = {"message": {"role": "assistant", "content": text, "refusal": None}}
+            else:
+                content = {"text": text}
+            tail = {"logprobs": None, "finish_reason": c.finish_reason}
+            choices.append({"index": index} | content | tail)
+        object_ = "chat.completion" if self.chat else "text_completion"
+        return self._envelope(object_, choices) | {"usage": self.usage}
 
     def chunk(
-        self, text: str | None, finish_reason: str | None = None, role: bool = False
+        self, index: int, text: str | None, finish_reason: str | None = None, role: bool = False
     ) -> bytes:
-        """One stream event: new text, or (text None) the final choice with `finish_reason`."""
+        """One stream event of choice `index`: new text, or (text None) its `finish_reason`."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta}
+            choice |= {"logprobs": None, "finish_reason": finish_reason}
             return sse(self._envelope("chat.completion.chunk", [choice]))
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return sse(self._envelope("text_completion", [choice]))
+        choice = {"index": index, "text": text or "", "logprobs": None}
+        return sse(self._envelope("text_completion", [choice | {"finish_reason": finish_reason}]))
 
     def usage_chunk(self) -> bytes:
         object_ = "chat.completion.chunk" if self.chat else "text_completion"

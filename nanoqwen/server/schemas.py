@@ -2,25 +2,59 @@
 
 Models are strict (a string is not a number, a number is not a string) and follow OpenAI's
 ranges: temperature in [0, 2], top_p in [0, 1] (0 keeps only the most probable token: greedy),
-at most 4 stop strings; null means "default", as in OpenAI's API. Unknown fields are ignored,
-as OpenAI clients send extras freely; the fields we know but cannot honour (n > 1, logprobs,
-echo, best_of > 1, penalties, tools) are accepted only at their neutral value, so a request
-never silently gets something it did not ask for. `max_tokens` has no upper bound here: the
-context check (`LLM.check_fits`) names the limit.
+at most 4 stop strings; null means "default", as in OpenAI's API. `prompt` takes OpenAI's four
+forms: a string, a list of strings, a list of token ids, a list of token-id lists (at most
+MAX_PROMPTS prompts, one choice each). `max_tokens` has no upper bound here: the context check
+(`LLM.check_fits`) names the limit.
+
+Every field of OpenAI's chat and completions requests is one of three kinds:
+  honoured     model, messages, prompt, suffix, max_tokens, max_completion_tokens, temperature,
+               top_p, seed, stop, stream, stream_options.include_usage;
+  metadata     user, metadata, store, service_tier, safety_identifier, prompt_cache_key,
+               prompt_cache_options, prompt_cache_retention, parallel_tool_calls (no tools are
+               ever called), stream_options.include_obfuscation: accepted, change nothing;
+  unsupported  n, best_of, echo, logprobs, top_logprobs, logit_bias, presence_penalty,
+               frequency_penalty, response_format, tools, tool_choice, functions,
+               function_call, audio, modalities, prediction, moderation, reasoning_effort,
+               verbosity, web_search_options: accepted only at the value that asks for nothing
+               (`neutral`), any other value is a 400 naming the field.
+So a request never silently gets less than it asked for. Fields OpenAI does not have are
+ignored, as OpenAI clients send extras freely; top_k is our one extension (vLLM has it too).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 32  # prompts of one completion request (LangChain's OpenAI LLM sends 20 at once)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 StopString = Annotated[str, Field(min_length=1)]
+
+
+def neutral(*accepted: Any) -> Any:
+    """The type of an OpenAI field this server cannot honour: only null (absent) and the
+    `accepted` values, which ask for nothing, pass; anything else is refused by name."""
+    shown = " or ".join([*(json.dumps(v) for v in accepted), "null"])
+
+    def check(value: Any) -> Any:
+        # json.dumps tells apart what == does not: true from 1, 1.0 from 1.
+        if not any(json.dumps(value, sort_keys=True) == json.dumps(v) for v in accepted):
+            raise PydanticCustomError(
+                "unsupported",
+                "not supported by this server; only {accepted} is accepted",
+                {"accepted": shown},
+            )
+        return value
+
+    return Annotated[Any, AfterValidator(check)]
 
 
 class TextPart(BaseModel):
@@ -45,7 +79,7 @@ class Message(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
-    include_usage: bool = True
+    include_usage: bool = False  # OpenAI's default: no usage chunk
 
 
 class GenerationRequest(BaseModel):
@@ -61,10 +95,11 @@ class GenerationRequest(BaseModel):
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # an extension (vLLM has it too); 0 = off
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: Literal[1] = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stop: tuple[StopString, ...] = ()
+    n: neutral(1) = None
+    presence_penalty: neutral(0, 0.0) = None
+    frequency_penalty: neutral(0, 0.0) = None
+    logit_bias: neutral({}) = None
 
     prompt_field: ClassVar[str]  # the field that carries the prompt, for error messages
 
@@ -76,16 +111,29 @@ class GenerationRequest(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("penalties are not supported by this server; only 0 is accepted")
-        return value
+    def _stop_strings(cls, value: Any) -> Any:
+        # One string, or a list of strings: say so plainly rather than report both union arms.
+        if isinstance(value, str):
+            return (value,)
+        if not isinstance(value, list):
+            raise PydanticCustomError(
+                "stop_type",
+                "must be a string or a list of at most {most} strings",
+                {"most": MAX_STOP_STRINGS},
+            )
+        if len(value) > MAX_STOP_STRINGS:
+            raise PydanticCustomError(
+                "too_many_stops",
+                "at most {most} stop strings are supported, got {got}",
+                {"most": MAX_STOP_STRINGS, "got": len(value)},
+            )
+        return tuple(value)
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is None or self.stream_options.include_usage
+        return self.stream_options is not None and self.stream_options.include_usage
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -95,14 +143,13 @@ class GenerationRequest(BaseModel):
         return "max_tokens"
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            temperature=0.0 if self.top_p == 0.0 else self.temperature,
+            temperature=self.temperature,
             top_k=self.top_k,
-            top_p=self.top_p if self.top_p > 0.0 else 1.0,
+            top_p=self.top_p,
             seed=self.seed,
             max_tokens=max_tokens,
-            stop=stop,
+            stop=self.stop,
         )
 
 
@@ -110,8 +157,20 @@ class ChatRequest(GenerationRequest):
     prompt_field = "messages"
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] = False
-    tools: Annotated[list[object], Field(max_length=0)] | None = None
+    logprobs: neutral(False) = None
+    top_logprobs: neutral(0) = None
+    tools: neutral([]) = None
+    tool_choice: neutral("none") = None
+    functions: neutral([]) = None
+    function_call: neutral("none") = None
+    response_format: neutral({"type": "text"}) = None
+    audio: neutral() = None
+    modalities: neutral(["text"]) = None
+    prediction: neutral() = None
+    moderation: neutral() = None
+    reasoning_effort: neutral("none") = None
+    verbosity: neutral("medium") = None
+    web_search_options: neutral() = None
 
     def requested_max_tokens(self) -> int | None:
         # The newer name wins when both are given, as in OpenAI's API.
@@ -122,13 +181,65 @@ class ChatRequest(GenerationRequest):
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
 
+def _is_id(x: Any) -> bool:
+    return type(x) is int  # not bool: strict, like every other field
+
+
 class CompletionRequest(GenerationRequest):
     prompt_field = "prompt"
-    prompt: str
-    suffix: str | None = None  # given: fill-in-the-middle between prompt and suffix
-    echo: Literal[False] = False
-    best_of: Literal[1] = 1
-    logprobs: None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None  # given: fill-in-the-middle between each prompt and suffix
+    echo: neutral(False) = None
+    best_of: neutral(1) = None
+    logprobs: neutral() = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_forms(cls, value: Any) -> Any:
+        # Checked here to name the four forms, where the union would report each arm's error.
+        if isinstance(value, str) or (
+            isinstance(value, list) and value and all(map(_is_id, value))
+        ):
+            return value
+        forms = (
+            isinstance(value, list)
+            and value
+            and (
+                all(isinstance(p, str) for p in value)
+                or all(isinstance(p, list) and p and all(map(_is_id, p)) for p in value)
+            )
+        )
+        if not forms:
+            raise PydanticCustomError(
+                "prompt_form",
+                "must be a string, a list of strings, a list of token ids or a list of "
+                "non-empty token-id lists",
+            )
+        if len(value) > MAX_PROMPTS:
+            raise PydanticCustomError(
+                "too_many_prompts",
+                "at most {most} prompts per request, got {got}",
+                {"most": MAX_PROMPTS, "got": len(value)},
+            )
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_needs_text(cls, value: str | None, info: Any) -> str | None:
+        prompt = info.data.get("prompt")
+        if value is not None and isinstance(prompt, list) and not isinstance(prompt[0], str):
+            raise PydanticCustomError("suffix_ids", "goes with text prompts, not token ids")
+        return value
+
+    def prepare_args(self) -> list[tuple[str, dict[str, Any]]]:
+        """(param, `LLM.prepare` keyword arguments) for each prompt, in choice order."""
+        if isinstance(self.prompt, str) or _is_id(self.prompt[0]):
+            prompts = [("prompt", self.prompt)]
+        else:
+            prompts = [(f"prompt[{i}]", p) for i, p in enumerate(self.prompt)]
+        if self.suffix is None:
+            return [(param, {"prompt": p}) for param, p in prompts]
+        return [(param, {"fim": (p, self.suffix)}) for param, p in prompts]
 
 
 def field_names() -> frozenset[str]:
