@@ -337,7 +337,8 @@ def test_context_overflow_and_unknown_model(server):
     r = vim_post(server, vim_fim("y" * 5000, "", "", n_predict=4))
     error = r.json()["error"]
     assert r.status_code == 400 and error["type"] == "exceed_context_size_error"
-    assert error["n_prompt_tokens"] == 5003 and error["n_ctx"] == 4096
+    # Tokenizing stops past the context, so the count is a lower bound (llama.cpp's is exact).
+    assert error["n_prompt_tokens"] >= error["n_ctx"] == 4096
     r = vim_post(server, vim_fim("a", "", "b", model="qwen2.5-coder:7b"))
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 

@@ -209,7 +209,7 @@ def test_served_model_name_is_the_model_id(ops, plain):
     r = httpx.post(ops.url + "/v1/completions", json=completion(NAME, 2), headers=AUTH)
     assert r.status_code == 200 and r.json()["model"] == NAME
     stem = httpx.post(ops.url + "/v1/completions", json=completion("tiny", 2), headers=AUTH)
-    assert stem.status_code == 400 and stem.json()["error"]["code"] == "model_not_found"
+    assert stem.status_code == 404 and stem.json()["error"]["code"] == "model_not_found"
     assert ops.health()["model"] == NAME
     assert [m["id"] for m in httpx.get(plain.url + "/v1/models").json()["data"]] == ["tiny"]
 

@@ -70,7 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .. import __version__
 from ..errors import ContextError, NanoqwenError
 from ..sampling import SamplingParams
-from ..tokenizer import StopMatcher
+from ..tokenizer import StopMatcher, TooManyTokens
 from .app import ClientGone, JobStream, Service, job_events
 from .compat import (
     BadBody,
@@ -547,6 +547,8 @@ async def prepare(request: Request, service: Service) -> InfillReply:
         ids, truncated = await run_in_threadpool(
             infill_prompt, llm.tokenizer, body, llm.max_context
         )
+    except TooManyTokens as exc:  # tokenizing stopped past the context: a lower bound
+        raise LlamaError.context(str(exc), exc.limit + 1, llm.max_context) from None
     except NanoqwenError as exc:
         raise LlamaError(400, str(exc)) from None
     if body.predict == 0:  # a warm-up: the prompt is prefilled for the cache (warm_up)
