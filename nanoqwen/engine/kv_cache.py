@@ -65,10 +65,14 @@ class KVCache:
                 f"(+{MEMORY_MARGIN} margin) but only {free} of {total} bytes are free; "
                 "lower max_context"
             )
+        # Zeroed once: attention reads whole tiles and multiplies a masked key's V by P = 0,
+        # and 0 x NaN is NaN, so no slot may ever hold a non-finite bit pattern. Only finite
+        # K/V are written later, but recycled device memory (a closed engine's) holds anything.
         self.k, self.v = [], []
         for _ in range(config.num_layers):
-            self.k.append(gpu.alloc(layer_bytes, "k cache").ptr)
-            self.v.append(gpu.alloc(layer_bytes, "v cache").ptr)
+            for pool in (self.k, self.v):
+                pool.append(gpu.alloc(layer_bytes, "k/v cache").ptr)
+                gpu.memset(pool[-1], 0, layer_bytes)
         self.page_table = gpu.alloc(self.num_pages * 4, "page table").ptr
         self.pages = BlockManager(self.num_pages, prefix_caching)
         self._identity = np.arange(self.num_pages, dtype=np.int32)
