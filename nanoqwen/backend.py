@@ -35,7 +35,8 @@ def check_max_context(max_context: int, config: ModelConfig) -> int:
 
 def check_prompt(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     """Prompt ids -> int64 [T]: refuses an empty prompt and ids outside the vocabulary."""
-    ids = np.asarray(list(token_ids), dtype=np.int64)
+    ids = np.asarray(token_ids if isinstance(token_ids, list | np.ndarray) else list(token_ids),
+                     dtype=np.int64)  # fmt: skip
     if ids.ndim != 1 or ids.size == 0:
         raise ContextError("empty prompt: at least one token id is needed")
     bad = (ids < 0) | (ids >= vocab_size)

@@ -13,7 +13,7 @@ to a physical page, grown by `reserve` as the sequence grows.
 
 Prefix caching. A full page whose K/V are written is sealed: it gets a chained hash
 (blake2b of the previous page's hash and its 16 token ids, int32 little-endian) and an entry
-(hash, its token ids, a serial number, its parent's serial). `admit` walks a new prompt's
+(hash, its ids' bytes, a serial number, its parent's serial). `admit` walks a new prompt's
 pages through the hash map and accepts page i only when the entry's token ids equal the
 prompt's AND its parent is the page accepted at i - 1: by induction a hit's whole prefix
 equals the prompt's token for token, whatever the hash does. (Checking only page i's own ids
@@ -50,20 +50,28 @@ from .errors import ContextError
 ROOT = 0  # the parent serial of every sequence's page 0
 
 
-def page_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
-    """The chained key of a full page: its parent's key (b"" for page 0) and its token ids."""
-    data = prev + struct.pack(f"<{len(tokens)}i", *tokens)
-    return hashlib.blake2b(data, digest_size=16).digest()
+def id_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as int32 little-endian bytes: what pages are hashed and compared by."""
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def page_hash(prev: bytes, page: bytes) -> bytes:
+    """The chained key of a full page: its parent's key (b"" for page 0) and its ids' bytes."""
+    return hashlib.blake2b(prev + page, digest_size=16).digest()
 
 
 @dataclass(frozen=True)
 class CachedPage:
     """The prefix-cache entry of one sealed page."""
 
-    key: bytes  # page_hash(parent's key, tokens)
-    tokens: tuple[int, ...]  # the PAGE_TOKENS ids whose K/V the page holds
+    key: bytes  # page_hash(parent's key, page)
+    page: bytes  # id_bytes of the PAGE_TOKENS ids whose K/V the page holds
     serial: int  # unique per sealing: names this entry as a parent
     parent: int  # the serial of the page before it (ROOT for page 0)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return struct.unpack(f"<{PAGE_TOKENS}i", self.page)
 
 
 @dataclass(frozen=True)
@@ -128,14 +136,17 @@ class BlockManager:
         table = PageTable()
         if not self.prefix_caching:
             return table
-        prompt = [int(t) for t in prompt]
+        # One conversion and one pack for the whole prompt, then bytes slices: a 32k prompt's
+        # 2047 pages are walked in a few milliseconds, before its prefill can start.
+        prompt = prompt.tolist() if hasattr(prompt, "tolist") else [int(t) for t in prompt]
+        ids, step = id_bytes(prompt), 4 * PAGE_TOKENS
         key, parent = b"", ROOT
         for i in range((len(prompt) - 1) // PAGE_TOKENS):
-            tokens = tuple(prompt[i * PAGE_TOKENS : (i + 1) * PAGE_TOKENS])
-            key = page_hash(key, tokens)
+            data = ids[i * step : (i + 1) * step]
+            key = page_hash(key, data)
             page = self._by_key.get(key)
             entry = None if page is None else self._entries[page]
-            if entry is None or entry.tokens != tokens or entry.parent != parent:
+            if entry is None or entry.page != data or entry.parent != parent:
                 break
             self._take(page)
             table.pages.append(page)
@@ -218,16 +229,16 @@ class BlockManager:
         table._sealed += 1
         if table._parent is None:
             return
-        tokens = tuple(table.tokens[i * PAGE_TOKENS : (i + 1) * PAGE_TOKENS])
-        key = page_hash(table._key, tokens)
+        data = id_bytes(table.tokens[i * PAGE_TOKENS : (i + 1) * PAGE_TOKENS])
+        key = page_hash(table._key, data)
         other = self._by_key.get(key)
         if other is None:
-            entry = CachedPage(key, tokens, next(self._serials), table._parent)
+            entry = CachedPage(key, data, next(self._serials), table._parent)
             self._entries[table.pages[i]] = entry
             self._by_key[key] = table.pages[i]
         else:
             entry = self._entries[other]
-            if entry.tokens != tokens or entry.parent != table._parent:
+            if entry.page != data or entry.parent != table._parent:
                 table._parent = None
                 return
         table._key, table._parent = key, entry.serial

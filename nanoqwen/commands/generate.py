@@ -151,10 +151,11 @@ def stream_to_stdout(llm, ids, params) -> tuple[str, str]:
     """Stream a completion to stdout (flushed per delta); stats on stderr. (text, finish)."""
     start = time.perf_counter()
     first = None  # when the first token arrived (prefill + one step)
-    count, parts, finish = 0, [], "length"
+    count, parts, finish, cached = 0, [], "length", 0
     for delta in llm.stream(ids, params):
         first = first or time.perf_counter()
         count += len(delta.token_ids)
+        cached += delta.cached_tokens
         parts.append(delta.text)
         finish = delta.finish_reason or finish
         sys.stdout.write(delta.text)
@@ -166,7 +167,8 @@ def stream_to_stdout(llm, ids, params) -> tuple[str, str]:
     first = first or end
     rate = (count - 1) / (end - first) if count > 1 and end > first else 0.0
     print(
-        f"nanoqwen: prompt {len(ids)} tokens, generated {count} tokens in {end - start:.2f} s "
+        f"nanoqwen: prompt {len(ids)} tokens ({cached} cached), generated {count} tokens in "
+        f"{end - start:.2f} s "
         f"(first after {first - start:.2f} s, then {rate:.1f} tokens/s), finish {finish}",
         file=sys.stderr,
     )
