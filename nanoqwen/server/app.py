@@ -3,9 +3,10 @@
 Every request is bounded and validated before it reaches the engine queue: a body over the
 limit is a 413 before it is read (limits.py), then pydantic, the model name (404 if not
 served), tokenization and `LLM.check_fits` (400), so a bad request costs no GPU work and always
-gets an OpenAI error object. Prompts are tokenized in the thread pool, the tokenizer releasing
-the GIL, and tokenization stops once a prompt cannot fit the context (`LLM.prepare`): a huge
-prompt never stalls the event loop or other requests. A raw /v1/completions prompt's
+gets an OpenAI error object. A short prompt is tokenized on the event loop (less than the
+thread hop costs); a longer one in the thread pool, the tokenizer releasing the GIL, and
+tokenization stops once a prompt cannot fit the context (`LLM.prepare`): a huge prompt never
+stalls the event loop or other requests. A raw /v1/completions prompt's
 special-token text (`<|fim_prefix|>` ...) becomes control tokens unless the server runs with
 `--special-tokens text`; chat message contents never do. Only the worker thread runs the
 engine.
@@ -20,7 +21,9 @@ the job's events, so a request whose client left is cancelled at once, streamed 
 flowing or not; `JobStream` also cancels the job however its response ends.
 
 Every request passes `RequestTelemetry` (request id, metrics, one log line; middleware.py),
-then CORS when origins are configured, then the API key. /health and /metrics need no key.
+then CORS when origins are configured, then the body limit, then the API key. /health and
+/metrics need no key. The llama.cpp (/infill) and Ollama (/api/*) routes reuse `Service`,
+`job_events` and `JobStream` with their own bodies and error shapes (llamacpp.py, ollama.py).
 """
 
 from __future__ import annotations
