@@ -11,15 +11,16 @@ Cached pages count as capacity: when the free list is empty, `reserve` evicts th
 recently used one. A sequence's `PageTable` maps its logical page i (positions 16i..16i+15)
 to a physical page, grown by `reserve` as the sequence grows.
 
-Prefix caching. A full page whose K/V are written is sealed: it gets a chained hash
-(blake2b of the previous page's hash and its 16 token ids, int32 little-endian) and an entry
-(hash, its ids' bytes, a serial number, its parent's serial). `admit` walks a new prompt's
-pages through the hash map and accepts page i only when the entry's token ids equal the
-prompt's AND its parent is the page accepted at i - 1: by induction a hit's whole prefix
-equals the prompt's token for token, whatever the hash does. (Checking only page i's own ids
-would trust the hash for the prefix: two chains whose hashes collided at page i - 1 could share
-a page i of equal ids computed over different histories.) Serials, not page ids, name parents:
-an evicted page that is reused gets a new serial, so its former children never match again.
+Prefix caching. A full page whose K/V are written is sealed: it gets an entry (its 16 token
+ids as int32 little-endian bytes, a serial number, its parent's serial) and goes into a map
+keyed by (parent's serial, ids' bytes). That key is the chained hash of the page's whole
+prefix with the hashing left to the dict: the parent's serial names the cached chain before
+the page exactly, and a dict hit compares the whole key, so a hit's prefix equals the prompt's
+token for token by induction, and no digest is ever trusted (a digest of (parent digest, ids),
+nano-vllm's and vLLM's scheme, must be checked against the ids and the parent anyway). The
+walk costs one bytes slice and one dict probe a page: a 32k prompt's 2047 pages in well under
+a millisecond, before its prefill can start. Serials, not page ids, name parents: an evicted
+page that is reused gets a new serial, so its former children never match again.
 
 The reuse rule: only full pages strictly before the prompt's last token are reused. The last
 prompt token is always computed (its logits are the first sample), and every sequence writes
@@ -37,12 +38,14 @@ Not thread-safe: one engine thread drives it.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 from .config import PAGE_TOKENS
 from .errors import ContextError
@@ -51,23 +54,25 @@ ROOT = 0  # the parent serial of every sequence's page 0
 
 
 def id_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as int32 little-endian bytes: what pages are hashed and compared by."""
+    """Token ids (a sequence of ints or an integer array) as int32 little-endian bytes: what
+    pages are keyed and compared by."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype("<i4", copy=False).tobytes()
     return struct.pack(f"<{len(tokens)}i", *tokens)
 
 
-def page_hash(prev: bytes, page: bytes) -> bytes:
-    """The chained key of a full page: its parent's key (b"" for page 0) and its ids' bytes."""
-    return hashlib.blake2b(prev + page, digest_size=16).digest()
+class CachedPage(NamedTuple):
+    """The prefix-cache entry of one sealed page (a tuple: a 32k prompt seals 2048 of them
+    after its generation, and a frozen dataclass costs several times as much to make)."""
 
-
-@dataclass(frozen=True)
-class CachedPage:
-    """The prefix-cache entry of one sealed page."""
-
-    key: bytes  # page_hash(parent's key, page)
     page: bytes  # id_bytes of the PAGE_TOKENS ids whose K/V the page holds
     serial: int  # unique per sealing: names this entry as a parent
     parent: int  # the serial of the page before it (ROOT for page 0)
+
+    @property
+    def key(self) -> tuple[int, bytes]:
+        """Its key in the prefix map: (parent's serial, ids' bytes)."""
+        return self.parent, self.page
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -92,19 +97,18 @@ class PageTable:
     K/V are written (position order, so len(tokens) is the next position to compute);
     `cached_tokens` of them came from the prefix cache at admission."""
 
-    __slots__ = ("pages", "tokens", "cached_tokens", "_sealed", "_key", "_parent")
+    __slots__ = ("pages", "tokens", "cached_tokens", "_sealed", "_parent")
 
     def __init__(self) -> None:
         self.pages: list[int] = []
         self.tokens: list[int] = []
         self.cached_tokens = 0
         self._sealed = 0  # leading pages that are sealed (or were hits)
-        self._key = b""  # key of the last sealed page
-        self._parent: int | None = ROOT  # its serial; None: the chain stopped at a collision
+        self._parent = ROOT  # the serial of the last sealed page's entry
 
 
 class BlockManager:
-    """Refcounted pages, a free list, an LRU of cached pages and the hash -> page map."""
+    """Refcounted pages, a free list, an LRU of cached pages and the prefix map."""
 
     def __init__(self, num_pages: int, prefix_caching: bool = True) -> None:
         self.num_pages, self.prefix_caching = num_pages, prefix_caching
@@ -113,7 +117,7 @@ class BlockManager:
         # a wrong indirection shows in the tests.
         self._free = list(range(num_pages))
         self._entries: list[CachedPage | None] = [None] * num_pages
-        self._by_key: dict[bytes, int] = {}
+        self._by_key: dict[tuple[int, bytes], int] = {}  # CachedPage.key -> page
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0; oldest first
         self._serials = itertools.count(ROOT + 1)
         self._lookup_tokens = self._hit_tokens = self._evictions = 0
@@ -136,22 +140,19 @@ class BlockManager:
         table = PageTable()
         if not self.prefix_caching:
             return table
-        # One conversion and one pack for the whole prompt, then bytes slices: a 32k prompt's
-        # 2047 pages are walked in a few milliseconds, before its prefill can start.
-        prompt = prompt.tolist() if hasattr(prompt, "tolist") else [int(t) for t in prompt]
+        # One pack for the whole prompt, then a bytes slice a page.
         ids, step = id_bytes(prompt), 4 * PAGE_TOKENS
-        key, parent = b"", ROOT
+        prompt = prompt.tolist() if isinstance(prompt, np.ndarray) else [int(t) for t in prompt]
+        lookup, entries, refs, unlist = self._by_key.get, self._entries, self._refs, self._lru.pop
+        pages, parent = table.pages, ROOT
         for i in range((len(prompt) - 1) // PAGE_TOKENS):
-            data = ids[i * step : (i + 1) * step]
-            key = page_hash(key, data)
-            page = self._by_key.get(key)
-            entry = None if page is None else self._entries[page]
-            if entry is None or entry.page != data or entry.parent != parent:
+            page = lookup((parent, ids[i * step : (i + 1) * step]))
+            if page is None:
                 break
-            self._take(page)
-            table.pages.append(page)
-            parent = entry.serial
-            table._key = key
+            unlist(page, None)  # one more reference: out of the LRU if it was unreferenced
+            refs[page] += 1
+            pages.append(page)
+            parent = entries[page].serial
         n = len(table.pages) * PAGE_TOKENS
         table.tokens, table.cached_tokens = prompt[:n], n
         table._sealed, table._parent = len(table.pages), parent
@@ -184,10 +185,14 @@ class BlockManager:
             raise ValueError(
                 f"commit up to position {end} runs past the {len(table.pages)} pages reserved"
             )
-        table.tokens.extend(int(t) for t in tokens)
-        if self.prefix_caching:
-            while (table._sealed + 1) * PAGE_TOKENS <= end:
-                self._seal(table)
+        table.tokens.extend(map(int, tokens))
+        if not self.prefix_caching or end < (table._sealed + 1) * PAGE_TOKENS:
+            return
+        # The completed pages' ids packed once, then a slice each.
+        first, step = table._sealed * PAGE_TOKENS, 4 * PAGE_TOKENS
+        data = id_bytes(table.tokens[first : end - end % PAGE_TOKENS])
+        for at in range(0, len(data), step):
+            self._seal(table, data[at : at + step])
 
     def release(self, table: PageTable) -> None:
         """Drop the table's references, tail first (sealed pages stay cached); empties it."""
@@ -207,11 +212,6 @@ class BlockManager:
             self._free.append(self._evict())
 
     # -- internals ---------------------------------------------------------------------------
-    def _take(self, page: int) -> None:
-        """One more reference to a cached page (out of the LRU if it was unreferenced)."""
-        self._lru.pop(page, None)
-        self._refs[page] += 1
-
     def _evict(self) -> int:
         """The least recently used cached page, forgotten by the cache."""
         page, _ = self._lru.popitem(last=False)
@@ -220,25 +220,17 @@ class BlockManager:
         self._evictions += 1
         return page
 
-    def _seal(self, table: PageTable) -> None:
-        """Enter the table's next full page into the cache. A page whose key is already taken
-        is not entered: by an equal entry (same ids, same parent: this content was computed
-        twice) the chain continues through that entry; by another, the chain stops, since no
-        lookup could pass this page to reach the ones after it."""
+    def _seal(self, table: PageTable, data: bytes) -> None:
+        """Enter the table's next full page, whose ids' bytes are `data`, into the cache. When
+        its key is already there, the same ids after the same chain were computed twice (two
+        sequences at once): the page stays private (freed at release) and the chain continues
+        through the cached one."""
         i = table._sealed
         table._sealed += 1
-        if table._parent is None:
-            return
-        data = id_bytes(table.tokens[i * PAGE_TOKENS : (i + 1) * PAGE_TOKENS])
-        key = page_hash(table._key, data)
-        other = self._by_key.get(key)
-        if other is None:
-            entry = CachedPage(key, data, next(self._serials), table._parent)
-            self._entries[table.pages[i]] = entry
-            self._by_key[key] = table.pages[i]
-        else:
-            entry = self._entries[other]
-            if entry.page != data or entry.parent != table._parent:
-                table._parent = None
-                return
-        table._key, table._parent = key, entry.serial
+        key = (table._parent, data)
+        page = self._by_key.get(key)
+        if page is None:
+            page = table.pages[i]
+            self._entries[page] = CachedPage(key[1], next(self._serials), key[0])
+            self._by_key[key] = page
+        table._parent = self._entries[page].serial
