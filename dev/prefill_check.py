@@ -1,7 +1,7 @@
 """Prefill kernels playground: validate against PyTorch, then time (run on an sm_90 GPU).
 
     PYTHONPATH=. python3 dev/prefill_check.py [--quick] [--only SUBSTR] [--extra] [--out DIR]
-        [--parts gemm,attention,timing]
+        [--parts gemm,attention,timing] [--timing-m 512]
 
 Tiles: every GemmTile of nanoqwen.cuda.registry.GEMM_TILES, plus EXTRA_TILES with --extra,
 built as one PrefillKernels(tiles=...); --only keeps the tiles whose TOKENSxSTAGES (e.g.
@@ -12,10 +12,11 @@ rows, the tolerances and their reasons), the GEMMs on every 7B shape with every 
 attention at GQA 7:1 (7B, D 128), 2:1 (D 128) and 2:1 (tiny, D 64).
 
 Timing: the Gpu's events around 20 calls queued back to back, median of 5, for each 7B shape
-at M = 512 and each tile, beside cuBLAS fp16 (torch.matmul) on the same shape as a yardstick;
-the attention at T = 512, 2048 and 8192; then the projected 512-token prefill: 28 x (the
-picked tile's GEMM times + attention at 512). torch runs on the Gpu's stream throughout, so
-its spin kernel, cuBLAS and our launches share one queue.
+at each M of --timing-m (512: the rate GemmTile.tflops records) and each tile, beside cuBLAS
+fp16 (torch.matmul) on the same shape as a yardstick; the attention at T = 512, 2048 and
+8192; then the projected 512-token prefill: 28 x (the picked tile's GEMM times + attention
+at 512). torch runs on the Gpu's stream throughout, so its spin kernel, cuBLAS and our
+launches share one queue.
 
 Printed (and logged to --out with a JSON summary): each kernel's registers / spills / shared
 memory; a table of max|err| / max|ref| per shape, tile and M (* marks a case over tolerance
@@ -53,7 +54,7 @@ SPIN_CYCLES = 4_000_000  # torch.cuda._sleep ahead of a timed batch: ~2 ms at ~2
 EXTRA_TILES = tuple(
     GemmTile(tokens, stages, swiglu, 300.0)
     for swiglu in (False, True)
-    for tokens, stages in ((128, 8), (256, 5))
+    for tokens, stages in ((64, 8), (64, 12), (128, 8), (256, 5))
 )
 
 
@@ -108,12 +109,15 @@ def time_shape(pk, name, shape, gen, m=512):
     return rows, picked_ms
 
 
-def time_all(pk, cfg, gen):
+def time_all(pk, cfg, gen, ms=(512,)):
+    """The GEMM rows at every M of `ms`; `best` (the picked tiles' times) at the first."""
     results, best = [], {}
-    for name, shape in gemm_shapes(cfg).items():
-        rows, picked_ms = time_shape(pk, name, shape, gen)
-        results += rows
-        best[name] = picked_ms  # what the engine runs: the tile pick_gemm chooses
+    for m in ms:
+        for name, shape in gemm_shapes(cfg).items():
+            rows, picked_ms = time_shape(pk, name, shape, gen, m)
+            results += [(f"{shape_name} M={m}", *rest) for shape_name, *rest in rows]
+            if m == ms[0]:
+                best[name] = picked_ms  # what the engine runs: the tile pick_gemm chooses
     attn_ms = {}
     for t in ATTN_TIMED_T:
         q = torch.randn(t, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.float16)
@@ -161,14 +165,14 @@ def run(args, gpu: Gpu, tiles: tuple[GemmTile, ...], parts: set[str], log) -> in
         a_ok, a_worst = check_attention(configs, gen, log)
         summary.update(attn_ok=a_ok, attn_worst_abs=a_worst)
     if "timing" in parts:
-        results, best, attn_ms, per_layer = time_all(pk, cfg7, gen)
-        log(f"\n{'shape':10s} {'tile':28s} {'ms':>8s} {'TFLOP/s':>9s}   (M = 512, 5 x 20 calls)")
+        results, best, attn_ms, per_layer = time_all(pk, cfg7, gen, args.timing_m)
+        log(f"\n{'shape':16s} {'tile':28s} {'ms':>8s} {'TFLOP/s':>9s}   (5 x 20 calls)")
         for name, tile, ms, tf in results:
-            log(f"{name:10s} {tile:28s} {ms:8.4f} {tf:9.1f}")
+            log(f"{name:16s} {tile:28s} {ms:8.4f} {tf:9.1f}")
         total = per_layer * cfg7.num_layers
         log(
-            f"\nper layer: picked GEMMs {sum(best.values()):.3f} ms + attention {attn_ms:.3f} "
-            f"ms; x{cfg7.num_layers} layers = {total:.2f} ms projected 512-token prefill"
+            f"\nper layer: picked GEMMs at M = {args.timing_m[0]} {sum(best.values()):.3f} ms + "
+            f"attention at 512 {attn_ms:.3f} ms; x{cfg7.num_layers} layers = {total:.2f} ms"
         )
         summary.update(best_ms=best, attn_ms=attn_ms, projected_prefill_ms=total, table=results)
     (Path(args.out) / f"prefill_check_{'_'.join(sorted(parts))}.json").write_text(
@@ -187,7 +191,9 @@ def main() -> int:
     ap.add_argument(
         "--parts", default="gemm,attention,timing", help="comma list: gemm, attention, timing"
     )
+    ap.add_argument("--timing-m", default="512", help="comma list of GEMM M values to time")
     args = ap.parse_args()
+    args.timing_m = tuple(int(m) for m in args.timing_m.split(","))
     tiles = GEMM_TILES + (EXTRA_TILES if args.extra else ())
     tiles = tuple(t for t in tiles if args.only in tile_name(t))
     for swiglu in (False, True):  # pick_gemm and the shapes need both kinds

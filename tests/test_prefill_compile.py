@@ -286,12 +286,14 @@ def test_pick_gemm_matches_swiglu(m):
 
 
 def test_pick_gemm_takes_the_measured_winners():
-    """At M = 512 the 256-token tile, whose measured rate is the higher (registry.GEMM_TILES);
-    below 256 tokens the 128-token one (less padding)."""
+    """At M = 512 the 256-token tile, whose measured rate is the highest (registry.GEMM_TILES);
+    up to 64 tokens the 64-token one and up to 128 the 128-token one (less padding)."""
     pk = _picker()
     for swiglu in (False, True):
         assert pk.pick_gemm(512, swiglu).tile.tokens == 256
-        assert pk.pick_gemm(17, swiglu).tile.tokens == 128
+        assert pk.pick_gemm(17, swiglu).tile.tokens == 64
+        assert pk.pick_gemm(64, swiglu).tile.tokens == 64
+        assert pk.pick_gemm(65, swiglu).tile.tokens == 128
         assert pk.pick_gemm(129, swiglu).tile.tokens == 256
 
 

@@ -196,10 +196,12 @@ class GemmTile:
 
 # Ties go to the first tile (prefill.PrefillKernels.pick_gemm).
 GEMM_TILES = (
-    GemmTile(128, 6, False, 461.0),
-    GemmTile(128, 6, True, 547.0),
-    GemmTile(256, 4, False, 499.0),
-    GemmTile(256, 4, True, 637.0),
+    GemmTile(64, 8, False, 353.0),
+    GemmTile(64, 8, True, 373.0),
+    GemmTile(128, 6, False, 525.0),
+    GemmTile(128, 6, True, 545.0),
+    GemmTile(256, 4, False, 552.0),
+    GemmTile(256, 4, True, 662.0),
 )
 
 

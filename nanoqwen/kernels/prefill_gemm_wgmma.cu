@@ -217,7 +217,7 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 
 }  // namespace nanoqwen_wgmma
 
-// BT tokens per CTA (the wgmma N: 128 or 256), STAGES-deep ring, SWIGLU epilogue.
+// BT tokens per CTA (the wgmma N: 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
 template <int BT, int STAGES, bool SWIGLU>
 __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     prefill_gemm_wgmma(const __grid_constant__ nanoqwen_wgmma::TensorMap a_map,
@@ -229,7 +229,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
   constexpr int kAcc = BT / 2;
-  static_assert(BT == 128 || BT == 256, "BT: 128 or 256 tokens (the timed and checked tiles)");
+  static_assert(BT == 64 || BT == 128 || BT == 256,
+                "BT: 64, 128 or 256 tokens (the timed and checked tiles)");
   static_assert(STAGES >= 2, "the ring needs two stages");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
