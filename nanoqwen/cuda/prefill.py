@@ -27,8 +27,10 @@ from .launcher import Launcher
 
 _MAX_MAPS = 512  # TMA descriptors kept (each 128 bytes): prompt buffers x shapes x weights
 # Attention's key splits (prefill_attention.cu): when the (head, query tile) CTAs would not
-# fill two an SM, each one's key tiles are cut into ranges of at least SPLIT_MIN_TILES, up to
-# two CTAs an SM in all (SPLIT_CTAS_PER_SM: the partials buffer's bound).
+# fill the SMs once (at the kernel's occupancy, two an SM), each one's key tiles are cut into
+# ranges of at least SPLIT_MIN_TILES, as many as keep every CTA in that one wave: a CTA past
+# it would run its whole range after the others, doubling the launch (SPLIT_CTAS_PER_SM
+# bounds the partials buffer).
 SPLIT_MIN_TILES = 16  # 1024 keys: shorter loops gain less than the merge launch costs
 SPLIT_CTAS_PER_SM = 3
 
@@ -65,6 +67,7 @@ class PrefillKernels(Launcher):
         super().__init__(gpu, config, specs, geometry, pdl=pdl)
         self.gemms = [s for s in self.specs.values() if s.tile is not None]
         self._maps: dict = {}
+        self._gemm_launches: dict = {}
         # The stream-K hand-over: a part of fp32 sums per CTA (256 consumer threads x
         # tokens / 2 accumulators; one CTA per SM: 17 MB on an H200) and its flag, zero
         # between launches (each owner resets the flags it consumed).
@@ -78,6 +81,7 @@ class PrefillKernels(Launcher):
         rows = SPLIT_CTAS_PER_SM * n * geometry.prefill_attn_tile
         self._part_o = gpu.alloc(rows * config.head_dim * 4, "prefill attention partials")
         self._part_ml = gpu.alloc(rows * 2 * 4, "prefill attention partial (m, l)")
+        self._attn_wave = self.ctas_per_sm("prefill_attention") * n  # CTAs resident at once
 
     # -- GEMM ---------------------------------------------------------------------------------
     def pick_gemm(self, M: int, swiglu: bool = False) -> registry.KernelSpec:
@@ -124,32 +128,45 @@ class PrefillKernels(Launcher):
         spec     a GEMM spec of this launcher (default: pick_gemm's)
         label    the launch's name for on_launch (the engine names the projection)
         """
+        ptrs = (_ptr(a), _ptr(qweight), _ptr(scales), 0 if bias is None else _ptr(bias),
+                0 if residual is None else _ptr(residual), _ptr(out))  # fmt: skip
+        key = (*ptrs, M, N, K, swiglu, None if spec is None else spec.key)
+        launch = self._gemm_launches.get(key)
+        if launch is None:
+            launch = self._gemm_launch(ptrs, M, N, K, swiglu, spec)
+            if len(self._gemm_launches) >= _MAX_MAPS:
+                self._gemm_launches.clear()
+            self._gemm_launches[key] = launch
+        with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
+            self.launch(*launch, stream=stream, label=label)
+
+    def _gemm_launch(self, ptrs, M, N, K, swiglu, spec) -> tuple:
+        """gemm's checks, tile and TMA descriptors: (spec key, grid, *arguments) of its
+        launch, kept per call (a prefill repeats the same few hundred)."""
+        a, qweight, scales, bias, residual, out = ptrs
         rows = self.geometry.prefill_rows
         if M < 1 or K < GROUP_SIZE or K % GROUP_SIZE:
             raise ValueError(f"prefill gemm: need M >= 1 and K % {GROUP_SIZE} == 0; M={M} K={K}")
         if N < rows or N % rows:
             raise ValueError(f"prefill gemm: N={N} must be a positive multiple of {rows}")
-        if swiglu and (bias is not None or residual is not None):
+        if swiglu and (bias or residual):
             raise ValueError("prefill gemm: swiglu takes no bias and no residual")
         spec = spec if spec is not None else self.pick_gemm(M, swiglu)
         if spec.tile is None or spec.tile.swiglu != swiglu:
             raise ValueError(f"prefill gemm: {spec.expression} does not match swiglu={swiglu}")
-        ptrs = [_ptr(x) for x in (a, qweight, scales, out)]
-        res_ptr = 0 if residual is None else _ptr(residual)
-        if any(p % 16 for p in (*ptrs, res_ptr)):  # the epilogue reads 16-byte residuals
+        if any(p % 16 for p in (a, qweight, scales, residual, out)):  # 16-byte residual reads
             raise ValueError(
-                f"prefill gemm: pointers must be 16-byte aligned, got {ptrs} residual {res_ptr}"
+                f"prefill gemm: pointers must be 16-byte aligned, got {[a, qweight, scales, out]} "
+                f"residual {residual}"
             )
         tokens, k_tile = spec.tile.tokens, self.geometry.prefill_k_tile
         # Stream-K: the launch's iterations (tiles x K groups) cut evenly over the CTAs.
         iterations = -(-M // tokens) * (N // rows) * (K // GROUP_SIZE)
         grid = (min(iterations, self.gpu.num_sms), 1, 1)
-        a_map = self._map(ptrs[0], M, K, tokens, k_tile, True)  # boxes of k_tile x tokens
-        w_map = self._map(ptrs[1], N, K // 8, 64, k_tile // 8, False)  # 64 rows x 8 words
-        with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
-            self.launch(spec.key, grid, a_map, w_map, ptrs[2], 0 if bias is None else _ptr(bias),
-                        res_ptr, ptrs[3], np.int32(M), np.int32(N), np.int32(K),
-                        self._parts.ptr, self._flags.ptr, stream=stream, label=label)  # fmt: skip
+        a_map = self._map(a, M, K, tokens, k_tile, True)  # boxes of k_tile x tokens
+        w_map = self._map(qweight, N, K // 8, 64, k_tile // 8, False)  # 64 rows x 8 words
+        return (spec.key, grid, a_map, w_map, scales, bias, residual, out, np.int32(M),
+                np.int32(N), np.int32(K), self._parts.ptr, self._flags.ptr)  # fmt: skip
 
     def _map(self, ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, fp16: bool):
         """A TMA descriptor, kept per shape and address: the engine's prefill reuses a few
@@ -195,12 +212,10 @@ class PrefillKernels(Launcher):
 
     def splits(self, start: int, T: int) -> int:
         """Key splits of one attention launch (Z; prefill_attention.cu): 1 when the (head,
-        query tile) CTAs fill two an SM; else as many as fill them, each range at least
-        SPLIT_MIN_TILES key tiles, within the partials buffer."""
+        query tile) CTAs fill one wave; else the most that stay in one wave, each range at
+        least SPLIT_MIN_TILES key tiles, within the partials buffer."""
         tile, n = self.geometry.prefill_attn_tile, self.gpu.num_sms
         ctas = self.config.num_heads * -(-T // tile)
-        if ctas >= 2 * n:
-            return 1
         key_tiles = -(-(start + T) // tile)
-        return max(1, min(-(-2 * n // ctas), key_tiles // SPLIT_MIN_TILES,
+        return max(1, min(self._attn_wave // ctas, key_tiles // SPLIT_MIN_TILES,
                           SPLIT_CTAS_PER_SM * n // ctas))  # fmt: skip
