@@ -1,7 +1,7 @@
 """Where the time to first token goes (run on an sm_90 GPU).
 
     PYTHONPATH=. python3 dev/ttft_profile.py FILE.nanoqwen [--prompt-len 512] [--runs 10]
-        [--ablate]
+        [--ablate] [--cached N]
 
 For the prefill as built, without PDL (engine.prefill_kernels.pdl; the decode kernels it
 shares keep theirs) and with its last layer over every token (engine.forward
@@ -13,6 +13,9 @@ enqueue. Printed: the host's time to its first launch, to its last and to the to
 span from the first event to the last; and per kernel label the launches and the sum of event
 deltas (the kernel plus any gap before it). --ablate adds the TTFT with each label's launches
 skipped in turn (each launcher's `launch` replaced on the instance for the run).
+--cached N profiles a warm prefix-cache request instead (bench --workload prefix): every
+request is one fixed N-token prefix, which the request before left in the cache, and
+`prompt-len` fresh tokens.
 """
 
 from __future__ import annotations
@@ -48,10 +51,12 @@ def label_of(label: str) -> str:
     return "decode attention" if label == "attention" else label
 
 
-def ttft_ms(engine, ids, runs: int, warmup: int = 3) -> float:
+def ttft_ms(engine, prompt, runs: int, warmup: int = 3) -> float:
+    """prompt(): the ids of the next request."""
     params = SamplingParams(max_tokens=1)
     times = []
     for r in range(warmup + runs):
+        ids = prompt()
         t0 = time.perf_counter()
         for _ in engine.generate(ids, params, frozenset()):
             t1 = time.perf_counter()
@@ -78,7 +83,7 @@ def skipping(engine, skip: str):
             del launcher.launch  # the class's method again
 
 
-def ablated_ttft_ms(engine, ids, runs: int, labels) -> dict[str, float]:
+def ablated_ttft_ms(engine, prompt, runs: int, labels) -> dict[str, float]:
     """TTFT with each label's launches skipped in turn: what that label costs inside the
     prefill, overlap and gaps included. Skipping also changes the data the later kernels see,
     which moves their time (the GEMMs draw more power on some data), so read it beside the
@@ -86,7 +91,7 @@ def ablated_ttft_ms(engine, ids, runs: int, labels) -> dict[str, float]:
     out = {}
     for skip in labels:
         with skipping(engine, skip):
-            out[skip] = ttft_ms(engine, ids, runs, warmup=1)
+            out[skip] = ttft_ms(engine, prompt, runs, warmup=1)
     return out
 
 
@@ -109,7 +114,8 @@ def instrumented_run(engine, ids) -> dict:
 
         return f
 
-    steps = ((engine.kv.pages, "reserve"), (engine.loop, "stage_pages"), (engine.loop, "begin"),
+    steps = ((engine.kv.pages, "admit"), (engine.kv.pages, "reserve"),
+             (engine.loop, "stage_pages"), (engine.loop, "begin"),
              (engine.loop, "stage_ids"))  # fmt: skip
     for obj, name in steps:
         setattr(obj, name, stamped(getattr(obj, name), name))
@@ -145,11 +151,26 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--ablate", action="store_true", help="TTFT with each label skipped")
+    ap.add_argument(
+        "--cached", type=int, default=0, metavar="N", help="warm: N cached + prompt-len new"
+    )
     args = ap.parse_args()
     f = NanoqwenFile(args.file)
-    engine = CudaBackend(f, max_context=args.prompt_len + 64)
+    # Room for the cached prefix, a few requests' tails and the generated token.
+    limit = f.config.max_position_embeddings
+    engine = CudaBackend(f, max_context=min(args.cached + 4 * args.prompt_len + 64, limit))
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, engine.config.vocab_size, args.prompt_len).tolist()
+    vocab = engine.config.vocab_size
+    prefix = rng.integers(0, vocab, args.cached).tolist()
+    fixed = rng.integers(0, vocab, args.prompt_len).tolist()
+
+    def prompt() -> list[int]:
+        """The same prompt every time, or with --cached a fresh tail after the prefix."""
+        if not args.cached:
+            return fixed
+        return prefix + rng.integers(0, vocab, args.prompt_len).tolist()
+
+    ttft_ms(engine, prompt, 1, warmup=0)  # with --cached: the prefix into the cache
     variants = {  # name: (prefill PDL, last layer for the last token only)
         "as built": (True, True),
         "prefill without PDL": (False, True),
@@ -159,19 +180,19 @@ def main() -> int:
     for _ in range(2):  # interleaved: the machine drifts
         for name, (pdl, last_only) in variants.items():
             configure(engine, pdl, last_only)
-            times[name].append(ttft_ms(engine, ids, args.runs))
+            times[name].append(ttft_ms(engine, prompt, args.runs))
     for name, ms in times.items():
         print(f"TTFT {name:<20} " + " / ".join(f"{t:.3f}" for t in ms) + " ms")
     configure(engine, True, True)
     if args.ablate:
-        labels = instrumented_run(engine, ids)["labels"]
-        base = ttft_ms(engine, ids, args.runs)
+        labels = instrumented_run(engine, prompt())["labels"]
+        base = ttft_ms(engine, prompt, args.runs)
         print(f"ablation: TTFT {base:.3f} ms with every launch; without one label:")
-        for label, ms in ablated_ttft_ms(engine, ids, args.runs, labels).items():
+        for label, ms in ablated_ttft_ms(engine, prompt, args.runs, labels).items():
             print(f"  {label:<18} {ms:8.3f} ms  (it costs {base - ms:6.3f})")
     configure(engine, False, True)
-    ttft_ms(engine, ids, 1, warmup=1)
-    r = instrumented_run(engine, ids)
+    ttft_ms(engine, prompt, 1, warmup=1)
+    r = instrumented_run(engine, prompt())
     print(
         f"instrumented (prefill pdl=0, an event after each launch): first launch at "
         f"{r['first_launch_ms']:.3f} ms, last at {r['last_launch_ms']:.3f}, token at "

@@ -6,7 +6,8 @@ weights of the same shapes) on the same GPU in the same run, after our engine is
 
 --workload prefix: the prefix cache's case (an editor resending a file, a chat its
 conversation): TTFT of a --prompt-len prefix + --new-len new tokens with the prefix cached by
-the request before, against the same request cold, and whether both give the same tokens."""
+the request before (a warm one, and the cold one that filled the cache), against the same
+request cold, and whether both give the same tokens."""
 
 import sys
 

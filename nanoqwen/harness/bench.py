@@ -129,9 +129,11 @@ def run_prefix_bench(
     resending its conversation. Each request is one fixed random prefix of `prefix_len` ids
     plus `new_len` fresh ones. Warm: the request before it (the same prefix, other new ids)
     left the prefix in the cache, so only the new tokens (and the prefix's partial last page)
-    are prefilled. Cold: the same request with the cache cleared first (every token
-    prefilled). TTFT medians of `runs`
-    after `warmup`, and whether warm and cold give the same greedy tokens (gen_len each)."""
+    are prefilled; timed after a warm request (steady editing: ttft_warm) and right after the
+    cold request that filled the cache (ttft_warm_after_cold: the GPU has just run a long
+    prefill). Cold: a request after the cache was cleared (every token prefilled). TTFT
+    medians of `runs` after `warmup`, and whether the warm request and the same request cold
+    give the same greedy tokens (gen_len each)."""
     from ..sampling import SamplingParams
 
     if runs < 1 or new_len < 1 or gen_len < 1:
@@ -141,7 +143,12 @@ def run_prefix_bench(
     prefix = rng.integers(0, vocab, prefix_len).tolist()
     params = SamplingParams(max_tokens=gen_len)
 
-    def request(ids):
+    def request():
+        """A fresh request (new ids after the prefix): its ids, TTFT, tokens, cached tokens."""
+        ids = prefix + rng.integers(0, vocab, new_len).tolist()
+        return (ids, *timed(ids))
+
+    def timed(ids):
         t0 = time.perf_counter()
         tokens = []
         for token in engine.generate(ids, params, frozenset()):
@@ -150,18 +157,19 @@ def run_prefix_bench(
             tokens.append(token)
         return ttft, tokens, engine.cached_tokens
 
-    ttft = {"cold": [], "warm": []}
+    ttft = {"cold": [], "warm": [], "warm_after_cold": []}
     cached, same = [], []
     for r in range(warmup + runs):
-        ids = prefix + rng.integers(0, vocab, new_len).tolist()
         engine.kv.pages.clear_cache()
-        request(prefix + rng.integers(0, vocab, new_len).tolist())  # the request before
-        t_warm, warm_tokens, hit = request(ids)
+        request()  # cold: the prefix into the cache
+        _, t_after_cold, _, _ = request()
+        ids, t_warm, warm_tokens, hit = request()
         engine.kv.pages.clear_cache()
-        t_cold, cold_tokens, _ = request(ids)
+        t_cold, cold_tokens, _ = timed(ids)
         if r >= warmup:
             ttft["cold"].append(t_cold)
             ttft["warm"].append(t_warm)
+            ttft["warm_after_cold"].append(t_after_cold)
             cached.append(hit)
             same.append(cold_tokens == warm_tokens)
     return {
@@ -178,6 +186,7 @@ def run_prefix_bench(
         "runs": runs,
         "ttft_cold_ms": 1e3 * float(np.median(ttft["cold"])),
         "ttft_warm_ms": 1e3 * float(np.median(ttft["warm"])),
+        "ttft_warm_after_cold_ms": 1e3 * float(np.median(ttft["warm_after_cold"])),
         "cached_tokens": int(np.median(cached)),
         "identical_tokens": all(same),
         "memory": engine.memory(),
@@ -191,6 +200,7 @@ def print_prefix_result(res: dict) -> None:
     print(
         f"  ttft warm      {res['ttft_warm_ms']:10.3f} ms  ({res['cached_tokens']} cached tokens)"
     )
+    print(f"  ttft warm after the cold request {res['ttft_warm_after_cold_ms']:.3f} ms")
     print(f"  warm tokens identical to cold: {res['identical_tokens']}")
 
 
