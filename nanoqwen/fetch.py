@@ -150,7 +150,7 @@ def _fetch_parts(source: GGUFSource, parts_dir: Path, progress: bool) -> list[Pa
     return parts
 
 
-def _join(parts: list[Path], target: Path, source: GGUFSource) -> None:
+def join(parts: list[Path], target: Path, source: GGUFSource) -> None:
     """Concatenate the parts into `target`, hashing on the way; rename only if it matches."""
     digest = hashlib.sha256()
     tmp = target.with_name(target.name + ".tmp")
@@ -185,7 +185,7 @@ def fetch(source: GGUFSource, cache: Path | None = None, progress: bool = True) 
     _marker(target).unlink(missing_ok=True)
     parts_dir = cache / f".{source.filename}.parts"
     parts_dir.mkdir(exist_ok=True)
-    _join(_fetch_parts(source, parts_dir, progress), target, source)
+    join(_fetch_parts(source, parts_dir, progress), target, source)
     shutil.rmtree(parts_dir, ignore_errors=True)
     return target
 
