@@ -1,5 +1,6 @@
-"""CI (no GPU): every decode kernel compiles with NVRTC for sm_90a without spills, `nanoqwen
-kernels` reports every kernel of the registry, the cache is honest (a hit returns the same
+"""CI (no GPU): every kernel of every preset compiles with NVRTC for sm_90a without spills
+(`nanoqwen kernels` reports each one), every GEMV's ring holds two stages on an H100's or an
+H200's grid, the cache is honest (a hit returns the same
 cubin; NANOQWEN_NO_COMPILE turns a miss into an error), and the generated header is the one
 home of the model's dims, the geometry and the contract's enums."""
 
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-from nanoqwen.config import preset
+from nanoqwen.config import PRESETS, preset
 from nanoqwen.cuda import jit, registry
 from nanoqwen.errors import DeviceError
 
@@ -22,7 +23,7 @@ def _cache(kernel_cache):
     return kernel_cache
 
 
-@pytest.mark.parametrize("name", ["7b", "tiny"])
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_kernels_command_reports_every_kernel(name, capsys):
     from nanoqwen.cli import main
 
@@ -52,13 +53,49 @@ def test_kernels_command_without_nvrtc(monkeypatch, capsys):
     assert "pip install 'nanoqwen[cuda]'" in capsys.readouterr().err
 
 
-def test_decode_resources():
-    cfg = preset("7b")
-    specs = registry.decode_specs(cfg)
+@pytest.mark.parametrize("name", ["7b", "32b"])
+def test_gemv_resources(name):
+    """Two CTAs of 9 warps an SM, or one of 17 (the wide form), leave 96 registers a thread:
+    five warps share an SM quarter's 16K."""
+    cfg = preset(name)
+    specs = [s for s in registry.decode_specs(cfg) if s.source == registry.GEMV]
     res = registry.compile_specs(specs, cfg)[registry.GEMV].resources()
     assert len(res) == 4
-    for r in res.values():  # two CTAs of 288 threads an SM leave 96 registers a thread
-        assert r.registers > 0 and r.spill_bytes == 0 and r.registers <= 96
+    for s in specs:
+        form, r = registry.gemv_form(s.targs[0]), res[s.expression]
+        assert s.threads == form.threads and s.smem == form.smem <= 227 * 1024
+        assert r.registers > 0 and r.spill_bytes == 0 and r.registers <= 96, (s.expression, r)
+
+
+@pytest.mark.parametrize("sms", [132, 114])  # H100 / H200 SXM; H100 PCIe
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_gemv_rings_hold_two_stages(name, sms):
+    """The launch DecodeKernels makes for each of the model's GEMVs (its form's CTAs an SM, one
+    pair a CTA at most) leaves every CTA at least two stages: the kernel traps below that."""
+    cfg = preset(name)
+    for kind, (k, n, _, epi) in registry.gemv_shapes(cfg).items():
+        form, pairs = registry.gemv_form(k), registry.gemv_pairs(n, epi)
+        per_cta = -(-pairs // min(pairs, form.ctas_per_sm * sms))
+        assert registry.gemv_stages(k, epi, per_cta) >= 2, (name, kind, k, n)
+
+
+def test_wide_gemv_form():
+    """Only a K past the 7B's down takes the wide form: one CTA an SM with both CTAs'
+    consumers and shared memory (the 32B's down: x and two whole-row stages exceed a half)."""
+    g = registry.DEFAULT_GEOMETRY
+    wide = {(name, kind) for name, cfg in PRESETS.items()
+            for kind, (k, *_) in registry.gemv_shapes(cfg).items()
+            if registry.gemv_form(k).ctas_per_sm == 1}  # fmt: skip
+    assert wide == {("32b", "down")}
+    form = registry.gemv_form(27648)
+    assert (form.consumers, form.threads, form.smem) == (16, 544, 2 * g.gv_smem)
+    narrow = registry.GemvForm(g.gv_consumers, g.gv_ctas_per_sm, g.gv_smem)
+    assert registry.gemv_stages(27648, registry.Epilogue.RESIDUAL, 10) == 5
+    narrow_only = g.override({"kGvWideMinK": 32768})  # would trap: one stage beside x
+    assert registry.gemv_stages(27648, registry.Epilogue.RESIDUAL, 10, narrow_only) == 1
+    assert registry.gemv_stages(18944, registry.Epilogue.RESIDUAL, 7) == 3
+    assert registry.gemv_form(18944) == narrow
+    assert registry.gemv_form(27648, g.override({"kGvCtasPerSm": 1})).consumers == 8
 
 
 def test_cache_hit_and_no_compile(monkeypatch, tmp_path):

@@ -1,5 +1,5 @@
-"""Prefill kernels on the CPU: they compile with NVRTC for sm_90a (7b, 1.5b and tiny) through
-the registry, use tensor cores (wgmma, with setmaxnreg in prefill_gemm_wgmma.cu) and spill
+"""Prefill kernels on the CPU: they compile with NVRTC for sm_90a (every preset) through the
+registry, use tensor cores (wgmma, with setmaxnreg in prefill_gemm_wgmma.cu) and spill
 nothing; the GEMM's register dequantization, swizzled shared-memory layout, A fragments and
 epilogue mapping, emulated in numpy lane by lane, reproduce A @ dequant(W)^T; the stream-K
 schedule covers every tile once; pick_gemm takes the measured tile; the host's shared-memory
@@ -8,7 +8,7 @@ formulas are the kernels'."""
 import numpy as np
 import pytest
 
-from nanoqwen.config import preset
+from nanoqwen.config import PRESETS, preset
 from nanoqwen.cuda import registry
 from nanoqwen.cuda.prefill import PrefillKernels
 from nanoqwen.quant import dequantize_packed, pack_value_shuffle, quantize_pack
@@ -35,7 +35,7 @@ def _ptx(source_name: str, names: list[str], cfg, tmp_path, monkeypatch) -> str:
     return path.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("name", ["7b", "1.5b", "tiny"])
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_prefill_kernels_compile_without_spills(name):
     cfg = preset(name)
     specs = registry.prefill_specs(cfg)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import GROUP_SIZE, ModelConfig
+from ..errors import NanoqwenError
 from . import registry
 from .device import Gpu
 from .launcher import Launcher
@@ -52,12 +53,12 @@ class DecodeKernels(Launcher):
         for key in ("gemv_qkv", "gemv_o", "gemv_gate_up", "gemv_down", "embed", "lm_head",
                     "sample", "attention"):  # fmt: skip
             gpu.set_smem_carveout(self.kernels[key], g.smem_carveout)
-        # The GEMVs run a persistent grid: as many CTAs as are resident at once.
-        self._gemv_ctas = {
-            key: min(g.gv_ctas_per_sm, self.ctas_per_sm(key)) * gpu.num_sms
-            for key in self.kernels
-            if key.startswith("gemv_")
-        }
+        # The GEMVs run a persistent grid: as many CTAs as are resident at once (their form's
+        # CTAs an SM). Grids by (kernel, N), checked once each; the model's are made here, so
+        # a ring that cannot hold two stages is refused at load.
+        self._gemv_grids: dict[tuple[str, int], int] = {}
+        for kind, (_, n, _, _) in registry.gemv_shapes(config).items():
+            self._gemv_grid(f"gemv_{kind}", n)
         # Attention splits: whole clusters, at most attn_splits, about attn_ctas CTAs in all.
         cl = g.attn_cluster
         per_head = min(g.attn_splits, g.attn_ctas // config.num_kv_heads)
@@ -101,10 +102,26 @@ class DecodeKernels(Launcher):
         key = f"gemv_{kind}"
         k = self.specs[key].targs[0]
         rows = 2 * n if kind == "gate_up" else n  # [gate; up] stacked
-        pairs = n if kind == "gate_up" else -(-n // 2)  # output rows are taken two at a time
-        grid = (min(self._gemv_ctas[key], pairs), 1, 1)
+        grid = (self._gemv_grids.get((key, n)) or self._gemv_grid(key, n), 1, 1)
         self.launch(key, grid, *args, stream=stream, label=f"gemv {kind}",
                     nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
+
+    def _gemv_grid(self, key: str, n: int) -> int:
+        """CTAs of GEMV `key` over n output features: one per pair at most; raises when a CTA's
+        ring would hold fewer than two stages (the kernel would trap)."""
+        k, epi = self.specs[key].targs[0], registry.Epilogue(self.specs[key].targs[2])
+        form, pairs = registry.gemv_form(k, self.geometry), registry.gemv_pairs(n, epi)
+        ctas = min(form.ctas_per_sm, self.ctas_per_sm(key)) * self.gpu.num_sms
+        grid = min(ctas, pairs)
+        stages = registry.gemv_stages(k, epi, -(-pairs // grid), self.geometry)
+        if stages < 2:
+            raise NanoqwenError(
+                f"{self.specs[key].expression} over N={n}: {grid} CTAs of {form.smem} bytes of "
+                f"shared memory hold {stages} stage(s) of its ring, at least 2 are needed "
+                "(registry.gemv_stages; lower kGvWideMinK or raise kGvSmem)"
+            )
+        self._gemv_grids[key, n] = grid
+        return grid
 
     def rope_kv(self, qkv, pos0: int, rope, pages, kc, vc, q, T, stream=None) -> None:
         """RoPE + paged K/V write for T tokens at positions pos0 .. pos0 + T - 1.

@@ -72,10 +72,13 @@ class Geometry:
     is: the comment at its use in the .cu file, and docs/PERFORMANCE.md."""
 
     # gemv_int4.cu: consumer warps (one producer warp more), CTAs per SM (their registers: 96
-    # a thread), weight bytes a stage aims at (gate/up: twice), ring depth, stages in flight
-    # before x has landed, the largest K that takes the offset form, x items kept in registers.
+    # a thread), the smallest K of the wide form (gemv_form: past the 7B's down, K = 18944 with
+    # three stages a CTA, before a CTA's share holds only two, K ~ 22k), weight bytes a stage
+    # aims at (gate/up: twice), ring depth, stages in flight before x has landed, the largest K
+    # that takes the offset form, x items kept in registers.
     gv_consumers: int = 8
     gv_ctas_per_sm: int = 2
+    gv_wide_min_k: int = 20480
     gv_stage_target: int = 8192
     gv_max_stages: int = 8
     gv_early_stages: int = 1
@@ -235,8 +238,8 @@ MISC = "decode_misc.cu"
 ATTENTION = "decode_attention.cu"
 PREFILL_GEMM = "prefill_gemm_wgmma.cu"
 PREFILL_ATTENTION = "prefill_attention.cu"
-_GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvStageTarget", "kGvMaxStages",
-                "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems")  # fmt: skip
+_GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
+                "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems")  # fmt: skip
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
 
@@ -258,32 +261,82 @@ def prefill_attention_smem_bytes(head_dim: int, g: Geometry = DEFAULT_GEOMETRY) 
     return 1024 + 5 * g.prefill_attn_tile * head_dim * 2
 
 
+@dataclass(frozen=True)
+class GemvForm:
+    """The launch shape of gemv_int4<K> (its GvForm<K>): `ctas_per_sm` CTAs an SM, each of
+    `consumers` consumer warps and a producer, with `smem` bytes of dynamic shared memory.
+    From K = gv_wide_min_k on one CTA takes the SM's share of all gv_ctas_per_sm (the wide
+    form: a CTA's share cannot hold x beside two whole-row stages)."""
+
+    consumers: int
+    ctas_per_sm: int
+    smem: int
+
+    @property
+    def threads(self) -> int:
+        return (self.consumers + 1) * 32
+
+
+def gemv_form(k: int, g: Geometry = DEFAULT_GEOMETRY) -> GemvForm:
+    if k >= g.gv_wide_min_k:
+        return GemvForm(g.gv_ctas_per_sm * g.gv_consumers, 1, g.gv_ctas_per_sm * g.gv_smem)
+    return GemvForm(g.gv_consumers, g.gv_ctas_per_sm, g.gv_smem)
+
+
+def gemv_stages(k: int, epi: Epilogue, npairs: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """The stages of gemv_int4<K, *, EPI>'s ring in a CTA that owns `npairs` pairs: what its
+    dynamic shared memory leaves beside x, the offset terms and the per-pair sums, at most
+    gv_max_stages (the kernel traps below two). gemv_int4.cu's stage_pairs, kStageBytes and
+    `stages`, in Python."""
+    form, groups = gemv_form(k, g), k // GROUP_SIZE
+    target = g.gv_stage_target * (2 if epi == Epilogue.SWIGLU else 1)
+    p = 1
+    while p < form.consumers and 2 * p * k <= target:
+        p *= 2
+    scale_bytes = (p * groups * 2 + 28 + 15) // 16 * 16
+    stage_bytes = (2 * (p * k // 2) + 2 * scale_bytes + 127) // 128 * 128
+    xc_bytes = (groups + 1) // 2 * 2 * 4
+    red_bytes = npairs * (form.consumers // p) * 8 * 2 * 4
+    return min(g.gv_max_stages, (form.smem - k * 2 - xc_bytes - red_bytes) // stage_bytes)
+
+
 def lm_head_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
     """lm_head's whole-row slots: as many a warp as fit in lm_ring, at most lm_max_slots."""
     row = config.hidden_size * 2
     return g.lm_warps * min(g.lm_max_slots, g.lm_ring // (g.lm_warps * row)) * row
 
 
+def gemv_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool, Epilogue]]:
+    """The decode step's four GEMVs: kind -> (K, N output features, RMSNorm fused, epilogue)."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    return {
+        "qkv": (h, c.q_size + 2 * c.kv_size, True, Epilogue.ROPE),  # + bias + RoPE + K/V write
+        "o": (c.q_size, h, False, Epilogue.RESIDUAL),
+        "gate_up": (h, i, True, Epilogue.SWIGLU),  # stacked gate/up: silu(gate) * up
+        "down": (i, h, False, Epilogue.RESIDUAL),
+    }
+
+
+def gemv_pairs(n: int, epi: Epilogue) -> int:
+    """Pairs of output rows a GEMV takes (gemv_int4.cu: rows two at a time; SwiGLU: gate row
+    p with up row p)."""
+    return n if epi == Epilogue.SWIGLU else -(-n // 2)
+
+
 def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """The decode step's kernels (and the token-parallel ones the prefill shares)."""
-    h, i = config.hidden_size, config.intermediate_size
-    gemvs = (
-        ("qkv", h, True, Epilogue.ROPE),  # RMSNorm + fused q/k/v + bias + RoPE + K/V write
-        ("o", h, False, Epilogue.RESIDUAL),
-        ("gate_up", h, True, Epilogue.SWIGLU),  # RMSNorm + stacked gate/up + SiLU * up
-        ("down", i, False, Epilogue.RESIDUAL),
-    )
     gemv = tuple(
         KernelSpec(
             f"gemv_{kind}",
             GEMV,
             "gemv_int4",
-            g.gv_threads,
-            g.gv_smem,
+            gemv_form(k, g).threads,
+            gemv_form(k, g).smem,
             targs=(k, norm, int(epi)),
             tunables=_GV_TUNABLES,
         )
-        for kind, k, norm, epi in gemvs
+        for kind, (k, _, norm, epi) in gemv_shapes(config).items()
     )
     misc, misc_tunables = g.misc_threads, ("kMiscThreads",)
     attn_smem = g.attn_stages * 2 * PAGE_TOKENS * config.head_dim * 2  # K + V page a stage

@@ -10,9 +10,10 @@
 // Pairs. The output rows are taken two at a time: pair p = (row a(p), row b(p)), where a and b
 // each run over consecutive rows as p does (kResidual: p and p + ceil(N/2); kSwiGLU: gate row p
 // and up row N + p; kRope: rows j and j + D/2 of a head, the RoPE partners). A CTA owns a
-// contiguous range of pairs (the pairs split evenly over a persistent grid of two CTAs per SM:
-// at most one pair of imbalance, no cross-CTA reduction) and streams them in stages of up to
-// P consecutive pairs (stage_pairs): all K of rows a(p).. and of rows b(p).., two contiguous runs.
+// contiguous range of pairs (the pairs split evenly over a persistent grid of two CTAs per SM,
+// or one of the wide form: at most one pair of imbalance, no cross-CTA reduction) and streams
+// them in stages of up to P consecutive pairs (stage_pairs): all K of rows a(p).. and of rows
+// b(p).., two contiguous runs.
 //
 // One mma (a "diagonal" mapping): A rows 0..7 are row a at 8 consecutive groups 8o..8o+7 (one
 // group per A row), A rows 8..15 row b at the same groups, and B column n holds x at group
@@ -34,8 +35,8 @@
 // stages in flight until x has landed (x queues behind every weight byte requested before it).
 // The consumer warps wait (PDL) for x, stage it (RMSNorm-ed if NORM; folded for offset_word
 // when K <= kGvFoldMaxK) in shared memory and keep their lanes' x chunks in registers (a warp
-// takes the same octets of every pair), then take every stage: kGvConsumers / P warps per
-// pair, each its own octets, and release it on "empty". The diagonal lanes store their fp32
+// takes the same octets of every pair), then take every stage: C / P warps per pair (C the
+// form's consumer warps), each its own octets, and release it on "empty". The diagonal lanes store their fp32
 // sums per pair unreduced; the epilogue adds them in a fixed order (deterministic), with its
 // global inputs (residual, bias, RoPE, K/V page) loaded right after the wait.
 //
@@ -59,6 +60,7 @@
 //   kGvConsumers    consumer warps; one producer warp more (kGvThreads in all)
 //   kGvCtasPerSm    CTAs per SM asked of the register allocator: 2 x 9 warps leave 96
 //                   registers a thread
+//   kGvWideMinK     the smallest K that takes the wide form (GvForm)
 //   kGvStageTarget  weight bytes a stage aims at (gate/up: twice): small launches want their
 //                   first stage early, the long ones fewer, larger copies
 //   kGvMaxStages    the most stages in the ring (the launch's dynamic shared memory sets how
@@ -75,6 +77,20 @@
 //   kRope, kResidual, kSwiGLU   the epilogue ids (enum Epilogue)
 constexpr int kGroupBytes = kGroupSize / 2;
 constexpr bool gv_fold(int K) { return K <= kGvFoldMaxK; }
+
+// The launch's shape for a K (the host's twin: registry.gemv_form). Below kGvWideMinK,
+// kGvCtasPerSm CTAs an SM of kGvConsumers consumer warps, each with kGvSmem bytes of dynamic
+// shared memory. From it on, the wide form: one CTA an SM that takes all of theirs (consumer
+// warps and shared memory), since a CTA's share cannot hold x (2K bytes) beside two whole-row
+// stages (about K bytes each): the 32B's down at K = 27648 needs 54 KB + 2 x 28 KB against
+// 110 KB. One x an SM then leaves room for five stages, and the SM keeps its warp count.
+template <int K>
+struct GvForm {
+  static constexpr bool kWide = K >= kGvWideMinK;
+  static constexpr int kConsumers = kWide ? kGvCtasPerSm * kGvConsumers : kGvConsumers;
+  static constexpr int kThreads = (kConsumers + 1) * kWarp;
+  static constexpr int kCtasPerSm = kWide ? 1 : kGvCtasPerSm;
+};
 
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 
@@ -127,15 +143,16 @@ __device__ __forceinline__ uint4 fold_x(uint4 xv, float& c) {
   return xv;
 }
 
+template <int C>
 __device__ __forceinline__ void consumer_sync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kGvConsumers * kWarp) : "memory");
+  asm volatile("bar.sync 1, %0;" ::"n"(C * kWarp) : "memory");
 }
 
-// Pairs per stage: a power of two dividing kGvConsumers, about `target` bytes of weights.
+// Pairs per stage: a power of two dividing the consumer warps, about `target` bytes of weights.
 template <int K>
 constexpr int stage_pairs(int target) {
   int p = 1;
-  while (p < kGvConsumers && 2 * p * K <= target) p *= 2;
+  while (p < GvForm<K>::kConsumers && 2 * p * K <= target) p *= 2;
   return p;
 }
 
@@ -218,19 +235,21 @@ __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsign
 // kRope only: pos int32* (the token's position; device memory), rope float2 [max_pos,
 //   kHeadDim/2] (cos, sin), pages int32 [max_pages], kc/vc this layer's caches
 //   (kv_cache.cuh). Other epilogues ignore them (pass 0).
-// Grid: at most one CTA per pair (ceil(N/2) pairs; kSwiGLU: N). Dynamic shared memory: the
-// ring, x (K halves) and the per-pair sums; at least two stages must fit.
+// Grid: at most one CTA per pair (ceil(N/2) pairs; kSwiGLU: N); block GvForm<K>::kThreads.
+// Dynamic shared memory: the ring, x (K halves) and the per-pair sums; at least two stages
+// must fit (the host checks: registry.gemv_stages).
 template <int K, bool NORM, int EPI>
-__global__ void __launch_bounds__(kGvThreads, kGvCtasPerSm)
+__global__ void __launch_bounds__(GvForm<K>::kThreads, GvForm<K>::kCtasPerSm)
 gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
           const unsigned char* __restrict__ qweight, const half* __restrict__ scales,
           const half* __restrict__ bias, half* out, int N, const int* pos,
           const float2* __restrict__ rope, const int* __restrict__ pages, half* kc, half* vc) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
+  constexpr int C = GvForm<K>::kConsumers;   // consumer warps; warp C produces
   constexpr int G = K / kGroupSize;          // groups per row
   constexpr int O = (G + 7) / 8;             // octets per row
   constexpr int P = stage_pairs<K>(EPI == kSwiGLU ? 2 * kGvStageTarget : kGvStageTarget);
-  constexpr int WP = kGvConsumers / P;       // warps per pair
+  constexpr int WP = C / P;                  // warps per pair
   constexpr int kRunBytes = P * K / 2;       // one run of P rows
   constexpr int kScaleBytes = (P * G * 2 + 28 + 15) / 16 * 16;  // + 16-byte alignment
   constexpr int kStageBytes = (2 * kRunBytes + 2 * kScaleBytes + 127) / 128 * 128;
@@ -238,7 +257,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kGvMaxStages], empty_bar[kGvMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
-  __shared__ float nred[kGvConsumers];
+  __shared__ float nred[C];
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
@@ -294,7 +313,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);  // the producer's arrive.expect_tx
-      mbar_init(smem_addr(&empty_bar[s]), kGvConsumers);
+      mbar_init(smem_addr(&empty_bar[s]), C);
     }
     mbar_init(smem_addr(&x_bar), 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -303,7 +322,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   pdl_trigger();  // the whole grid is resident: the next kernel may launch (and wait)
   EpiIn epi_in{};  // consumers: the epilogue inputs of pair p0 + tid
 
-  if (warp == kGvConsumers) {
+  if (warp == C) {
     // ---- producer warp: weights and scales are constant, nothing to wait for. Lanes 0, 1
     // copy run a and run b, lanes 2, 3 their scales.
     int slot = 0, phase = 0;
@@ -345,7 +364,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
     }
   } else {
     // ---- consumer warps: x -> shared memory (x_unit order; RMSNorm-ed in place if NORM).
-    constexpr int kXVecs = K / 8, kCThreads = kGvConsumers * kWarp;
+    constexpr int kXVecs = K / 8, kCThreads = C * kWarp;
     constexpr int kNV = (kXVecs + kCThreads - 1) / kCThreads;  // x vectors per thread
     uint4* xs4 = reinterpret_cast<uint4*>(xs);
     uint4 nw[kNV];  // NORM: this thread's norm weights, loaded before the wait (constant)
@@ -361,16 +380,16 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
       cp_async16(xs4 + x_unit(v / 16, v % 16), x4 + v);
     if (tid < npairs) epi_in = epi_load(p0 + tid);
     cp_async_wait_all();
-    consumer_sync();
+    consumer_sync<C>();
     if (tid == 0) mbar_arrive(smem_addr(&x_bar));
     float rstd = 1.f;
     if (NORM) {
       const float ss = warp_sum(sum_squares(xs4, kXVecs, tid, kCThreads));
       if (lane == 0) nred[warp] = ss;
-      consumer_sync();
+      consumer_sync<C>();
       float total = 0.f;
 #pragma unroll
-      for (int w = 0; w < kGvConsumers; ++w) total += nred[w];
+      for (int w = 0; w < C; ++w) total += nred[w];
       rstd = rsqrtf(total / K + kRmsEps);
     }
     // x into offset_word's form (RMSNorm-ed first if NORM) and each group's offset term: the
@@ -392,12 +411,13 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
         xv = rmsnorm_vec(xv, nw[u], rstd);
       }
     }
-    if constexpr (NORM || gv_fold(K)) consumer_sync();
+    if constexpr (NORM || gv_fold(K)) consumer_sync<C>();
 
     const int g = lane / 4, t4 = lane % 4;
     const int pp = warp / WP, o0 = warp % WP;  // this warp's pair in a stage, first octet
     // x of this lane's group in the warp's first KR octets o0, o0 + WP, ... (of KX at most):
-    // 16 registers each; with two CTAs of 9 warps per SM a thread has 96.
+    // 16 registers each; with two CTAs of 9 warps per SM a thread has 96 (five warps on an SM
+    // quarter's 16K registers; the wide form's 17 warps too).
     constexpr int KX = (O + WP - 1) / WP, KR = KX < kGvXRegItems ? KX : kGvXRegItems;
     uint4 xr[KR][4];
 #pragma unroll
@@ -435,10 +455,10 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   __syncthreads();
 
   // ---- epilogue, one thread per pair: the warps' sums in a fixed order.
-  for (int i = tid; i < npairs; i += kGvThreads) {
+  for (int i = tid; i < npairs; i += GvForm<K>::kThreads) {
     const int p = p0 + i;
     // The consumer threads loaded their first pair's inputs before the stages.
-    const EpiIn e = i == tid && warp < kGvConsumers ? epi_in : epi_load(p);
+    const EpiIn e = i == tid && warp < C ? epi_in : epi_load(p);
     float da = 0.f, db = 0.f;
 #pragma unroll 8
     for (int j = 0; j < WP * 8; ++j) {
