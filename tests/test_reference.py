@@ -41,14 +41,17 @@ from nanoqwen.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
-# name, vocab, hidden, mlp, layers, heads, kv heads, head_dim, tied: GQA ratios 1, 2, 7;
-# head_dim 64 and 128; hidden 128 .. 896; awkward vocabularies; an eps and a theta that show.
+# name, vocab, hidden, mlp, layers, heads, kv heads, head_dim, tied: GQA ratios 1, 2, 7, 5 (the
+# 14B's and 32B's) and 8 (the 3B's); head_dim 64 and 128; hidden 128 .. 1024; awkward
+# vocabularies; an eps and a theta that show.
 CONFIGS = [
     ModelConfig("mha-hd64-tied", 333, 128, 384, 2, 2, 2, 64, tie_word_embeddings=True),
     ModelConfig("gqa2-hd64", 517, 256, 256, 2, 4, 2, 64, rms_norm_eps=0.05),
     ModelConfig("gqa2-hd128-tied", 401, 256, 384, 2, 2, 1, 128, tie_word_embeddings=True),
     ModelConfig("gqa7-hd128", 259, 896, 256, 1, 7, 1, 128, rope_theta=10_000.0),
     ModelConfig("gqa7-hd64-tied", 300, 896, 128, 1, 14, 2, 64, tie_word_embeddings=True),
+    ModelConfig("gqa5-hd64", 289, 640, 256, 2, 10, 2, 64),
+    ModelConfig("gqa8-hd128-tied", 263, 1024, 128, 1, 8, 1, 128, tie_word_embeddings=True),
 ]
 ids_of = [c.name for c in CONFIGS]
 
