@@ -20,6 +20,7 @@ COMMANDS = (
     "chat",
     "demo",
     "kernels",
+    "memory",
     "validate",
     "bench",
     "serve",

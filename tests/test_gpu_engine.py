@@ -1,6 +1,7 @@
-"""GPU (sm_90): the decode kernels' unit tier and the engine on a tiny synthetic model
-(layer + graph tiers, pages freed, PDL off and geometry variants giving the same tokens).
-Skipped cleanly without an sm_90 device."""
+"""GPU (sm_90): the decode kernels' unit tier (the 7B's shapes, the 3B's GQA 8 and the 32B's
+GQA 5 and wide down GEMV) and the engine on a tiny synthetic model (layer + graph tiers, pages
+freed, PDL off and geometry variants giving the same tokens, the memory plan being the load's
+allocations). Skipped cleanly without an sm_90 device."""
 
 import pytest
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.gpu
 LADDER = load_protocol()["ladder"]
 
 
-@pytest.mark.parametrize("name", ["tiny", "7b"])
+@pytest.mark.parametrize("name", ["tiny", "7b", "3b", "32b"])
 def test_unit_tier(name):
     checks = v.unit_tier(preset(name), LADDER["unit"]["tolerances"])
     bad = [c for c in checks if not c.ok]
@@ -107,8 +108,12 @@ def test_generate_on_another_thread(tiny_model):
 
 @pytest.mark.parametrize(
     "pdl, overrides",
-    [(False, {}), (True, {"kGvEarlyStages": 0, "kAttnStages": 8, "kGvStageTarget": 16384})],
-    ids=["pdl-off", "geometry-variant"],
+    [
+        (False, {}),
+        (True, {"kGvEarlyStages": 0, "kAttnStages": 8, "kGvStageTarget": 16384}),
+        (True, {"kGvWideMinK": 128}),  # every GEMV in the wide form (one CTA an SM)
+    ],
+    ids=["pdl-off", "geometry-variant", "wide-gemv"],
 )
 def test_variants_generate_the_same_tokens(tiny, tiny_model, pdl, overrides):
     """Launches without PDL (validate's unit tier, dev/ttft_profile.py) and a geometry variant
@@ -242,3 +247,23 @@ def test_real_weights_greedy_matches_the_reference(real_model):
         finally:
             engine.close()
             ref.close()
+
+
+def test_memory_plan_is_the_load(tiny_model):
+    """engine.memory's plan is what the load allocates, to the byte: every part but the
+    margin and the prefill scratch at load, the scratch too once a max_context prompt's
+    exists (tests/test_memory_plan.py checks the parts a fake Gpu can build)."""
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+
+    with NanoqwenFile(tiny_model) as f:
+        e = CudaBackend(f, max_context=1000)
+        try:
+            plan = e.plan.parts
+            at_load = e.plan.needed - plan["margin"] - plan["prefill_scratch"]
+            assert e.gpu.live_bytes() == at_load, plan
+            e.forward.scratch(e.max_context)
+            assert e.gpu.live_bytes() == at_load + plan["prefill_scratch"]
+            assert e.memory()["planned"] == plan
+        finally:
+            e.close()

@@ -37,6 +37,16 @@ class AttentionScratch:
             buf.free()
 
 
+def attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
+    """Bytes of AttentionScratch's buffers (S = g.attn_splits)."""
+    c, splits = config, g.attn_splits
+    return {
+        "part_ml": c.num_heads * splits * 2 * 4,
+        "part_acc": c.num_heads * splits * c.head_dim * 4,
+        "counters": c.num_kv_heads * 4,
+    }
+
+
 class DecodeKernels(Launcher):
     def __init__(
         self,
@@ -150,12 +160,10 @@ class DecodeKernels(Launcher):
 
     def attention_scratch(self) -> AttentionScratch:
         """The scratch `attention` needs for this geometry, allocated on the Gpu."""
-        c, splits, a = self.config, self.geometry.attn_splits, self.gpu.alloc
-        counters = a(c.num_kv_heads * 4, "attn counters")  # the last-CTA semaphores
-        self.gpu.memset(counters.ptr, 0, c.num_kv_heads * 4)
-        part_ml = a(c.num_heads * splits * 2 * 4, "attn m/l")
-        part_acc = a(c.num_heads * splits * c.head_dim * 4, "attn acc")
-        return AttentionScratch(part_ml, part_acc, counters)
+        sizes = attention_scratch_buffers(self.config, self.geometry)
+        bufs = {k: self.gpu.alloc(n, f"attention {k}") for k, n in sizes.items()}
+        self.gpu.memset(bufs["counters"].ptr, 0, sizes["counters"])  # the last-CTA semaphores
+        return AttentionScratch(**bufs)
 
     def lm_head(self, x, norm_w, w, logits, key, stream=None, rows: int | None = None) -> None:
         """x fp16 [H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H]; logits fp32 [V];

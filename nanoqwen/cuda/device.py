@@ -8,6 +8,7 @@ Public API (stable; the prefill launchers and the engine build on it):
                                         raises DeviceError naming `what` and the error
     gpu = Gpu(device_id=0)              sets the device current, refuses non-sm_90, makes a stream
     gpu.alloc(nbytes, what) -> DeviceArray   (.ptr int, .nbytes, .free()); owned by the Gpu
+    alloc_size(nbytes) -> int           the bytes gpu.alloc takes for nbytes (memory planning)
     gpu.alloc_mapped(nbytes) -> (host, device)  pinned host memory the GPU addresses directly
     gpu.upload(dst_ptr, array)          host -> device through a pinned staging buffer (chunked)
     gpu.upload_async(dst_ptr, src, n)   queue a copy from pinned host address src (no sync)
@@ -57,6 +58,13 @@ STICKY_ERRORS = (
     "ECC_UNCORRECTABLE",
     "LAUNCH_TIMEOUT",
 )
+
+
+def alloc_size(nbytes: int) -> int:
+    """The bytes Gpu.alloc takes for `nbytes`: rounded up to 256 with at least ALLOC_SLACK
+    bytes past the end (a bulk copy of 16-byte units may read up to 14 bytes past a tensor's
+    end: gemv_int4.cu's scale copies)."""
+    return (int(nbytes) + ALLOC_SLACK + 255) // 256 * 256
 
 
 class _CudaArray:
@@ -206,11 +214,9 @@ class Gpu:
 
     # -- memory -------------------------------------------------------------------------------
     def alloc(self, nbytes: int, what: str) -> DeviceArray:
-        """Device memory of `nbytes`, owned by this Gpu: rounded up to 256 bytes with at least
-        ALLOC_SLACK bytes past `nbytes` (a bulk copy of 16-byte units may read up to 14 bytes
-        past a tensor's end: gemv_int4.cu's scale copies)."""
+        """Device memory of `nbytes`, owned by this Gpu, alloc_size(nbytes) bytes of it."""
         self.ensure_ok()
-        size = (int(nbytes) + ALLOC_SLACK + 255) // 256 * 256
+        size = alloc_size(nbytes)
         try:
             buf = self.device.allocate(size, stream=self.stream)
         except Exception as exc:

@@ -3,9 +3,11 @@ public seam for the validation ladder, the benchmark and dev/.
 
 Life of a generation (batch 1):
 
-    load      the kernels (registry: compiled or from the cache), the weights (weights.py),
-              the KV pool sized from max_context (kv_cache.py: refused at start-up with needed
-              against free bytes), the decode state and the host ring (decode_loop.py)
+    load      the memory plan (memory.py: weights, KV pool for max_context, prefill scratch
+              and workspace, decode buffers, checked against the free bytes before anything
+              is allocated: refused with needed against free), the kernels (registry:
+              compiled or from the cache), the weights (weights.py), the KV pool (kv_cache.py),
+              the decode state and the host ring (decode_loop.py)
     pages     the block manager (nanoqwen.kv_pages, the reference's too) admits the prompt
               with its longest cached prefix (prefix caching: `cached_tokens` of it are not
               computed again) and takes the pages for prompt + max_tokens at once, so the
@@ -45,6 +47,7 @@ from ..sampling import SamplingParams
 from .decode_loop import DecodeLoop, DecodeState
 from .forward import Forward
 from .kv_cache import KVCache
+from .memory import check_memory
 from .weights import upload_weights
 
 
@@ -67,7 +70,9 @@ class CudaBackend:
         self.config, self.file = cfg, file
         self.max_context = check_max_context(max_context, cfg)
         self.gpu = Gpu()
-        self._free_at_start = self.gpu.mem_info()[0]  # the context exists; nothing of ours yet
+        free, total = self.gpu.mem_info()  # the context exists; nothing of ours yet
+        self._free_at_start = free
+        self.plan = check_memory(cfg, self.max_context, free, total, self.gpu.num_sms, geometry)
         self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl)
         # Built here, not at the first prompt: on a cold kernel cache NVRTC takes seconds,
         # which a server's first request would otherwise wait for.
@@ -123,7 +128,7 @@ class CudaBackend:
         """Device memory: what we hold (weights, KV cache, workspace = the kernels' own
         buffers, decode buffers, RoPE and page tables, prefill scratch sized by the longest
         prompt so far) against what the device lost since the context was made (kernel
-        images, allocator slack included)."""
+        images, allocator slack included), and the load's plan by part (memory.py)."""
         live, (free, _) = self.gpu.live_bytes(), self.gpu.mem_info()
         used = self._free_at_start - free
         return {
@@ -133,6 +138,7 @@ class CudaBackend:
             "accounted": live,
             "device_used": used,
             "unaccounted_pct": 100.0 * (used - live) / live,
+            "planned": dict(self.plan.parts),
         }
 
     # -- Backend API ------------------------------------------------------------------------

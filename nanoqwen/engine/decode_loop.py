@@ -142,6 +142,12 @@ class HostRing:
         return self.view[2 : 2 + n].tolist()
 
 
+def loop_buffers(max_context: int) -> dict[str, int]:
+    """Bytes of DecodeLoop's device buffers: the state int32 [STATE_WORDS], the token ring
+    int32 [max_context] (the host ring is mapped host memory)."""
+    return {"state": STATE_WORDS * 4, "ring": max_context * 4}
+
+
 class DecodeLoop:
     """The decode state and token ring on the device, the host ring, the sampler launch and
     the generation graph. Every entry point of the engine ends on a stream sync, so no
@@ -149,8 +155,9 @@ class DecodeLoop:
 
     def __init__(self, gpu: Gpu, kernels: DecodeKernels, max_context: int) -> None:
         self.gpu, self.kernels = gpu, kernels
-        self.state = gpu.alloc(STATE_WORDS * 4, "decode state").ptr
-        self.ring = gpu.alloc(max_context * 4, "token ring").ptr
+        sizes = loop_buffers(max_context)
+        self.state = gpu.alloc(sizes["state"], "decode state").ptr
+        self.ring = gpu.alloc(sizes["ring"], "token ring").ptr
         self.host = HostRing(gpu, max_context)
         self._pages_at = STATE_WORDS + max_context  # the page table's staging words
         self._graph = None

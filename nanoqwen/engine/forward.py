@@ -31,6 +31,41 @@ from .decode_loop import DecodeLoop
 from .kv_cache import KVCache
 from .weights import Weights
 
+PREFILL_MIN_TOKENS = 64  # the prefill scratch is never sized for fewer tokens
+
+
+def decode_buffers(config: ModelConfig, max_context: int) -> dict[str, int]:
+    """Bytes of Forward's own device buffers (the attention scratch is the kernels'):
+    rope float32 [max_context, D/2, 2] (rope_table), x fp16 [H], q and attn fp16 [heads, D],
+    mlp fp16 [I], logits fp32 [V], the argmax key u64."""
+    c = config
+    return {
+        "rope": max_context * (c.head_dim // 2) * 2 * 4,
+        "x": c.hidden_size * 2,
+        "q": c.q_size * 2,
+        "attn": c.q_size * 2,
+        "mlp": c.intermediate_size * 2,
+        "logits": c.vocab_size * 4,
+        "key": 8,
+    }
+
+
+def prefill_scratch_buffers(config: ModelConfig, tokens: int) -> dict[str, int]:
+    """Bytes of the prefill's buffers for a prompt of `tokens` new tokens (at least
+    PREFILL_MIN_TOKENS): ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q];
+    mlp [T, I]."""
+    c, cap = config, max(tokens, PREFILL_MIN_TOKENS)
+    per_token = {
+        "ids": 4,
+        "x": c.hidden_size * 2,
+        "h": c.hidden_size * 2,
+        "qkv": (c.q_size + 2 * c.kv_size) * 2,
+        "q": c.q_size * 2,
+        "attn": c.q_size * 2,
+        "mlp": c.intermediate_size * 2,
+    }
+    return {k: cap * n for k, n in per_token.items()}
+
 
 class Forward:
     """The forward of one model over its weights and KV cache, reading the token and the
@@ -51,16 +86,10 @@ class Forward:
     ) -> None:
         self.gpu, self.config, self.kernels, self.prefill_kernels = gpu, config, kernels, prefill
         self.weights, self.kv, self.loop = weights, kv, loop
-        c, a = config, gpu.alloc
-        rope = rope_table(config, max_context)
-        self.rope = a(rope.nbytes, "rope table").ptr  # float32 [max_context, D/2, 2]
-        gpu.upload(self.rope, rope)
-        self.x = a(c.hidden_size * 2, "x").ptr
-        self.q = a(c.q_size * 2, "q").ptr
-        self.attn = a(c.q_size * 2, "attn").ptr
-        self.mlp = a(c.intermediate_size * 2, "mlp").ptr
-        self.logits = a(c.vocab_size * 4, "logits").ptr
-        self.key = a(8, "argmax key").ptr
+        ptrs = {k: gpu.alloc(n, k).ptr for k, n in decode_buffers(config, max_context).items()}
+        self.rope, self.x, self.q, self.attn = ptrs["rope"], ptrs["x"], ptrs["q"], ptrs["attn"]
+        self.mlp, self.logits, self.key = ptrs["mlp"], ptrs["logits"], ptrs["key"]
+        gpu.upload(self.rope, rope_table(config, max_context))
         self.attn_scratch = kernels.attention_scratch()
         gpu.memset(self.key, 0, 8)
         self.last_token_shortcut = True  # prefill(last_only=True) ends on the decode kernels
@@ -109,25 +138,16 @@ class Forward:
 
     # -- prefill -----------------------------------------------------------------------------
     def scratch(self, T: int) -> dict[str, int]:
-        """The prefill's buffers for T tokens (device addresses), grown as prompts grow:
-        ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q]; mlp [T, I]."""
+        """The prefill's buffers for T tokens (device addresses; prefill_scratch_buffers),
+        grown as prompts grow (engine.memory plans them for a max_context prompt)."""
         if T <= self._scratch_tokens:
             return self._scratch
         for b in self._scratch_buffers:
             b.free()
-        c, cap = self.config, max(T, 64)
-        sizes = {
-            "ids": 4,
-            "x": c.hidden_size * 2,
-            "h": c.hidden_size * 2,
-            "qkv": (c.q_size + 2 * c.kv_size) * 2,
-            "q": c.q_size * 2,
-            "attn": c.q_size * 2,
-            "mlp": c.intermediate_size * 2,
-        }
-        self._scratch_buffers = [self.gpu.alloc(cap * n, f"prefill {k}") for k, n in sizes.items()]
+        sizes = prefill_scratch_buffers(self.config, T)
+        self._scratch_buffers = [self.gpu.alloc(n, f"prefill {k}") for k, n in sizes.items()]
         self._scratch = {k: b.ptr for k, b in zip(sizes, self._scratch_buffers, strict=True)}
-        self._scratch_tokens = cap
+        self._scratch_tokens = max(T, PREFILL_MIN_TOKENS)
         return self._scratch
 
     def prefill(self, T: int, start: int = 0, last_only: bool = False) -> int:

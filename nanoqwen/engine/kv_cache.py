@@ -20,10 +20,8 @@ import numpy as np
 
 from ..config import PAGE_TOKENS, ModelConfig
 from ..cuda.device import Gpu
-from ..errors import DeviceError, NanoqwenError
+from ..errors import NanoqwenError
 from ..kv_pages import BlockManager
-
-MEMORY_MARGIN = 1 << 30  # left free at load for prefill scratch and the driver
 
 
 def _swizzle(d: int) -> np.ndarray:
@@ -46,25 +44,28 @@ def kv_cache_from_device(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(tiles.transpose(0, 2, 1, 3))
 
 
+def kv_cache_buffers(config: ModelConfig, max_context: int) -> list[int]:
+    """The bytes of KVCache's device buffers for `max_context` positions: a K and a V pool per
+    layer (fp16 [num_pages, n_kv, PAGE_TOKENS, head_dim]), then the page table (int32
+    [num_pages])."""
+    num_pages = -(-max_context // PAGE_TOKENS)
+    pool = num_pages * PAGE_TOKENS * config.kv_size * 2
+    return [pool] * (2 * config.num_layers) + [num_pages * 4]
+
+
 class KVCache:
-    """K and V pools for `max_context` tokens on `gpu`, refused at once (needed against free
-    bytes) when they would not leave MEMORY_MARGIN free; `pages` allocates them, `page_table`
-    is the device's int32 [num_pages] map of the sequence being computed."""
+    """K and V pools for `max_context` tokens on `gpu` (engine.memory plans them beside the
+    rest before anything is allocated); `pages` allocates them, `page_table` is the device's
+    int32 [num_pages] map of the sequence being computed."""
 
     def __init__(
         self, gpu: Gpu, config: ModelConfig, max_context: int, prefix_caching: bool = True
     ) -> None:
-        self.num_pages = -(-max_context // PAGE_TOKENS)
-        layer_bytes = self.num_pages * PAGE_TOKENS * config.kv_size * 2
-        self.nbytes = config.num_layers * 2 * layer_bytes
+        *pools, table_bytes = kv_cache_buffers(config, max_context)
+        self.num_pages = table_bytes // 4
+        layer_bytes = pools[0]
+        self.nbytes = sum(pools)
         self.gpu = gpu
-        free, total = gpu.mem_info()
-        if self.nbytes + MEMORY_MARGIN > free:
-            raise DeviceError(
-                f"KV cache for max_context {max_context} needs {self.nbytes} bytes "
-                f"(+{MEMORY_MARGIN} margin) but only {free} of {total} bytes are free; "
-                "lower max_context"
-            )
         # Zeroed once: attention reads whole tiles and multiplies a masked key's V by P = 0,
         # and 0 x NaN is NaN, so no slot may ever hold a non-finite bit pattern. Only finite
         # K/V are written later, but recycled device memory (a closed engine's) holds anything.
@@ -73,7 +74,7 @@ class KVCache:
             for pool in (self.k, self.v):
                 pool.append(gpu.alloc(layer_bytes, "k/v cache").ptr)
                 gpu.memset(pool[-1], 0, layer_bytes)
-        self.page_table = gpu.alloc(self.num_pages * 4, "page table").ptr
+        self.page_table = gpu.alloc(table_bytes, "page table").ptr
         self.pages = BlockManager(self.num_pages, prefix_caching)
         self._identity = np.arange(self.num_pages, dtype=np.int32)
         self.map_whole_pool()  # a bare KVCache maps every page (dev/kernel_tune.py)

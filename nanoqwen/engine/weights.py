@@ -8,11 +8,13 @@ Every field is a device address (int).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..cuda.device import Gpu
+from ..config import ModelConfig
+from ..cuda.device import Gpu, alloc_size
 
 
 @dataclass(frozen=True)
@@ -39,40 +41,60 @@ class Weights:
     nbytes: int  # device bytes they take
 
 
+_QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
+# LayerWeights field -> the file's tensors of a layer (names after "layers.{i}.") stacked into it.
+_LAYER_BUFFERS = {
+    "input_norm": ("input_norm",),
+    "post_norm": ("post_attn_norm",),
+    "qkv_w": tuple(f"{p}.qweight" for p in _QKV),
+    "qkv_s": tuple(f"{p}.scales" for p in _QKV),
+    "qkv_b": tuple(f"{p}.bias" for p in _QKV),
+    "o_w": ("o_proj.qweight",),
+    "o_s": ("o_proj.scales",),
+    "gate_up_w": tuple(f"{p}.qweight" for p in _GATE_UP),
+    "gate_up_s": tuple(f"{p}.scales" for p in _GATE_UP),
+    "down_w": ("down_proj.qweight",),
+    "down_s": ("down_proj.scales",),
+}
+
+
+def weight_buffers(config: ModelConfig) -> list[tuple[int | None, str, tuple[str, ...]]]:
+    """The weights' device buffers in upload order: (layer or None, its Weights or
+    LayerWeights field, the file's tensors stacked into it). A tied model has no lm_head."""
+    out = [(None, "embed", ("embed_tokens",)), (None, "final_norm", ("final_norm",))]
+    if not config.tie_word_embeddings:
+        out.append((None, "lm_head", ("lm_head",)))
+    for i in range(config.num_layers):
+        out += [(i, field, tuple(f"layers.{i}.{t}" for t in names))
+                for field, names in _LAYER_BUFFERS.items()]  # fmt: skip
+    return out
+
+
+def weight_bytes(config: ModelConfig) -> int:
+    """Device bytes upload_weights takes for `config` (each buffer as Gpu.alloc rounds it)."""
+    shapes, total = config.tensor_shapes(), 0
+    for _, _, names in weight_buffers(config):
+        nbytes = 0
+        for name in names:
+            dtype, shape = shapes[name]
+            nbytes += math.prod(shape) * np.dtype(dtype).itemsize
+        total += alloc_size(nbytes)
+    return total
+
+
 def upload_weights(gpu: Gpu, file) -> Weights:
     """Every tensor of the open .nanoqwen `file` onto `gpu` (stacked where fused)."""
     cfg = file.config
     before = gpu.live_bytes()
-
-    def put(array: np.ndarray, what: str) -> int:
-        buf = gpu.alloc(array.nbytes, what)
+    top: dict[str, int] = {}
+    layers: list[dict[str, int]] = [{} for _ in range(cfg.num_layers)]
+    for layer, field, names in weight_buffers(cfg):
+        arrays = [file.tensor(n) for n in names]
+        array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        buf = gpu.alloc(array.nbytes, "+".join(names))
         gpu.upload(buf.ptr, array)
-        return buf.ptr
-
-    def stacked(p: str, projections: tuple[str, ...], part: str) -> int:
-        return put(np.concatenate([file.tensor(f"{p}{n}.{part}") for n in projections]),
-                   f"{p}{'+'.join(projections)}.{part}")  # fmt: skip
-
-    embed = put(file.tensor("embed_tokens"), "embed_tokens")
-    final_norm = put(file.tensor("final_norm"), "final_norm")
-    lm_head = embed if cfg.tie_word_embeddings else put(file.tensor("lm_head"), "lm_head")
-    layers = []
-    qkv, gate_up = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}."
-        layers.append(
-            LayerWeights(
-                input_norm=put(file.tensor(p + "input_norm"), p + "input_norm"),
-                post_norm=put(file.tensor(p + "post_attn_norm"), p + "post_attn_norm"),
-                qkv_w=stacked(p, qkv, "qweight"),
-                qkv_s=stacked(p, qkv, "scales"),
-                qkv_b=stacked(p, qkv, "bias"),
-                o_w=put(file.tensor(p + "o_proj.qweight"), p + "o_proj.qweight"),
-                o_s=put(file.tensor(p + "o_proj.scales"), p + "o_proj.scales"),
-                gate_up_w=stacked(p, gate_up, "qweight"),
-                gate_up_s=stacked(p, gate_up, "scales"),
-                down_w=put(file.tensor(p + "down_proj.qweight"), p + "down_proj.qweight"),
-                down_s=put(file.tensor(p + "down_proj.scales"), p + "down_proj.scales"),
-            )
-        )
-    return Weights(embed, final_norm, lm_head, tuple(layers), gpu.live_bytes() - before)
+        (top if layer is None else layers[layer])[field] = buf.ptr
+    lm_head = top.get("lm_head", top["embed"])  # tied: the embedding table, uploaded once
+    return Weights(top["embed"], top["final_norm"], lm_head,
+                   tuple(LayerWeights(**fields) for fields in layers),
+                   gpu.live_bytes() - before)  # fmt: skip
