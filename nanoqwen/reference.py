@@ -175,7 +175,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def _weight_bytes(file: NanoqwenFile, dtype: torch.dtype) -> int:
+def weight_bytes(file: NanoqwenFile, dtype: torch.dtype) -> int:
     """Bytes the reference's weights take in `dtype`: 8 values per INT4 word, the fp16 scales
     folded into them, every other float16 tensor upcast."""
     values = 0
@@ -197,7 +197,7 @@ class Qwen2Reference:
 
         cfg = self.config = file.config
         self.embed_tokens = _fp16(file, "embed_tokens", dtype, device)  # [V, H]
-        gib = _weight_bytes(file, dtype) / 2**30
+        gib = weight_bytes(file, dtype) / 2**30
         layers = tqdm(
             range(cfg.num_layers),
             desc=f"loading {cfg.name} ({gib:.1f} GiB of {str(dtype).removeprefix('torch.')})",

@@ -265,6 +265,22 @@ def test_pack_command(tmp_path, capsys):
             pack_command.run(_args(no_progress=True, **kw))
 
 
+def test_pack_fewer_layers(tmp_path):
+    """--layers: the preset's widths at another depth; each tensor's generator is seeded by its
+    name, so the layers that remain carry the full preset's codes."""
+    out = tmp_path / "t1.nanoqwen"
+    assert pack_command.run(_args(synthetic="tiny", layers=1, output=out, no_progress=True)) == 0
+    with NanoqwenFile(out) as f:
+        full = preset("tiny")
+        assert f.config == dataclasses.replace(full, name="tiny-1l", num_layers=1)
+        name = "layers.0.gate_proj.qweight"
+        assert np.array_equal(f.tensor(name), synthetic_tensor(full, name, seed=0))
+    with pytest.raises(NanoqwenError, match="--layers apply to --synthetic only"):
+        pack_command.run(_args(source=str(out), output=out, layers=1, no_progress=True))
+    with pytest.raises(ConvertError, match="layers must be a positive integer"):
+        pack_synthetic("tiny", "unused.nanoqwen", layers=0, progress=False)
+
+
 def test_bad_seed():
     with pytest.raises(ConvertError, match="seed must be an integer"):
         pack_synthetic("tiny", "unused.nanoqwen", seed=-1, progress=False)

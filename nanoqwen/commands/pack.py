@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConvertError
+from .argtypes import int_range
 
 HELP = "convert an HF checkpoint, a GGUF file or a synthetic preset to .nanoqwen"
 
@@ -30,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write random weights for a preset (tiny, 0.5b, 1.5b, 3b, 7b, 14b, 32b)",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of --synthetic weights")
+    p.add_argument(
+        "--layers",
+        type=int_range(1),
+        default=None,
+        help="with --synthetic: this many layers at the preset's widths (every kernel shape; a "
+        "reference model that fits beside the engine for validate); None = the preset's",
+    )
     p.add_argument(
         "--tokenizer-from",
         metavar="PATH",
@@ -56,13 +64,13 @@ def run(args: argparse.Namespace) -> int:
         if args.source is not None:
             raise ConvertError(f"give either SOURCE ({args.source}) or --synthetic, not both")
         summary = pack_synthetic(
-            args.synthetic, args.output, args.seed, args.tokenizer_from, progress
+            args.synthetic, args.output, args.seed, args.tokenizer_from, progress, args.layers
         )
     else:
         if args.source is None:
             raise ConvertError("give a SOURCE (HF directory or .gguf file) or --synthetic PRESET")
-        if args.tokenizer_from is not None:
-            raise ConvertError("--tokenizer-from applies to --synthetic only")
+        if args.tokenizer_from is not None or args.layers is not None:
+            raise ConvertError("--tokenizer-from and --layers apply to --synthetic only")
         summary = pack_source(args.source, args.output, progress, not args.no_tokenizer)
     print(summary.line())
     return 0

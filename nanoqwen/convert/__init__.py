@@ -1,7 +1,8 @@
 """Converters: HF checkpoint directories, GGUF files and synthetic presets -> .nanoqwen.
 
     pack_source(source, out, progress=True, with_tokenizer=True) -> PackSummary
-    pack_synthetic(preset, out, seed=0, tokenizer_from=None, progress=True) -> PackSummary
+    pack_synthetic(preset, out, seed=0, tokenizer_from=None, progress=True, layers=None)
+        -> PackSummary
 
 Every path streams one tensor at a time into `fileformat.write_nanoqwen` (atomic: on any
 error the old output survives). `names.py` holds the one HF/GGUF -> nanoqwen name map and the
@@ -10,6 +11,7 @@ shared storing step (INT4 for the seven projections, float16 for the rest).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -98,11 +100,15 @@ def load_tokenizer(path: str | os.PathLike[str]) -> TokenizerSpec:
 def pack_synthetic(
     preset: str, out: str | os.PathLike[str], seed: int = 0,
     tokenizer_from: str | os.PathLike[str] | None = None, progress: bool = True,
+    layers: int | None = None,
 ) -> PackSummary:  # fmt: skip
     """Pack random weights with exactly `preset`'s shapes (see synthetic.py) into `out`.
 
     The tokenizer is a small byte-level one with the Qwen2.5 specials at their real ids, or
-    the one of `tokenizer_from` (a .nanoqwen, .gguf or HF directory).
+    the one of `tokenizer_from` (a .nanoqwen, .gguf or HF directory). `layers`: the preset's
+    widths at that depth (config name "<preset>-<layers>l"): every kernel shape of the preset,
+    with a float32 reference that fits beside the engine (the 32B's takes 131 GB at 64 layers,
+    22 GB at 8).
     """
     from .synthetic import synthetic_tensors
     from .tokenizers import byte_level_spec
@@ -111,6 +117,10 @@ def pack_synthetic(
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
         raise ConvertError(f"synthetic seed must be an integer in [0, 2^63), got {seed!r}")
     config = get_preset(preset)
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ConvertError(f"synthetic layers must be a positive integer, got {layers!r}")
+        config = dataclasses.replace(config, name=f"{config.name}-{layers}l", num_layers=layers)
     tokenizer = byte_level_spec() if tokenizer_from is None else load_tokenizer(tokenizer_from)
     metadata = {"source": f"synthetic:{config.name}", "source_format": "synthetic"}
     metadata["seed"] = str(seed)

@@ -21,6 +21,7 @@ import numpy as np
 from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
 from ..engine.decode_loop import DecodeState
 from ..engine.kv_cache import kv_cache_from_device, kv_cache_to_device
+from ..errors import NanoqwenError
 from ..quant import dequantize_packed
 from ..rope import rope_table
 
@@ -369,11 +370,20 @@ def _reference(file, device: str, dtype: str = "float32"):
 
     import torch
 
-    from ..reference import ReferenceBackend
+    from ..reference import ReferenceBackend, weight_bytes
 
     key = (id(file), device, dtype)
     if key in _REFERENCES:
         return _REFERENCES[key]
+    if device == "cuda":  # beside the engine: a deep model's float32 weights may not fit
+        need, free = weight_bytes(file, getattr(torch, dtype)), torch.cuda.mem_get_info()[0]
+        if need > free:
+            cfg = file.config
+            raise NanoqwenError(
+                f"the {dtype} reference of {cfg.name} needs {need} bytes on the GPU, {free} are "
+                f"free beside the engine; validate the layer and graph tiers on the same widths "
+                f"at a smaller depth (nanoqwen pack --synthetic PRESET --layers 8)"
+            )
     if dtype == "float32":
         ref = ReferenceBackend(file, max_context=256, device=device, prefix_caching=False)
     else:
