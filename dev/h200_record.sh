@@ -8,6 +8,12 @@
 #   bash dev/h200_record.sh rest       the ladder on the synthetic 1.5B, a CUDA-backed server
 #                                      timed for one client (dev/load_test.py), where the
 #                                      7B's TTFT goes (dev/ttft_profile.py), the GPU tests
+#   bash dev/h200_record.sh family M.. for each preset M (3b, 14b, 32b): its synthetic pack
+#                                      benched at prompt 512 and 8192, the unit tier on it,
+#                                      the whole ladder at its widths and 8 layers (the
+#                                      32B's float32 reference takes 131 GB at 64 layers);
+#                                      packing the 32B takes ~4 minutes, so give it a call
+#                                      of its own
 #
 # The bench results keep stable names, overwritten by every run, in $OUT/results/:
 # h200_7b_synthetic_{512,8k,32k}.json and h200_7b_synthetic_itl_{512,32k}.png. They are
@@ -16,7 +22,7 @@
 # The synthetic packs are seeded (identical bytes every time), so a pack already under /tmp
 # is reused. Wheels for the HTTP stack, when the machine lacks them, are installed from .whl/.
 set -uo pipefail
-PART=${1:?usage: h200_record.sh bench|rest}
+PART=${1:?usage: h200_record.sh bench|rest|family PRESET...}
 OUT=${OUT:-/tmp/nanoqwen-record}
 RESULTS=$OUT/results LOGS=$OUT/logs
 mkdir -p "$RESULTS" "$LOGS"
@@ -36,8 +42,10 @@ step() {  # step NAME COMMAND...: run, log to $LOGS/NAME.log, remember status an
     ROWS+=("$(printf '%-16s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - t0)))")
     echo "${ROWS[-1]}"
 }
-pack() {  # pack PRESET PATH (skipped when PATH exists: the synthetic packs are deterministic)
-    [ -f "$2" ] || step "pack-$1" nq pack --synthetic "$1" --no-progress -o "$2"
+pack() {  # pack PRESET PATH [ARGS] (skipped when PATH exists: the synthetic packs are
+    # deterministic)
+    [ -f "$2" ] || step "pack-$(basename "$2" .nanoqwen)" nq pack --synthetic "$1" --no-progress \
+        -o "$2" "${@:3}"
 }
 report() {  # the tails of the named logs, the status table; the logs into one archive
     for f in "$@"; do
@@ -78,6 +86,21 @@ if [ "$PART" = bench ]; then
         --json "$RESULTS/h200_7b_synthetic_32k.json"
     step validate-7b nq validate /tmp/s7b.nanoqwen --tier all
     report bench-512 bench-8k bench-32k validate-7b
+elif [ "$PART" = family ]; then
+    shift
+    names=()
+    for m in "$@"; do
+        pack "$m" "/tmp/s$m.nanoqwen"
+        step "bench-$m-512" nq bench "/tmp/s$m.nanoqwen" --kernels \
+            --json "$RESULTS/h200_${m}_synthetic_512.json"
+        step "bench-$m-8k" nq bench "/tmp/s$m.nanoqwen" --prompt-len 8192 --warmup 1 --runs 5 \
+            --json "$RESULTS/h200_${m}_synthetic_8k.json"
+        step "unit-$m" nq validate "/tmp/s$m.nanoqwen" --tier unit
+        pack "$m" "/tmp/s$m-8l.nanoqwen" --layers 8
+        step "validate-$m-8l" nq validate "/tmp/s$m-8l.nanoqwen" --tier all
+        names+=("bench-$m-512" "bench-$m-8k" "unit-$m" "validate-$m-8l")
+    done
+    report "${names[@]}"
 else
     pack 1.5b /tmp/s15.nanoqwen
     step validate-1.5b nq validate /tmp/s15.nanoqwen --tier all
