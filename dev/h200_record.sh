@@ -12,8 +12,8 @@
 #                                      benched at prompt 512 and 8192, the unit tier on it,
 #                                      the whole ladder at its widths and 8 layers (the
 #                                      32B's float32 reference takes 131 GB at 64 layers);
-#                                      packing the 32B takes ~4 minutes, so give it a call
-#                                      of its own
+#                                      packing takes ~30 s (3B) to ~4 minutes (32B): one
+#                                      preset a call
 #
 # The bench results keep stable names, overwritten by every run, in $OUT/results/:
 # h200_7b_synthetic_{512,8k,32k}.json and h200_7b_synthetic_itl_{512,32k}.png. They are
