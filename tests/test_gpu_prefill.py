@@ -72,8 +72,14 @@ def test_gemm_7b_picked_tile(env, shape_name):
 
 @pytest.mark.parametrize(
     "cfg",
-    [CFG, ModelConfig("gqa2-d128", 1000, 512, 512, 1, 4, 2, 128), preset("tiny")],
-    ids=["7b-7to1", "d128-2to1", "tiny-d64-2to1"],
+    [
+        CFG,
+        ModelConfig("gqa2-d128", 1000, 512, 512, 1, 4, 2, 128),
+        preset("tiny"),
+        preset("32b"),
+        preset("3b"),
+    ],
+    ids=["7b-7to1", "d128-2to1", "tiny-d64-2to1", "32b-5to1", "3b-8to1"],
 )
 def test_attention(env, cfg):
     kernels, gen = env
