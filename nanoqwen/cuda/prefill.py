@@ -35,6 +35,27 @@ SPLIT_MIN_TILES = 16  # 1024 keys: shorter loops gain less than the merge launch
 SPLIT_CTAS_PER_SM = 3
 
 
+def workspace_buffers(
+    config: ModelConfig,
+    num_sms: int,
+    geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+    tiles: tuple[registry.GemmTile, ...] = registry.GEMM_TILES,
+) -> dict[str, int]:
+    """Bytes of PrefillKernels' own buffers (engine/memory.py plans them). The stream-K
+    hand-over: a part of fp32 sums per CTA (256 consumer threads x tokens / 2 accumulators of
+    the widest tile; one CTA per SM: 17 MB on an H200) and its flag. Attention's key-split
+    partials: at most SPLIT_CTAS_PER_SM CTAs an SM of prefill_attn_tile query rows, each row
+    head_dim fp32 sums and (m, l)."""
+    tokens = max(t.tokens for t in tiles)
+    rows = SPLIT_CTAS_PER_SM * num_sms * geometry.prefill_attn_tile
+    return {
+        "parts": num_sms * 256 * tokens // 2 * 4,
+        "flags": num_sms * 4,
+        "part_o": rows * config.head_dim * 4,
+        "part_ml": rows * 2 * 4,
+    }
+
+
 def _ptr(x) -> int:
     """Device address of an int, a DeviceArray, a torch tensor or a cuda.core Buffer."""
     if isinstance(x, int):
@@ -68,19 +89,14 @@ class PrefillKernels(Launcher):
         self.gemms = [s for s in self.specs.values() if s.tile is not None]
         self._maps: dict = {}
         self._gemm_launches: dict = {}
-        # The stream-K hand-over: a part of fp32 sums per CTA (256 consumer threads x
-        # tokens / 2 accumulators; one CTA per SM: 17 MB on an H200) and its flag, zero
-        # between launches (each owner resets the flags it consumed).
-        n = gpu.num_sms
-        tokens = max(s.tile.tokens for s in self.gemms)
-        self._parts = gpu.alloc(n * 256 * tokens // 2 * 4, "prefill parts")
-        self._flags = gpu.alloc(n * 4, "prefill part flags")
-        gpu.memset(self._flags.ptr, 0, n * 4)
-        # Attention's key-split partials: at most SPLIT_CTAS_PER_SM CTAs an SM of 64 query
-        # rows, each row D fp32 sums and (m, l).
-        rows = SPLIT_CTAS_PER_SM * n * geometry.prefill_attn_tile
-        self._part_o = gpu.alloc(rows * config.head_dim * 4, "prefill attention partials")
-        self._part_ml = gpu.alloc(rows * 2 * 4, "prefill attention partial (m, l)")
+        # workspace_buffers: the flags are zero between launches (each stream-K owner resets
+        # the flags it consumed).
+        n, sizes = gpu.num_sms, workspace_buffers(config, gpu.num_sms, geometry, tiles)
+        self._parts = gpu.alloc(sizes["parts"], "prefill parts")
+        self._flags = gpu.alloc(sizes["flags"], "prefill part flags")
+        gpu.memset(self._flags.ptr, 0, sizes["flags"])
+        self._part_o = gpu.alloc(sizes["part_o"], "prefill attention partials")
+        self._part_ml = gpu.alloc(sizes["part_ml"], "prefill attention partial (m, l)")
         self._attn_wave = self.ctas_per_sm("prefill_attention") * n  # CTAs resident at once
 
     # -- GEMM ---------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ sizes, each as Gpu.alloc rounds it (device.alloc_size):
                        page table
     prefill_scratch    forward.prefill_scratch_buffers for a prompt of max_context tokens
                        (allocated as prompts grow; planned for the longest one)
-    prefill_workspace  PrefillKernels' stream-K parts and flags, attention's key-split partials
+    prefill_workspace  prefill.workspace_buffers: PrefillKernels' stream-K parts and flags,
+                       attention's key-split partials
     decode_buffers     forward.decode_buffers (RoPE table, x, q, attn, mlp, logits), decode
                        attention's split scratch, the decode state and token ring
     margin             MEMORY_MARGIN: what the driver takes beside our buffers (kernel images,
@@ -30,6 +31,7 @@ from ..config import ModelConfig
 from ..cuda import registry
 from ..cuda.decode import attention_scratch_buffers
 from ..cuda.device import alloc_size
+from ..cuda.prefill import workspace_buffers
 from ..errors import DeviceError
 from .decode_loop import loop_buffers
 from .forward import decode_buffers, prefill_scratch_buffers
@@ -62,19 +64,6 @@ class MemoryPlan:
         return f"{self.needed / GIB:.2f} GiB = {terms}"
 
 
-def _prefill_workspace(config: ModelConfig, num_sms: int, g: registry.Geometry) -> list[int]:
-    """PrefillKernels' buffers (cuda/prefill.py, allocated in its constructor): the stream-K
-    parts, fp32 [num_sms, 256 consumer threads, tokens / 2] for the widest GEMM tile, and
-    their flags int32 [num_sms]; attention's key-split partials for SPLIT_CTAS_PER_SM CTAs an
-    SM of prefill_attn_tile rows, fp32 [rows, head_dim] and [rows, 2]. A GPU test compares
-    the whole plan with the allocations at load (tests/test_gpu_engine.py)."""
-    from ..cuda.prefill import SPLIT_CTAS_PER_SM
-
-    tokens = max(t.tokens for t in registry.GEMM_TILES)
-    rows = SPLIT_CTAS_PER_SM * num_sms * g.prefill_attn_tile
-    return [num_sms * 256 * tokens // 2 * 4, num_sms * 4, rows * config.head_dim * 4, rows * 8]
-
-
 def plan_memory(
     config: ModelConfig,
     max_context: int,
@@ -96,7 +85,7 @@ def plan_memory(
         "weights": weight_bytes(config),
         "kv_cache": rounded(kv_cache_buffers(config, max_context)),
         "prefill_scratch": rounded(prefill_scratch_buffers(config, max_context).values()),
-        "prefill_workspace": rounded(_prefill_workspace(config, num_sms, geometry)),
+        "prefill_workspace": rounded(workspace_buffers(config, num_sms, geometry).values()),
         "decode_buffers": rounded(decode),
         "margin": MEMORY_MARGIN,
     }
