@@ -71,7 +71,13 @@ class ClientGone(Exception):
 class JobStream(StreamingResponse):
     """A streamed response (server-sent events unless `media_type` says otherwise, e.g.
     Ollama's NDJSON) that cancels its work (a Job, or the Choices of a request) however the
-    response ends."""
+    response ends.
+
+    Its body comes from `job_events`, which already races every wait against the client's
+    disconnect, so the response only sends: under ASGI spec 2.3 (uvicorn's) Starlette's
+    StreamingResponse would also start a task group with a second disconnect listener, a
+    task spawn and a loop iteration before the first byte.
+    """
 
     def __init__(
         self,
@@ -85,7 +91,7 @@ class JobStream(StreamingResponse):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
         finally:
             self.work.cancel()
 
