@@ -1,7 +1,7 @@
 """Where a request's time to first token goes, layer by layer (run on an sm_90 GPU).
 
     PYTHONPATH=. python3 dev/first_token.py FILE.nanoqwen [--tokens 46] [--runs 30]
-        [--server] [--json OUT.json]
+        [--server] [--json OUT.json] [--backend reference]
 
 The same prompt (a piece of real Python source, cut to --tokens tokens by the model's
 tokenizer) through each layer, warm, median of --runs after 5 warm-ups, greedy:
@@ -13,11 +13,25 @@ tokenizer) through each layer, warm, median of --runs after 5 warm-ups, greedy:
     server     (--server) `nanoqwen serve` in a subprocess, a raw socket client: POST
                /v1/completions stream=true with the prompt text -> the first `data:` event
                with text, and the same for /v1/chat/completions (its prompt is the template's,
-               so it is not compared with the engine row)
+               so it is not compared with the engine row); `server_over_stream` is the
+               completion's time over the stream row: what the server adds
 
 and one instrumented engine run: the host's clock when the first and the last prefill kernel
 were enqueued and when the token arrived (the launch cost the GPU cannot hide at a short
 prompt).
+
+Each request's response is read to its end before the next is sent, so every request finds
+the engine idle (a client that hung up after its first chunk would leave the engine finishing
+a decode step, and the next request would wait for it).
+
+--instant swaps the engine under LLM.stream, in this process and in the server's, for one
+whose first token is ready at once (then a token every INSTANT_STEP_S, waited for as the cuda
+backend waits): the stream rows are then the front end alone and the server rows the server's
+own cost. The script also runs on the CPU, the engine then the reference backend:
+
+    python3 -m nanoqwen.cli pack --synthetic tiny -o /tmp/tiny.nanoqwen
+    PYTHONPATH=. python3 dev/first_token.py /tmp/tiny.nanoqwen --backend reference --server \\
+        --instant
 """
 
 from __future__ import annotations
@@ -32,11 +46,16 @@ import sys
 import time
 from pathlib import Path
 
-from nanoqwen.llm import LLM
+from nanoqwen.llm import LLM, Delta
 from nanoqwen.sampling import SamplingParams
 
 WARMUP = 5
 GEN_TOKENS = 16  # each request asks for this many; only the first is timed
+# The instant engine's decode step, and its wait as the cuda backend waits for a token: a
+# sleep of POLL_S between looks at the host ring (nanoqwen/engine/decode_loop.py).
+INSTANT_STEP_S = 5e-3
+POLL_S = 20e-6
+SERVE_INSTANT = "--serve-instant"  # argv[1] of the server process that --instant starts
 
 
 def prompt_text(llm: LLM, tokens: int) -> tuple[str, list[int]]:
@@ -51,13 +70,20 @@ def prompt_text(llm: LLM, tokens: int) -> tuple[str, list[int]]:
 
 
 def median_ms(fn, runs: int) -> float:
-    times = []
-    for r in range(WARMUP + runs):
+    """The median milliseconds of a call of `fn`."""
+
+    def timed() -> float:
         t0 = time.perf_counter()
         fn()
-        if r >= WARMUP:
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+        return 1e3 * (time.perf_counter() - t0)
+
+    return median_of(timed, runs)
+
+
+def median_of(measure, runs: int) -> float:
+    """The median of the values `measure()` returns, after WARMUP calls not kept."""
+    values = [measure() for _ in range(WARMUP + runs)]
+    return statistics.median(values[WARMUP:])
 
 
 def first_of(iterator) -> None:
@@ -66,6 +92,40 @@ def first_of(iterator) -> None:
         next(iterator)
     finally:
         iterator.close()
+
+
+def instant(llm: LLM) -> LLM:
+    """`llm` with an engine whose first token is ready at once: its tokenizer and checks as
+    they are, then one delta per token (the prompt's ids over again), the first at once and
+    each next one a decode step later."""
+
+    def stream(ids, params: SamplingParams):
+        llm.check_fits(len(ids), params.max_tokens)
+        return _instant_deltas(llm, list(ids), params.max_tokens)
+
+    llm.stream = stream
+    return llm
+
+
+def _instant_deltas(llm: LLM, ids: list[int], max_tokens: int):
+    for i in range(max_tokens):
+        if i:
+            step_end = time.perf_counter() + INSTANT_STEP_S
+            while time.perf_counter() < step_end:
+                time.sleep(POLL_S)
+        token = ids[i % len(ids)]
+        last = i == max_tokens - 1
+        yield Delta(llm.tokenizer.decode([token]), (token,), "length" if last else None)
+
+
+def serve_instant(argv: list[str]) -> int:
+    """`nanoqwen serve ARGV` as the CLI runs it, over `instant` engine (--instant's server)."""
+    from nanoqwen import cli
+    from nanoqwen.commands import serve
+
+    open_llm = serve.open_llm
+    serve.open_llm = lambda *args, **kwargs: instant(open_llm(*args, **kwargs))
+    return cli.main(["serve", *argv])
 
 
 def engine_layers(llm: LLM, text: str, ids: list[int], runs: int) -> dict:
@@ -146,7 +206,7 @@ def launch_cost_us(backend, n: int = 400) -> dict:
 
 def http_first_text_ms(port: int, path: str, body: dict) -> float:
     """POST `body` as a stream request over a fresh connection; ms from the first byte sent
-    to the first SSE event carrying text."""
+    to the first SSE event carrying text. The rest of the response is read (not timed)."""
     payload = json.dumps(body).encode()
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -156,15 +216,16 @@ def http_first_text_ms(port: int, path: str, body: dict) -> float:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = time.perf_counter()
         sock.sendall(head + payload)
-        buf = b""
-        while True:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise RuntimeError(f"{path}: stream ended before any text: {buf[-500:]!r}")
+        buf, first = b"", None
+        while chunk := sock.recv(65536):
             buf += chunk
-            for line in buf.split(b"\n"):
-                if line.startswith(b"data: {") and _has_text(line[6:]):
-                    return 1e3 * (time.perf_counter() - t0)
+            if first is None and any(
+                line.startswith(b"data: {") and _has_text(line[6:]) for line in buf.split(b"\n")
+            ):
+                first = 1e3 * (time.perf_counter() - t0)
+    if first is None:
+        raise RuntimeError(f"{path}: the stream ended without text: {buf[-500:]!r}")
+    return first
 
 
 def _has_text(event: bytes) -> bool:
@@ -176,10 +237,14 @@ def _has_text(event: bytes) -> bool:
 
 
 def server_layers(
-    file: str, model: str, text: str, runs: int, port: int, ctx: int, backend: str
+    file: str, model: str, text: str, runs: int, port: int, ctx: int, backend: str, instant: bool
 ) -> dict:
-    cmd = [sys.executable, "-m", "nanoqwen.cli", "serve", file, "--port", str(port),
-           "--backend", backend, "--max-context", str(ctx), "--log-level", "warning"]  # fmt: skip
+    serve = [file, "--port", str(port), "--backend", backend, "--max-context", str(ctx),
+             "--log-level", "warning"]  # fmt: skip
+    if instant:
+        cmd = [sys.executable, __file__, SERVE_INSTANT, *serve]
+    else:
+        cmd = [sys.executable, "-m", "nanoqwen.cli", "serve", *serve]
     proc = subprocess.Popen(cmd)
     try:
         deadline = time.time() + 300
@@ -195,10 +260,10 @@ def server_layers(
         completion = common | {"prompt": text}
         chat = common | {"messages": [{"role": "user", "content": text}]}
         return {
-            "server_completion_ms": median_ms(
+            "server_completion_ms": median_of(
                 lambda: http_first_text_ms(port, "/v1/completions", completion), runs
             ),
-            "server_chat_ms": median_ms(
+            "server_chat_ms": median_of(
                 lambda: http_first_text_ms(port, "/v1/chat/completions", chat), runs
             ),
         }
@@ -215,17 +280,34 @@ def main() -> int:
     ap.add_argument("--server", action="store_true")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--backend", default="cuda", help="reference: a CPU smoke run of the script")
+    ap.add_argument("--backend", default="cuda", help="reference: a CPU run of the script")
+    ap.add_argument(
+        "--instant",
+        action="store_true",
+        help="LLM.stream and the server over an engine whose first token is ready at once "
+        "(the engine row stays the real one): the server's own cost alone",
+    )
     args = ap.parse_args()
     ctx = 4096
+    if args.backend == "reference":
+        from nanoqwen.reference import set_threads
+
+        set_threads(None)  # the torch threads `nanoqwen serve` gives the reference backend
     llm = LLM(args.file, backend=args.backend, max_context=ctx)
+    if args.instant:
+        instant(llm)
     text, ids = prompt_text(llm, args.tokens)
     res = {"file": Path(args.file).name, "prompt_tokens": len(ids)}
     res.update(engine_layers(llm, text, ids, args.runs))
     model = llm.model_name
     llm.close()
     if args.server:
-        res.update(server_layers(args.file, model, text, args.runs, args.port, ctx, args.backend))
+        res.update(
+            server_layers(
+                args.file, model, text, args.runs, args.port, ctx, args.backend, args.instant
+            )
+        )
+        res["server_over_stream_ms"] = res["server_completion_ms"] - res["stream_ms"]
     print(f"{res['file']}: prompt {res['prompt_tokens']} tokens, {res['launches']} launches")
     for key, value in res.items():
         if key.endswith(("_ms", "_us")):
@@ -236,4 +318,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [SERVE_INSTANT]:
+        raise SystemExit(serve_instant(sys.argv[2:]))
     raise SystemExit(main())

@@ -71,7 +71,13 @@ class ClientGone(Exception):
 class JobStream(StreamingResponse):
     """A streamed response (server-sent events unless `media_type` says otherwise, e.g.
     Ollama's NDJSON) that cancels its work (a Job, or the Choices of a request) however the
-    response ends."""
+    response ends.
+
+    Its body comes from `job_events`, which already races every wait against the client's
+    disconnect, so the response only sends: under ASGI spec 2.3 (uvicorn's) Starlette's
+    StreamingResponse would also start a task group with a second disconnect listener, a
+    task spawn and a loop iteration before the first byte.
+    """
 
     def __init__(
         self,
@@ -85,7 +91,7 @@ class JobStream(StreamingResponse):
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
         finally:
             self.work.cancel()
 
@@ -278,18 +284,21 @@ async def stream_body(
     reply: Reply, first: Any, events: AsyncIterator[Any], include_usage: bool
 ) -> AsyncIterator[bytes]:
     """The SSE body: role chunk (chat), then per choice its text chunks and finish chunk, the
-    usage chunk if asked for, [DONE]."""
+    usage chunk if asked for, [DONE]. The events of one delta go out as one body message
+    (one socket write), the role chunk with the first delta's."""
     try:
-        if reply.chat:
-            yield reply.chunk(0, "", role=True)
+        out = reply.chunk(0, "", role=True) if reply.chat else b""
         item = first
         while item is not None:
             index, delta = item
             reply.add(index, delta)
             if delta.text:
-                yield reply.chunk(index, delta.text)
+                out += reply.chunk(index, delta.text)
             if delta.finish_reason is not None:
-                yield reply.chunk(index, None, delta.finish_reason)
+                out += reply.chunk(index, None, delta.finish_reason)
+            if out:
+                yield out
+                out = b""
             item = await anext(events, None)
         if include_usage:
             yield reply.usage_chunk()
