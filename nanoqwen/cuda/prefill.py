@@ -146,17 +146,18 @@ class PrefillKernels(Launcher):
         """
         ptrs = (_ptr(a), _ptr(qweight), _ptr(scales), 0 if bias is None else _ptr(bias),
                 0 if residual is None else _ptr(residual), _ptr(out))  # fmt: skip
-        key = (*ptrs, M, N, K, swiglu, None if spec is None else spec.key)
+        given = (bias is not None, residual is not None)
+        key = (*ptrs, *given, M, N, K, swiglu, None if spec is None else spec.key)
         launch = self._gemm_launches.get(key)
         if launch is None:
-            launch = self._gemm_launch(ptrs, M, N, K, swiglu, spec)
+            launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, spec)
             if len(self._gemm_launches) >= _MAX_MAPS:
                 self._gemm_launches.clear()
             self._gemm_launches[key] = launch
         with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
             self.launch(*launch, stream=stream, label=label)
 
-    def _gemm_launch(self, ptrs, M, N, K, swiglu, spec) -> tuple:
+    def _gemm_launch(self, ptrs, given, M, N, K, swiglu, spec) -> tuple:
         """gemm's checks, tile and TMA descriptors: (spec key, grid, *arguments) of its
         launch, kept per call (a prefill repeats the same few hundred)."""
         a, qweight, scales, bias, residual, out = ptrs
@@ -165,7 +166,7 @@ class PrefillKernels(Launcher):
             raise ValueError(f"prefill gemm: need M >= 1 and K % {GROUP_SIZE} == 0; M={M} K={K}")
         if N < rows or N % rows:
             raise ValueError(f"prefill gemm: N={N} must be a positive multiple of {rows}")
-        if swiglu and (bias or residual):
+        if swiglu and any(given):  # (bias, residual) passed
             raise ValueError("prefill gemm: swiglu takes no bias and no residual")
         spec = spec if spec is not None else self.pick_gemm(M, swiglu)
         if spec.tile is None or spec.tile.swiglu != swiglu:
