@@ -18,9 +18,9 @@ prefix with the hashing left to the dict: the parent's serial names the cached c
 the page exactly, and a dict hit compares the whole key, so a hit's prefix equals the prompt's
 token for token by induction, and no digest is ever trusted (a digest of (parent digest, ids),
 nano-vllm's and vLLM's scheme, must be checked against the ids and the parent anyway). The
-walk costs one bytes slice and one dict probe a page: a 32k prompt's 2047 pages in well under
-a millisecond, before its prefill can start. Serials, not page ids, name parents: an evicted
-page that is reused gets a new serial, so its former children never match again.
+walk, which runs before the prefill's first launch, costs one bytes slice and one dict probe
+a page and no hashing of our own. Serials, not page ids, name parents: an evicted page that is
+reused gets a new serial, so its former children never match again.
 
 The reuse rule: only full pages strictly before the prompt's last token are reused. The last
 prompt token is always computed (its logits are the first sample), and every sequence writes

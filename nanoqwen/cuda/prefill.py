@@ -25,7 +25,7 @@ from . import registry
 from .device import Gpu
 from .launcher import Launcher
 
-_MAX_MAPS = 512  # TMA descriptors kept (each 128 bytes): prompt buffers x shapes x weights
+_MAX_KEPT = 512  # TMA descriptors (128 bytes each) and gemm launches kept: buffers x shapes
 # Attention's key splits (prefill_attention.cu): when the (head, query tile) CTAs would not
 # fill the SMs once (at the kernel's occupancy, two an SM), each one's key tiles are cut into
 # ranges of at least SPLIT_MIN_TILES, as many as keep every CTA in that one wave: a CTA past
@@ -151,7 +151,7 @@ class PrefillKernels(Launcher):
         launch = self._gemm_launches.get(key)
         if launch is None:
             launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, spec)
-            if len(self._gemm_launches) >= _MAX_MAPS:
+            if len(self._gemm_launches) >= _MAX_KEPT:
                 self._gemm_launches.clear()
             self._gemm_launches[key] = launch
         with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
@@ -191,7 +191,7 @@ class PrefillKernels(Launcher):
         key = (ptr, rows, cols, box_rows, box_cols, fp16)
         tmap = self._maps.get(key)
         if tmap is None:
-            if len(self._maps) >= _MAX_MAPS:
+            if len(self._maps) >= _MAX_KEPT:
                 self._maps.clear()
             tmap = self.gpu.tensor_map_2d(ptr, rows, cols, box_rows, box_cols, fp16=fp16)
             self._maps[key] = tmap
