@@ -15,11 +15,15 @@ feeds, not yet in the KV cache):
   - n-gram sizes are tried from n_max down to n_min; the first size with a match wins (longer
     contexts predict better). A size n needs len(h) >= n + 1.
   - a match of size n is a start j with h[j : j + n] == h[-n:] and j + n <= len(h) - 1, so that
-    at least one token follows it (the suffix itself is never a match). Of several matches the
-    most recent one (the largest j) wins: the nearest repetition is the likeliest to continue.
-  - the draft is h[j + n : j + n + limit], limit = min(K, the caller's cap): fewer than K tokens
-    when the match runs into the end of the history (a match overlapping the suffix, inside a
-    run of one repeated phrase, drafts only up to h[-1]).
+    at least one token follows it (the suffix itself is never a match).
+  - the draft is h[j + n : j + n + limit], limit = min(K, the caller's cap), so a match close
+    to the end of the history drafts fewer tokens. Of several matches the one with the longest
+    draft wins, and of those the most recent (the largest j): the most recent match whose
+    draft is a full `limit` tokens, else the earliest match. Recency because the nearest
+    repetition is the likeliest to continue; length first because inside a loop of period P
+    (a repeated line, a model repeating itself) the most recent match overlaps the suffix and
+    drafts only P tokens, where an earlier lap drafts K. Equivalently: maximize
+    min(limit, len(h) - j - n) * len(h) + j over the matches (a max-reduction for a kernel).
   - no match of any size: no draft, and the step is the plain one-token step (adaptive K).
 
 Acceptance (`accept`), given the target's logits at the 1 + d positions of the step (row i
@@ -122,7 +126,8 @@ def draft(history: Sequence[int], config: SpeculativeConfig, limit: int | None =
         windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
         hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n  # the most recent match
+            full = hits[hits + n + limit <= len(h)]
+            start = int(full[-1] if full.size else hits[0]) + n
             return h[start : start + limit].tolist()
     return []
 
