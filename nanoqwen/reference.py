@@ -348,9 +348,9 @@ class ReferenceBackend:
         """Prefill the prompt, then decode: one token per step, or with speculation the
         accepted drafts and one more (see backend.Backend)."""
         self._require_open()
-        prompt = torch.from_numpy(check_prompt(prompt_ids, self.config.vocab_size))
+        prompt = check_prompt(prompt_ids, self.config.vocab_size).tolist()
         check_fits(len(prompt), params.max_tokens, self.max_context)
-        return self._generate(prompt.tolist(), params, stop_ids)
+        return self._generate(prompt, params, stop_ids)
 
     def _generate(self, prompt: list[int], params: SamplingParams, stop_ids) -> Iterator[int]:
         """Each step feeds `fed` (the uncached prompt, then the last token) and `drafts`, keeps

@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     import torch
 
 METHODS = ("ngram",)
-# The verify step runs 1 + K rows; the INT4 GEMV over M rows stays memory-bound (one weight
-# read for all rows) up to M = 16 (docs: ARCHITECTURE, "Past one stream").
+# The verify step runs 1 + K rows, so at most 16: up to M = 16 activation rows an INT4 GEMM
+# stays memory-bound, one read of the weights serving every row (Marlin, Frantar et al. 2024).
 MAX_DRAFT_TOKENS = 15
 
 
@@ -105,11 +105,6 @@ class SpecStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        """accepted / drafted (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
 
 
 def draft(history: Sequence[int], config: SpeculativeConfig, limit: int | None = None) -> list[int]:

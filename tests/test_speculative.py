@@ -329,3 +329,29 @@ def test_sampled_speculation_stays_in_the_support(cold, spec, steps):
     forced = torch.from_numpy(cold.logits(prompt + out)[len(prompt) - 1 : -1])
     top3 = torch.topk(forced, 3, dim=1).indices
     assert all(t in top3[i].tolist() for i, t in enumerate(out))
+
+
+EDIT_PROMPT = (
+    "<|im_start|>user\nRename the parameter `xs` to `values` and return the whole function:\n"
+    "```python\ndef mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n"
+    "    return total / len(xs)\n```<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_plain_on_real_weights(real_model):
+    """A real model asked to repeat code with an edit: prompt lookup drafts most of the reply,
+    and the tokens are still plain greedy's."""
+    from tokenizers import Tokenizer
+
+    with NanoqwenFile(real_model) as file:
+        ref = ReferenceBackend(file, max_context=512, prefix_caching=False)
+        prompt = Tokenizer.from_str(file.tokenizer.tokenizer_json).encode(EDIT_PROMPT).ids
+        stop = frozenset(file.tokenizer.eos_token_ids)
+        plain = generate(ref, prompt, max_tokens=40, stop=stop)
+        ref.speculative = SPEC
+        assert generate(ref, prompt, max_tokens=40, stop=stop) == plain
+        stats = ref.spec_stats
+        print(f"\n{real_model.name}: {len(plain)} tokens in {stats.steps + 1} forwards, {stats}")
+        assert stats.accepted > len(plain) // 4, stats
+        ref.close()
