@@ -25,6 +25,8 @@ feeds, not yet in the KV cache):
     drafts only P tokens, where an earlier lap drafts K. Equivalently: maximize
     min(limit, len(h) - j - n) * len(h) + j over the matches (a max-reduction for a kernel).
   - no match of any size: no draft, and the step is the plain one-token step (adaptive K).
+  - the prefill step carries no drafts: drafting starts with the first decode step, whose
+    history already ends with the first sampled token.
 
 Acceptance (`accept`), given the target's logits at the 1 + d positions of the step (row i
 predicts the token after feeding h[-1] and drafts[:i]):
@@ -42,9 +44,9 @@ predicts the token after feeding h[-1] and drafts[:i]):
     generator as the plain step does.
 
 Not exposed yet: no CLI or server flag selects speculation, because the cuda backend lacks the
-multi-row verify step; `ReferenceBackend(speculative=SpeculativeConfig(...))` is the way in
-until both backends have it, when the `generate`/`serve` flags and the server's statistics
-will carry it.
+multi-row verify step and a flag that works on one backend only would mislead. Until both
+backends verify drafts, `ReferenceBackend(speculative=SpeculativeConfig(...))` is the way in;
+then `nanoqwen generate` / `serve` get the flags, and the server reports the SpecStats.
 """
 
 from __future__ import annotations
