@@ -15,6 +15,9 @@ being obviously right over being fast:
   Prefill and decode both write K/V into the pages and read the whole context back through the
   page table, so the indirection is exercised on every step; a prefill that reuses a cached
   prefix is the same forward started at an offset.
+- Speculative decoding (nanoqwen.speculative, the oracle of its rules) is the same multi-token
+  forward again: a decode step feeds the last token and its drafts, and commits only the K/V
+  of the tokens it keeps.
 - RoPE is the NEOX form (rotate the halves [..., :d/2] and [..., d/2:]), its angles formed in
   float64 (nanoqwen.rope, shared with the engine) and rounded once.
 """
@@ -38,7 +41,8 @@ from .errors import NanoqwenError
 from .kv_pages import BlockManager, KVStats, PageTable
 from .quant import dequantize_packed
 from .rope import rope_angles
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, make_generator
+from .speculative import SpecStats, SpeculativeConfig, accept, draft
 
 if TYPE_CHECKING:
     from .fileformat import NanoqwenFile
@@ -294,7 +298,8 @@ def set_threads(threads: int | None) -> int:
 
 class ReferenceBackend:
     """nanoqwen.backend.Backend in plain PyTorch: batch 1, host sampling, paged KV with prefix
-    caching (nanoqwen.kv_pages): a prompt is prefilled from its first uncached token."""
+    caching (nanoqwen.kv_pages): a prompt is prefilled from its first uncached token; with a
+    SpeculativeConfig each decode step verifies n-gram drafts (nanoqwen.speculative)."""
 
     name = "reference"
 
@@ -306,14 +311,19 @@ class ReferenceBackend:
         dtype: torch.dtype = torch.float32,
         prefix_caching: bool = True,
         progress: bool = False,
+        speculative: SpeculativeConfig | None = None,
     ):
         """prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full
         pages (off: every prompt is prefilled cold, e.g. for validation); progress: a bar per
-        loaded layer on stderr (a 1.5B loads for tens of seconds)."""
+        loaded layer on stderr (a 1.5B loads for tens of seconds); speculative: draft and
+        verify per nanoqwen.speculative (None: one token per step). `spec_stats` holds the
+        last generation's SpecStats."""
         self.config: ModelConfig = file.config
         self.max_context = check_max_context(max_context, self.config)
         self.device = torch.device(device)
+        self.speculative = speculative
         self.cached_tokens = 0
+        self.spec_stats = SpecStats()
         with torch.inference_mode():
             self.model = Qwen2Reference(file, max_context, dtype, self.device, progress)
             pages = -(-max_context // PAGE_TOKENS)
@@ -335,38 +345,61 @@ class ReferenceBackend:
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
     ) -> Iterator[int]:
-        """Prefill the prompt, then decode one token per step (see backend.Backend)."""
+        """Prefill the prompt, then decode: one token per step, or with speculation the
+        accepted drafts and one more (see backend.Backend)."""
         self._require_open()
-        prompt = torch.from_numpy(check_prompt(prompt_ids, self.config.vocab_size))
+        prompt = check_prompt(prompt_ids, self.config.vocab_size).tolist()
         check_fits(len(prompt), params.max_tokens, self.max_context)
-        prompt = prompt.to(self.device)
         return self._generate(prompt, params, stop_ids)
 
-    def _generate(self, prompt: torch.Tensor, params: SamplingParams, stop_ids) -> Iterator[int]:
+    def _generate(self, prompt: list[int], params: SamplingParams, stop_ids) -> Iterator[int]:
+        """Each step feeds `fed` (the uncached prompt, then the last token) and `drafts`, keeps
+        what accept() emits up to a stop id or max_tokens, and commits the K/V of the fed
+        tokens and of the kept drafts that were fed (those before the step's last kept token).
+        Rejected drafts' K/V stay in the pages uncommitted, past len(table.tokens): no read
+        reaches them (attention is causal) and the next step overwrites them."""
         pages = self.cache.pages  # released into even if the backend is closed meanwhile
-        table = pages.admit(prompt.tolist())
+        table = pages.admit(prompt)
         self.cached_tokens = table.cached_tokens
+        stats = self.spec_stats = SpecStats()
         generator = make_generator(params.seed)
+        history, fed, drafts = list(prompt), prompt[table.cached_tokens :], []
+        left, decoding = params.max_tokens, False
         try:
-            logits = self._step(prompt[table.cached_tokens :], table)
-            for n in range(1, params.max_tokens + 1):
-                token = sample(logits.cpu(), params, generator)
-                yield token
-                if token in stop_ids or n == params.max_tokens:
+            while True:
+                logits = self._forward(fed + drafts, table, rows=len(drafts) + 1)
+                kept = accept(logits.cpu(), drafts, params, generator)
+                if decoding:
+                    stats.steps += 1
+                    stats.drafted += len(drafts)
+                    stats.accepted += len(kept) - 1
+                kept = kept[:left]
+                stop = next((i for i, t in enumerate(kept) if t in stop_ids), None)
+                if stop is not None:
+                    kept = kept[: stop + 1]
+                pages.commit(table, fed + kept[:-1])
+                yield from kept
+                left -= len(kept)
+                if stop is not None or left == 0:
                     return
-                logits = self._step(torch.tensor([token], device=self.device), table)
+                history += kept
+                fed = kept[-1:]
+                # Drafts past left - 1 could not be emitted (the step emits one more token).
+                drafts = draft(history, self.speculative, left - 1) if self.speculative else []
+                decoding = True
         finally:  # also runs on close() or garbage collection of an unfinished iterator
             pages.release(table)
 
     @torch.inference_mode()
-    def _step(self, tokens: torch.Tensor, table: PageTable) -> torch.Tensor:
-        """Run tokens at the table's next positions through the model and commit their K/V
-        (only once the whole forward has written them); the last row's logits [V]."""
+    def _forward(self, tokens: list[int], table: PageTable, rows: int) -> torch.Tensor:
+        """Run tokens at the table's next positions through the model, writing their K/V into
+        the pages without committing them (the caller commits those it keeps); the logits of
+        the last `rows` rows, [rows, V]."""
         start = len(table.tokens)
         self.cache.pages.reserve(table, start + len(tokens))
-        hidden = self.model.forward(tokens, start, table.pages, self.cache)
-        self.cache.pages.commit(table, tokens.tolist())
-        return self.model.logits(hidden[-1:])[0]
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, start, table.pages, self.cache)
+        return self.model.logits(hidden[-rows:])
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

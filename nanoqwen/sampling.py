@@ -83,22 +83,14 @@ def make_generator(seed: int | None) -> torch.Generator:
     return generator
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> int:
-    """One token id from `logits` (float32 [V], CPU) under `params` (module docstring).
-
-    Greedy is argmax, lowest id on ties. Otherwise the tokens are sorted by probability (stable,
-    so equal probabilities keep id order), cut to the top_k, renormalized, cut to the smallest
-    prefix whose cumulative probability reaches top_p (the top token is always kept), and one
-    token is drawn from what is left with `generator`.
-    """
+def _kept(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs, ids) of the tokens a non-greedy draw can return, most probable first: the
+    softmax of logits / temperature sorted (stable, so equal probabilities keep id order), cut
+    to the top_k, renormalized, cut to the smallest prefix whose cumulative probability reaches
+    top_p (the top token is always kept). After the top-p cut `probs` sums to <= 1: a draw
+    renormalizes."""
     import torch
 
-    if logits.ndim != 1 or logits.numel() == 0:
-        raise SamplingError(f"sample: expected logits of shape [V], got {tuple(logits.shape)}")
-    if params.greedy:
-        return int(torch.argmax(logits))  # first maximal index: lowest id on ties
     probs = torch.softmax(logits.float() / params.temperature, dim=0)
     probs, ids = torch.sort(probs, descending=True, stable=True)
     if params.top_k:
@@ -109,6 +101,46 @@ def sample(
         # cumulative probability >= top_p. Token 0 has 0 before it, so it is always kept.
         before = torch.cumsum(probs, dim=0) - probs
         keep = int((before < params.top_p).sum())
-        probs = probs[:keep]
+        probs, ids = probs[:keep], ids[:keep]
+    return probs, ids
+
+
+def _check_logits(logits: torch.Tensor, caller: str) -> None:
+    if logits.ndim != 1 or logits.numel() == 0:
+        raise SamplingError(f"{caller}: expected logits of shape [V], got {tuple(logits.shape)}")
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
+    """One token id from `logits` (float32 [V], CPU) under `params` (module docstring).
+
+    Greedy is argmax, lowest id on ties. Otherwise one token is drawn with `generator` from
+    the tokens `_kept` leaves (temperature, top-k, top-p): the distribution `probabilities`
+    returns.
+    """
+    import torch
+
+    _check_logits(logits, "sample")
+    if params.greedy:
+        return int(torch.argmax(logits))  # first maximal index: lowest id on ties
+    probs, ids = _kept(logits, params)
     choice = torch.multinomial(probs, 1, generator=generator)
     return int(ids[choice])
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sample() draws from, float32 [V] summing to 1: for greedy a point mass
+    on the argmax (lowest id on ties), otherwise the `_kept` tokens' probabilities
+    renormalized, 0 elsewhere. Speculative acceptance (nanoqwen.speculative) compares draft
+    tokens against it."""
+    import torch
+
+    _check_logits(logits, "probabilities")
+    out = torch.zeros(logits.shape[0], dtype=torch.float32)
+    if params.greedy:
+        out[int(torch.argmax(logits))] = 1.0
+        return out
+    probs, ids = _kept(logits, params)
+    out[ids] = probs / probs.sum()
+    return out

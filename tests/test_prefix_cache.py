@@ -56,13 +56,14 @@ def pair(model_file):
 def recorded(monkeypatch):
     """Every logits row generate() samples from, in order (cleared by `run`)."""
     rows: list[torch.Tensor] = []
-    sample = reference.sample
+    accept = reference.accept
 
-    def spy(logits, params, generator):
-        rows.append(logits.clone())
-        return sample(logits, params, generator)
+    def spy(logits, drafts, params, generator):
+        kept = accept(logits, drafts, params, generator)
+        rows.extend(logits[: len(kept)].clone())  # row i gave the step's i-th token
+        return kept
 
-    monkeypatch.setattr(reference, "sample", spy)
+    monkeypatch.setattr(reference, "accept", spy)
     return rows
 
 

@@ -10,6 +10,7 @@ from nanoqwen.sampling import (
     SamplingError,
     SamplingParams,
     make_generator,
+    probabilities,
     sample,
 )
 
@@ -116,6 +117,25 @@ def test_empirical_distribution_matches(temperature, top_k, top_p):
     cells = expected > 0
     chi2 = ((counts[cells] - n * expected[cells]) ** 2 / (n * expected[cells])).sum()
     assert chi2 < 40, (chi2, counts, expected)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (0.9, 4, 0.8)]
+)
+def test_probabilities_are_the_distribution_sampled(temperature, top_k, top_p):
+    """probabilities() is the rule sample() draws by (the empirical test above checks sample()
+    against the same independent _expected): equal within float32 rounding."""
+    logits = _random_logits(17)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    expected = _expected(logits.numpy(), temperature, top_k, top_p)
+    np.testing.assert_allclose(probabilities(logits, params).numpy(), expected, atol=1e-6)
+
+
+def test_greedy_probabilities_are_a_point_mass_on_the_lowest_argmax():
+    logits = torch.tensor([0.5, 2.0, -1.0, 2.0])
+    np.testing.assert_array_equal(probabilities(logits, SamplingParams()).numpy(), [0, 1, 0, 0])
+    with pytest.raises(SamplingError, match="shape"):
+        probabilities(torch.zeros(2, 3), SamplingParams())
 
 
 def test_bad_logits_shape():

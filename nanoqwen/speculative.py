@@ -1,0 +1,162 @@
+"""Speculative decoding by prompt lookup: the drafting rule and the acceptance rule, host-side.
+
+A decode step normally feeds one token and gets one. With speculation it feeds the last token
+plus up to K draft tokens guessed from the token history, verifies them all in one forward over
+1 + K rows, and keeps the agreeing prefix plus the model's own next token: 1 to K + 1 tokens a
+step for one pass over the weights. The drafts come from an n-gram lookup (vLLM's "ngram",
+transformers' prompt_lookup_num_tokens, llama.cpp's lookup decoding): code and chat replies
+repeat what the prompt or the reply already says.
+
+This module is the oracle of the rules. The reference backend runs them as they are here, and
+a CUDA kernel is to mirror them exactly, so each is stated to the token:
+
+Drafting (`draft`), over the history h = prompt + generated tokens (h[-1] is the token the step
+feeds, not yet in the KV cache):
+  - n-gram sizes are tried from n_max down to n_min; the first size with a match wins (longer
+    contexts predict better). A size n needs len(h) >= n + 1.
+  - a match of size n is a start j with h[j : j + n] == h[-n:] and j + n <= len(h) - 1, so that
+    at least one token follows it (the suffix itself is never a match).
+  - the draft is h[j + n : j + n + limit], limit = min(K, the caller's cap), so a match close
+    to the end of the history drafts fewer tokens. Of several matches the one with the longest
+    draft wins, and of those the most recent (the largest j): the most recent match whose
+    draft is a full `limit` tokens, else the earliest match. Recency because the nearest
+    repetition is the likeliest to continue; length first because inside a loop of period P
+    (a repeated line, a model repeating itself) the most recent match overlaps the suffix and
+    drafts only P tokens, where an earlier lap drafts K. Equivalently: maximize
+    min(limit, len(h) - j - n) * len(h) + j over the matches (a max-reduction for a kernel).
+  - no match of any size: no draft, and the step is the plain one-token step (adaptive K).
+  - the prefill step carries no drafts: drafting starts with the first decode step, whose
+    history already ends with the first sampled token.
+
+Acceptance (`accept`), given the target's logits at the 1 + d positions of the step (row i
+predicts the token after feeding h[-1] and drafts[:i]):
+  - greedy: accept drafts[i] while it equals the argmax of row i (lowest id on ties, as
+    nanoqwen.sampling); the first disagreeing row's argmax, or row d's if all agree, is the
+    model's next token. The result equals non-speculative greedy decoding token for token.
+  - sampled: standard speculative sampling (Leviathan et al. 2023; Chen et al. 2023) with a
+    deterministic draft, q = a point mass on drafts[i]. With p the target's processed
+    distribution at row i (nanoqwen.sampling.probabilities: temperature, top-k, top-p exactly
+    as sample() applies them), accept drafts[i] when u < p(drafts[i]), u uniform in [0, 1);
+    on rejection draw from (p - q)+ normalized, i.e. p with drafts[i] removed and
+    renormalized, and stop. If all d are accepted, draw one more token with sample() from row
+    d. Each emitted token is then distributed exactly as sample() would have drawn it.
+  - with no drafts it is exactly sample() on row 0: a step without a match consumes the
+    generator as the plain step does.
+
+Not exposed yet: no CLI or server flag selects speculation, because the cuda backend lacks the
+multi-row verify step and a flag that works on one backend only would mislead. Until both
+backends verify drafts, `ReferenceBackend(speculative=SpeculativeConfig(...))` is the way in;
+then `nanoqwen generate` / `serve` get the flags, and the server reports the SpecStats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import NanoqwenError
+from .sampling import SamplingParams, probabilities, sample
+
+if TYPE_CHECKING:
+    import torch
+
+METHODS = ("ngram",)
+# The verify step runs 1 + K rows, so at most 16: up to M = 16 activation rows an INT4 GEMM
+# stays memory-bound, one read of the weights serving every row (Marlin, Frantar et al. 2024).
+MAX_DRAFT_TOKENS = 15
+
+
+class SpeculativeError(NanoqwenError, ValueError):
+    """Speculative decoding parameters out of range."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method "ngram" (prompt lookup); k draft tokens at most per step, in
+    [1, MAX_DRAFT_TOKENS]; n-gram sizes n_min..n_max tried longest first, 1 <= n_min <= n_max."""
+
+    method: str = "ngram"
+    k: int = 4
+    n_min: int = 1
+    n_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise SpeculativeError(
+                f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}"
+            )
+        if not 1 <= self.k <= MAX_DRAFT_TOKENS:
+            raise SpeculativeError(
+                f"k (draft tokens per step) must be in [1, {MAX_DRAFT_TOKENS}], got {self.k}"
+            )
+        if self.n_min < 1:
+            raise SpeculativeError(f"n_min must be >= 1, got {self.n_min}")
+        if self.n_max < self.n_min:
+            raise SpeculativeError(f"n_max ({self.n_max}) must be >= n_min ({self.n_min})")
+
+
+@dataclass
+class SpecStats:
+    """One generation's speculation: `steps` decode steps after the prefill, `drafted` draft
+    tokens verified, `accepted` of them kept by the acceptance rule (before a stop id or
+    max_tokens cuts the step's tokens)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def draft(history: Sequence[int], config: SpeculativeConfig, limit: int | None = None) -> list[int]:
+    """The draft tokens for the step after `history` (module docstring): at most
+    min(config.k, limit), possibly none."""
+    limit = config.k if limit is None else min(config.k, limit)
+    h = np.asarray(history, dtype=np.int64)
+    if limit <= 0:
+        return []
+    for n in range(config.n_max, config.n_min - 1, -1):
+        if len(h) < n + 1:
+            continue
+        # windows[j] = h[j : j + n] for j = 0 .. len(h) - 1 - n: every start followed by a token.
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+        hits = np.flatnonzero((windows == h[-n:]).all(axis=1))
+        if hits.size:
+            full = hits[hits + n + limit <= len(h)]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return h[start : start + limit].tolist()
+    return []
+
+
+def accept(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The tokens a step emits: the accepted prefix of `drafts` and one token of the target's
+    (module docstring). logits: float32 [len(drafts) + 1, V] on the CPU; row i is the
+    target's prediction after drafts[:i]."""
+    import torch
+
+    d = len(drafts)
+    if logits.ndim != 2 or logits.shape[0] != d + 1:
+        raise SpeculativeError(
+            f"accept: expected logits [{d + 1}, V] for {d} drafts, got {tuple(logits.shape)}"
+        )
+    if params.greedy:
+        targets = torch.argmax(logits, dim=1).tolist()  # first maximal index per row
+        agree = 0
+        while agree < d and drafts[agree] == targets[agree]:
+            agree += 1
+        return [*drafts[:agree], targets[agree]]
+    for i, token in enumerate(drafts):
+        p = probabilities(logits[i], params)
+        u = float(torch.rand((), generator=generator))
+        if u < float(p[token]):
+            continue
+        # Rejected, so p(token) < 1 and the rest of p has mass: (p - q)+ is p without token.
+        p[token] = 0.0
+        return [*drafts[:i], int(torch.multinomial(p, 1, generator=generator))]
+    return [*drafts, sample(logits[d], params, generator)]
