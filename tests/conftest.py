@@ -28,6 +28,19 @@ REPO = Path(__file__).resolve().parents[1]
 CLI = ("-m", "nanoqwen.cli")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test (modules of tiny-model tests take it with `pytestmark`):
+    tiny models do microsecond matmuls, waking a second OpenMP thread costs more than the work,
+    and on a busy 2-core CI box two threads made the reference tests 15x slower than one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def kernel_cache(tmp_path_factory) -> Path:
     """A kernel cache of this test session (NANOQWEN_CACHE from here on): each kernel compiles

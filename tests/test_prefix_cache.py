@@ -26,13 +26,7 @@ from nanoqwen.sampling import SamplingParams
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny matmuls: a second OpenMP thread costs more than it saves on a 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -56,14 +56,7 @@ CONFIGS = [
 ids_of = [c.name for c in CONFIGS]
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models do microsecond matmuls: waking a second OpenMP thread costs more than the
-    work, and on a busy 2-core CI box two threads made these tests 15x slower than one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def random_tensors(config: ModelConfig, rng: np.random.Generator):

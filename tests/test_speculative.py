@@ -30,13 +30,7 @@ SPEC = SpeculativeConfig(k=4, n_min=1, n_max=3)
 TOL = 1e-5  # of max|logits|: tests/test_prefix_cache.py's bound and reason (M-row GEMM rounding)
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny matmuls: a second OpenMP thread costs more than it saves on a 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # -- drafting --------------------------------------------------------------------------------
