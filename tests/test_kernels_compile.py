@@ -7,6 +7,7 @@ home of the model's dims, the geometry and the contract's enums."""
 import re
 import sys
 
+import numpy as np
 import pytest
 
 from nanoqwen.config import PRESETS, preset
@@ -184,3 +185,49 @@ def test_dev_probe_kernels_compile():
     res = jit.compile_module(path.name, names, registry.header(None), source=text).resources()
     assert set(res) == set(names)
     assert all(r.spill_bytes == 0 for r in res.values())
+
+
+@pytest.mark.parametrize("name", ["1.5b", "7b"])
+def test_gemv_rows_specs_compile(name):
+    """The M-row GEMV (gemv_rows.cu) of the four shapes at both token buckets: no spills;
+    MT = 8 fits two CTAs of 256 threads an SM (128 registers)."""
+    cfg = preset(name)
+    specs = registry.rows_specs(cfg)
+    assert {s.targs[1] for s in specs} == set(registry.ROW_BUCKETS) and len(specs) == 8
+    res = registry.compile_specs(specs, cfg)[registry.GEMV_ROWS].resources()
+    for s in specs:
+        r = res[s.expression]
+        assert r.spill_bytes == 0, s.expression
+        if s.targs[1] == 8:
+            assert r.registers <= 65536 // (2 * s.threads), s.expression
+        assert s.smem <= 227 * 1024
+
+
+def test_gemv_rows_bad_rows_raise():
+    """M = 0 or M > 16 (or not an int) is refused before anything is launched."""
+    from nanoqwen.cuda.decode import DecodeKernels
+    from nanoqwen.errors import NanoqwenError
+
+    k = DecodeKernels.__new__(DecodeKernels)  # no GPU: the check comes first
+    for m in (0, -1, registry.MAX_ROWS + 1, 2.0):
+        with pytest.raises(NanoqwenError, match="m must be 1..16"):
+            k.gemv_rows("o", m, 0, 0, 0, 0, 0, None)
+    with pytest.raises(ValueError, match="1..16"):
+        registry.row_bucket(17)
+    assert [registry.row_bucket(m) for m in (1, 8, 9, 16)] == [8, 8, 16, 16]
+
+
+@pytest.mark.parametrize("name", ["1.5b", "7b", "32b"])
+@pytest.mark.parametrize("ctas", [132 * 2, 132, 114 * 2, 7])
+def test_gemv_rows_layout(name, ctas):
+    """rows_layout's slots: the most CTAs any row block's units fall in (brute force over
+    gemv_rows.cu's split: CTA c owns units [c U / grid, (c + 1) U / grid))."""
+    for k, n, _, epi in registry.gemv_shapes(preset(name)).values():
+        lay = registry.rows_layout(k, n, epi, ctas)
+        units = lay.blocks * lay.groups
+        owner = np.empty(units, np.int64)
+        for c in range(lay.grid):
+            owner[c * units // lay.grid : (c + 1) * units // lay.grid] = c
+        per_block = owner.reshape(lay.blocks, lay.groups)
+        assert lay.slots == int((per_block.max(1) - per_block.min(1) + 1).max())
+        assert lay.grid == min(ctas, units)

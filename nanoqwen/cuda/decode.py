@@ -37,6 +37,24 @@ class AttentionScratch:
             buf.free()
 
 
+@dataclass(frozen=True)
+class RowsScratch:
+    """gemv_rows' scratch (DeviceArrays): work fp32 [blocks, slots, rows_slot_floats] (the
+    pieces' partial sums; `floats` long), counters int32 [`blocks`] (zeroed once; every launch
+    leaves them zero, so a captured graph replays). One scratch serves every kind and bucket:
+    launches on one stream never overlap their use of it (each reads and writes it only after
+    griddepcontrol.wait)."""
+
+    work: object
+    counters: object
+    floats: int
+    blocks: int
+
+    def free(self) -> None:
+        self.work.free()
+        self.counters.free()
+
+
 def attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
     """Bytes of AttentionScratch's buffers (S = g.attn_splits)."""
     c, splits = config, g.attn_splits
@@ -55,8 +73,12 @@ class DecodeKernels(Launcher):
         geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
         *,
         pdl: bool = True,
+        rows: bool = False,
     ) -> None:
-        super().__init__(gpu, config, registry.decode_specs(config, geometry), geometry, pdl=pdl)
+        specs = registry.decode_specs(config, geometry)
+        if rows:  # the M-row GEMVs (gemv_rows), only for the engines that launch them
+            specs += registry.rows_specs(config, geometry)
+        super().__init__(gpu, config, specs, geometry, pdl=pdl)
         g = self.geometry
         # One carveout for the step's kernels: overlapping (PDL) kernels with different
         # carveouts make an SM drain before it reconfigures.
@@ -67,6 +89,7 @@ class DecodeKernels(Launcher):
         # CTAs an SM). Grids by (kernel, N), checked once each; the model's are made here, so
         # a ring that cannot hold two stages is refused at load.
         self._gemv_grids: dict[tuple[str, int], int] = {}
+        self._rows_layouts: dict[tuple[str, int], registry.RowsLayout] = {}
         for kind, (_, n, _, _) in registry.gemv_shapes(config).items():
             self._gemv_grid(f"gemv_{kind}", n)
         # Attention splits: whole clusters, at most attn_splits, about attn_ctas CTAs in all.
@@ -132,6 +155,74 @@ class DecodeKernels(Launcher):
             )
         self._gemv_grids[key, n] = grid
         return grid
+
+    def gemv_rows(self, kind, m, x, norm_w, qweight, scales, out, scratch: RowsScratch, *,
+                  bias=0, pos=0, rope=0, pages=0, page_stride=0, kc=0, vc=0, n=None,
+                  stream=None) -> None:  # fmt: skip
+        """The INT4 GEMV over m = 1..16 token rows, every weight byte read once (gemv_rows.cu).
+
+        kind     "qkv" (RMSNorm + q/k/v + bias + RoPE at pos[r] + K/V write into the pages),
+                 "o" / "down" (out[r] += W x[r], in place), "gate_up" (RMSNorm + SwiGLU)
+        m        token rows (1..registry.MAX_ROWS; compiled in buckets of 8 and 16)
+        x        fp16 [m, K] row-major; norm_w fp16 [K] (qkv, gate_up) or 0
+        qweight  uint32 [R, K/8] ValueShuffle rows; scales fp16 [R, K/128]; R = n (gate_up: 2n)
+        out      fp16 [m, n] (qkv: q fp16 [m, n_heads, D])
+        scratch  rows_scratch()'s work and counters
+        qkv only: bias fp16 [q+2kv]; pos int32 [m] (device: each row's position); rope float32
+                 [max_pos, D/2, 2] (cos, sin); pages int32 page tables, row r's at pages +
+                 r * page_stride (0: every row of one sequence); kc, vc the layer's K/V caches
+        n        output features (default: the model's for `kind`)
+        """
+        if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
+            raise NanoqwenError(
+                f"gemv_rows: m must be 1..{registry.MAX_ROWS} token rows, got {m!r}"
+            )
+        if page_stride < 0:
+            raise NanoqwenError(f"gemv_rows: page_stride must be >= 0, got {page_stride}")
+        _, n_model, _, _ = registry.gemv_shapes(self.config)[kind]
+        n = n_model if n is None else n
+        key = f"gemv_rows_{kind}_m{registry.row_bucket(int(m))}"
+        if key not in self.specs:
+            raise NanoqwenError(f"{key}: DecodeKernels was built without rows=True")
+        spec = self.specs[key]
+        k, epi = spec.targs[0], registry.Epilogue(spec.targs[3])
+        lay = self._rows_layout(key, n)
+        need = lay.blocks * lay.slots * registry.rows_slot_floats(spec.targs[1], self.geometry)
+        if need > scratch.floats or lay.blocks > scratch.blocks:
+            raise NanoqwenError(f"{key} over N={n}: needs {need} floats and {lay.blocks} counters "
+                                f"of scratch, rows_scratch() has {scratch.floats} and "
+                                f"{scratch.blocks}")  # fmt: skip
+        rows = 2 * n if epi == registry.Epilogue.SWIGLU else n
+        self.launch(key, (lay.grid, 1, 1), x, norm_w, qweight, scales, bias, out, _I32(n),
+                    _I32(m), pos, rope, pages, _I32(page_stride), kc, vc, scratch.work.ptr,
+                    scratch.counters.ptr, _I32(lay.slots), stream=stream,
+                    label=f"gemv_rows {kind}",
+                    nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
+
+    def _rows_layout(self, key: str, n: int) -> registry.RowsLayout:
+        """gemv_rows' stream-K split of kernel `key` over n features on this GPU (cached)."""
+        lay = self._rows_layouts.get((key, n))
+        if lay is None:
+            spec = self.specs[key]
+            k, epi = spec.targs[0], registry.Epilogue(spec.targs[3])
+            ctas = min(self.geometry.mr_ctas_per_sm, self.ctas_per_sm(key)) * self.gpu.num_sms
+            lay = self._rows_layouts[key, n] = registry.rows_layout(k, n, epi, ctas, self.geometry)
+        return lay
+
+    def rows_scratch(self) -> RowsScratch:
+        """The scratch gemv_rows needs for the model's four shapes at every bucket."""
+        floats = blocks = 0
+        for key, spec in self.specs.items():
+            if spec.source == registry.GEMV_ROWS:
+                kind = key.removeprefix("gemv_rows_").rsplit("_m", 1)[0]
+                lay = self._rows_layout(key, registry.gemv_shapes(self.config)[kind][1])
+                mt = spec.targs[1]
+                floats = max(floats, lay.blocks * lay.slots * registry.rows_slot_floats(mt))
+                blocks = max(blocks, lay.blocks)
+        work = self.gpu.alloc(max(floats, 1) * 4, "gemv_rows work")
+        counters = self.gpu.alloc(max(blocks, 1) * 4, "gemv_rows counters")
+        self.gpu.memset(counters.ptr, 0, max(blocks, 1) * 4)
+        return RowsScratch(work, counters, floats, blocks)
 
     def rope_kv(self, qkv, pos0: int, rope, pages, kc, vc, q, T, stream=None) -> None:
         """RoPE + paged K/V write for T tokens at positions pos0 .. pos0 + T - 1.

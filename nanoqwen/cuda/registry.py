@@ -85,6 +85,13 @@ class Geometry:
     gv_fold_max_k: int = 8192
     gv_x_reg_items: int = 2
     gv_smem: int = 110 * 1024  # host only: dynamic shared memory a GEMV CTA gets (its ring)
+    # gemv_rows.cu (the M-row GEMV): warps a CTA (2 row halves x one k lane a stage group),
+    # CTAs an SM, pairs a row block, groups a stage, stages in the ring.
+    mr_warps: int = 8
+    mr_ctas_per_sm: int = 2
+    mr_pairs: int = 64
+    mr_stage_groups: int = 4
+    mr_stages: int = 2
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
     # flight a warp, the sampler's block and bisection steps.
     misc_threads: int = 256
@@ -234,12 +241,14 @@ class KernelSpec:
 
 
 GEMV = "gemv_int4.cu"
+GEMV_ROWS = "gemv_rows.cu"
 MISC = "decode_misc.cu"
 ATTENTION = "decode_attention.cu"
 PREFILL_GEMM = "prefill_gemm_wgmma.cu"
 PREFILL_ATTENTION = "prefill_attention.cu"
 _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems")  # fmt: skip
+_MR_TUNABLES = ("kMrWarps", "kMrCtasPerSm", "kMrPairs", "kMrStageGroups", "kMrStages")
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
 
@@ -324,6 +333,76 @@ def gemv_pairs(n: int, epi: Epilogue) -> int:
     return n if epi == Epilogue.SWIGLU else -(-n // 2)
 
 
+# The M-row GEMV (gemv_rows.cu): token rows 1..MAX_ROWS, compiled in buckets of n8 tiles.
+ROW_BUCKETS = (8, 16)
+MAX_ROWS = ROW_BUCKETS[-1]
+
+
+def row_bucket(m: int) -> int:
+    """The compiled bucket (MT) that takes m token rows: the smallest of ROW_BUCKETS >= m."""
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv_rows takes 1..{MAX_ROWS} token rows, got M={m}")
+    return next(b for b in ROW_BUCKETS if b >= m)
+
+
+def rows_stage_bytes(mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """gemv_rows.cu's MrStage<MT>::kBytes: weights of 2 x mr_pairs rows x mr_stage_groups
+    groups (64 bytes each), x [MT][groups x 128] fp16, norm weights and scales."""
+    rows, sg = 2 * g.mr_pairs, g.mr_stage_groups
+    return (
+        sg * rows * GROUP_SIZE // 2 + mt * sg * GROUP_SIZE * 2 + sg * GROUP_SIZE * 2 + rows * sg * 2
+    )
+
+
+def rows_slot_floats(mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """gemv_rows.cu's mr_slot_floats<MT>(): a piece's [MT][2 mr_pairs] sums + [MT] squares."""
+    return mt * 2 * g.mr_pairs + mt
+
+
+@dataclass(frozen=True)
+class RowsLayout:
+    """The stream-K split of one gemv_rows launch: `blocks` row blocks of mr_pairs pairs x
+    `groups` groups = units, over `grid` CTAs; `slots` = the most pieces (CTAs) any block is
+    cut into (the workspace's stride)."""
+
+    blocks: int
+    groups: int
+    grid: int
+    slots: int
+
+
+def rows_layout(k: int, n: int, epi: Epilogue, max_ctas: int, g: Geometry = DEFAULT_GEOMETRY
+                ) -> RowsLayout:  # fmt: skip
+    """gemv_rows.cu's unit split, in Python: CTA c owns units [c U / grid, (c + 1) U / grid)."""
+    groups = k // GROUP_SIZE
+    blocks = -(-gemv_pairs(n, epi) // g.mr_pairs)
+    units = blocks * groups
+    grid = min(max_ctas, units)
+    first = [c * units // grid for c in range(grid + 1)]
+    cta = 0
+    slots = 0
+    for b in range(blocks):  # the CTAs holding units b G .. b G + G - 1
+        lo, hi = b * groups, (b + 1) * groups - 1
+        while first[cta + 1] <= lo:
+            cta += 1
+        last = cta
+        while first[last + 1] <= hi:
+            last += 1
+        slots = max(slots, last - cta + 1)
+    return RowsLayout(blocks, groups, grid, slots)
+
+
+def rows_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
+    """The M-row GEMV of the decode step's four shapes at each token bucket."""
+    return tuple(
+        KernelSpec(f"gemv_rows_{kind}_m{mt}", GEMV_ROWS, "gemv_rows", g.mr_warps * 32,
+                   g.mr_stages * rows_stage_bytes(mt, g), targs=(k, mt, norm, int(epi)),
+                   tunables=_MR_TUNABLES)
+        for kind, (k, _, norm, epi) in gemv_shapes(config).items()
+        for mt in ROW_BUCKETS
+    )  # fmt: skip
+
+
 def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """The decode step's kernels (and the token-parallel ones the prefill shares)."""
     gemv = tuple(
@@ -380,8 +459,9 @@ def prefill_specs(
 
 
 def kernel_table(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
-    """Every kernel of the engine for `config`: the decode step's, then the prefill's."""
-    return decode_specs(config, g) + prefill_specs(config, g)
+    """Every kernel of the engine for `config`: the decode step's, the M-row GEMVs, then the
+    prefill's."""
+    return decode_specs(config, g) + rows_specs(config, g) + prefill_specs(config, g)
 
 
 def sources(specs) -> dict[str, list[str]]:

@@ -1,0 +1,234 @@
+"""The M-row INT4 GEMV (gemv_rows.cu): validated against float64 numpy, then timed.
+
+    PYTHONPATH=. python3 dev/gemv_rows.py [--presets 7b,1.5b] [--parts check,time]
+
+check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16: fresh random
+  weights and inputs, outputs (and the K/V caches) poisoned with NaN before the launch, the
+  reference on the dequantized weights in float64 (RMSNorm rounded to fp16 as the kernels'
+  reference does). q/k/v: one sequence (page_stride 0) at consecutive positions 14.. across a
+  page boundary of a scattered page table, and one table per row (page_stride > 0); every
+  other cache slot must stay NaN. Tolerance (max |err| / rms(ref)): 5e-3 for the linear
+  epilogues (fp32 sums of exact products; what is left is the fp16 output and, with RMSNorm,
+  one fp16 rounding of x c w per element), 2e-2 for SwiGLU (fp16 output of silu(g) u with
+  large g), the ladder's values (nanoqwen/config/nanoqwen.yaml).
+time: the 7B shapes, each as one CUDA graph of 28 launches over 28 layers' own weights (so the
+  L2 does not hold them), median of 7 replays: today's batch-1 kernel (gemv_int4) and
+  gemv_rows at M = 1, 2, 4, 8, 16; us a launch, the ratio to gemv_int4, and a layer's sum.
+Each part (and each preset) runs under its own try: a failure prints and the rest goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import traceback
+
+import numpy as np
+
+from nanoqwen.config import PAGE_TOKENS, preset
+from nanoqwen.cuda.decode import DecodeKernels
+from nanoqwen.cuda.device import Gpu
+from nanoqwen.cuda.registry import gemv_shapes
+from nanoqwen.engine.kv_cache import kv_cache_from_device
+from nanoqwen.harness.bench import time_graph
+from nanoqwen.harness.validate import _Dev, _f16, _rand_int4, _rel_err, _rms, _rope_ref
+from nanoqwen.rope import rope_table
+
+MS = (1, 2, 3, 5, 8, 9, 16)
+TOL = {"linear": 5e-3, "swiglu": 2e-2}
+LAYERS = 28
+
+
+def check_linear(k, dev, cfg, kind, m, rng) -> float:
+    """o / down (+ residual) and gate_up (RMSNorm + SwiGLU) over m rows."""
+    kdim, n, norm, _ = gemv_shapes(cfg)[kind]
+    rows = 2 * n if kind == "gate_up" else n
+    words, scales, deq = _rand_int4(rng, rows, kdim)
+    x = _f16(rng.standard_normal((m, kdim)))
+    if kind == "down":  # the MLP's activations carry a few huge outliers
+        x[:, rng.choice(kdim, 8, replace=False)] = _f16(rng.choice([-300.0, 300.0], (m, 8)))
+    normw = _f16(1 + 0.1 * rng.standard_normal(kdim))
+    xin = _rms(x, normw, cfg.rms_norm_eps) if norm else x
+    y = xin.astype(np.float64) @ deq.astype(np.float64).T  # [m, rows]
+    if kind == "gate_up":
+        g, u = y[:, :n], y[:, n:]
+        ref = g / (1 + np.exp(-g)) * u
+        optr, host = dev.out((m, n), np.float16)
+    else:
+        resid = _f16(rng.standard_normal((m, n)))
+        ref = resid.astype(np.float64) + y
+        optr, host = dev.put(resid), np.empty((m, n), np.float16)
+    k.gemv_rows(kind, m, dev.put(x), dev.put(normw) if norm else 0, dev.put(words),
+                dev.put(scales), optr, k.scratch)  # fmt: skip
+    return _rel_err(dev.get(optr, host), ref)
+
+
+def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, bool]:
+    """RMSNorm + q/k/v + bias + RoPE + K/V write for m rows at positions 14 .. 14 + m - 1
+    (across the first page boundary); page_stride > 0: each row its own page table."""
+    h, npages = cfg.hidden_size, 8
+    hq, hkv, d, n = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size + 2 * cfg.kv_size
+    rope = rope_table(cfg, npages * PAGE_TOKENS)
+    tables = rng.permutation(m * npages).astype(np.int32).reshape(m, npages)
+    if page_stride == 0:
+        tables = tables[:1]
+    pos = np.arange(14, 14 + m, dtype=np.int32)
+    words, scales, deq = _rand_int4(rng, n, h)
+    x = _f16(rng.standard_normal((m, h)))
+    normw = _f16(1 + 0.1 * rng.standard_normal(h))
+    bias = _f16(rng.standard_normal(n))
+    xin = _rms(x, normw, cfg.rms_norm_eps).astype(np.float64)
+    qkv = _f16(xin @ deq.astype(np.float64).T + bias)  # [m, n]
+    heads = qkv[:, : cfg.q_size + cfg.kv_size].reshape(m, hq + hkv, d)
+    rot = _rope_ref(heads, rope, pos)
+    total = tables.size
+    q_ptr, qh = dev.out((m, hq, d), np.float16)
+    kc_ptr, kc = dev.out((total, hkv, PAGE_TOKENS, d), np.float16)
+    vc_ptr, vc = dev.out((total, hkv, PAGE_TOKENS, d), np.float16)
+    k.gemv_rows("qkv", m, dev.put(x), dev.put(normw), dev.put(words), dev.put(scales), q_ptr,
+                k.scratch, bias=dev.put(bias), pos=dev.put(pos), rope=dev.put(rope),
+                pages=dev.put(tables), page_stride=npages if page_stride else 0, kc=kc_ptr,
+                vc=vc_ptr)  # fmt: skip
+    err = _rel_err(dev.get(q_ptr, qh), rot[:, :hq])
+    kc, vc = kv_cache_from_device(dev.get(kc_ptr, kc)), kv_cache_from_device(dev.get(vc_ptr, vc))
+    for r in range(m):
+        t = tables[r if page_stride else 0]
+        slot = t[pos[r] // PAGE_TOKENS], pos[r] % PAGE_TOKENS
+        v_ref = qkv[r, cfg.q_size + cfg.kv_size :].reshape(hkv, d)
+        err = max(err, _rel_err(kc[slot], rot[r, hq:]), _rel_err(vc[slot], v_ref))
+        kc[slot], vc[slot] = np.nan, np.nan
+    return err, bool(np.isnan(kc).all() and np.isnan(vc).all())
+
+
+def part_check(gpu, name: str, rng) -> list[tuple]:
+    cfg = preset(name)
+    k = DecodeKernels(gpu, cfg, rows=True)
+    k.scratch = k.rows_scratch()
+    dev, rows = _Dev(gpu), []
+    for kind in ("o", "down", "gate_up", "qkv"):
+        for m in MS:
+            try:
+                if kind == "qkv":
+                    for stride in (0, 1):
+                        err, clean = check_qkv(k, dev, cfg, m, rng, stride)
+                        ok = err <= TOL["linear"] and clean
+                        note = "" if clean else "other K/V slots WRITTEN"
+                        rows.append(
+                            (name, f"qkv stride={'row' if stride else 0}", m, err, ok, note)
+                        )
+                        dev.free()
+                else:
+                    err = check_linear(k, dev, cfg, kind, m, rng)
+                    tol = TOL["swiglu" if kind == "gate_up" else "linear"]
+                    rows.append((name, kind, m, err, err <= tol, ""))
+            except Exception as e:  # noqa: BLE001 - one case's failure must not hide the rest
+                rows.append((name, kind, m, float("nan"), False, f"{type(e).__name__}: {e}"))
+                gpu.ensure_ok()
+            dev.free()
+    k.scratch.free()
+    return rows
+
+
+def part_time(gpu) -> list[tuple]:
+    """us a launch of each 7B GEMV shape, 28 layers' own weights in one graph."""
+    cfg, rng = preset("7b"), np.random.default_rng(0)
+    k = DecodeKernels(gpu, cfg, rows=True)
+    scratch, bufs = k.rows_scratch(), []
+
+    def put(a):
+        b = gpu.alloc(a.nbytes, "gemv_rows time")
+        bufs.append(b)
+        gpu.upload(b.ptr, a)
+        return b.ptr
+
+    npages, mmax = 64, 16
+    h, n_qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
+    act = {s: put(_f16(rng.standard_normal(mmax * s) * 0.1)) for s in {h, cfg.intermediate_size}}
+    outs = {s: put(np.zeros(mmax * s, np.float16)) for s in {h, cfg.intermediate_size, cfg.q_size}}
+    normw = put(_f16(1 + 0.1 * rng.standard_normal(h)))
+    bias = put(_f16(rng.standard_normal(n_qkv)))
+    rope = put(rope_table(cfg, npages * PAGE_TOKENS))
+    pos, pages = (
+        put(np.arange(100, 100 + mmax, dtype=np.int32)),
+        put(np.arange(npages, dtype=np.int32)),
+    )
+    kv = [put(np.zeros(npages * cfg.kv_size * PAGE_TOKENS, np.float16)) for _ in range(2)]
+    weights = {}
+    for kind, (kdim, n, _, _) in gemv_shapes(cfg).items():
+        rows = 2 * n if kind == "gate_up" else n
+        words, scales, _ = _rand_int4(rng, rows, kdim)
+        weights[kind] = [(put(words), put(scales)) for _ in range(LAYERS)]  # distinct copies
+    table = []
+    for kind, (kdim, n, norm, _) in gemv_shapes(cfg).items():
+        x = act[kdim]
+        out = outs[
+            cfg.q_size if kind == "qkv" else (cfg.intermediate_size if kind == "gate_up" else h)
+        ]
+        nw = normw if norm else 0
+
+        def today(s, kind=kind, x=x, out=out, nw=nw, n=n):
+            for w, sc in weights[kind]:
+                if kind == "qkv":
+                    k.qkv_rope(x, nw, w, sc, bias, pos, rope, pages, kv[0], kv[1], out, stream=s)
+                else:
+                    k.gemv(kind, x, nw, w, sc, out, n, stream=s)
+
+        def rows_m(s, m, kind=kind, x=x, out=out, nw=nw):
+            for w, sc in weights[kind]:
+                k.gemv_rows(kind, m, x, nw, w, sc, out, scratch, bias=bias, pos=pos, rope=rope,
+                            pages=pages, kc=kv[0], vc=kv[1], stream=s)  # fmt: skip
+
+        base = time_graph(gpu, today, reps=2, timed=7) / LAYERS * 1e6
+        table.append(("7b", kind, "gemv_int4", 1, base, 1.0))
+        for m in (1, 2, 4, 8, 16):
+            t = time_graph(gpu, lambda s, m=m: rows_m(s, m), reps=2, timed=7) / LAYERS * 1e6
+            table.append(("7b", kind, "gemv_rows", m, t, t / base))
+    for b in bufs:
+        b.free()
+    scratch.free()
+    return table
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="7b,1.5b", help="presets validated (comma-separated)")
+    ap.add_argument("--parts", default="check,time", help="check, time or both")
+    ap.add_argument("--seed", type=int, default=None, help="inputs' seed (default: fresh)")
+    args = ap.parse_args()
+    gpu, rng = Gpu(), np.random.default_rng(args.seed)
+    checks, times, failed = [], [], []
+    if "check" in args.parts:
+        for name in args.presets.split(","):
+            try:
+                checks += part_check(gpu, name, rng)
+            except Exception:  # noqa: BLE001
+                failed.append(f"check {name}")
+                traceback.print_exc()
+    if "time" in args.parts:
+        try:
+            times = part_time(gpu)
+        except Exception:  # noqa: BLE001
+            failed.append("time")
+            traceback.print_exc()
+    bad = [c for c in checks if not c[4]]
+    print(f"\n== check: {len(checks) - len(bad)}/{len(checks)} pass (tolerance {TOL})")
+    for c in checks:
+        if not c[4] or c[2] in (1, 16):
+            print(
+                f"  {c[0]:5} {c[1]:16} M={c[2]:2} err {c[3]:.2e} {'ok' if c[4] else 'FAIL'} {c[5]}"
+            )
+    if times:
+        print("\n== time (H200, us a launch, median of 7 graph replays of 28 layers)")
+        print(f"  {'kind':8} {'kernel':10} {'M':>3} {'us':>8} {'x M=1':>6}")
+        for _, kind, kern, m, t, ratio in times:
+            print(f"  {kind:8} {kern:10} {m:3d} {t:8.2f} {ratio:6.2f}")
+        print("  a layer's four GEMVs (sum):")
+        for kern, m in [("gemv_int4", 1)] + [("gemv_rows", m) for m in (1, 2, 4, 8, 16)]:
+            s = sum(t for _, _, kk, mm, t, _ in times if kk == kern and mm == m)
+            base = sum(t for _, _, kk, _, t, _ in times if kk == "gemv_int4")
+            print(f"    {kern:10} M={m:2d} {s:8.2f} us  {s / base:5.2f}x")
+    print(f"\nfailed parts: {', '.join(failed) or 'none'}")
+    return 1 if failed or bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
