@@ -68,9 +68,8 @@ def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, bool]:
     h, npages = cfg.hidden_size, 8
     hq, hkv, d, n = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size + 2 * cfg.kv_size
     rope = rope_table(cfg, npages * PAGE_TOKENS)
-    tables = rng.permutation(m * npages).astype(np.int32).reshape(m, npages)
-    if page_stride == 0:
-        tables = tables[:1]
+    rows = m if page_stride else 1  # page tables: one per row, or one for the sequence
+    tables = rng.permutation(rows * npages).astype(np.int32).reshape(rows, npages)
     pos = np.arange(14, 14 + m, dtype=np.int32)
     words, scales, deq = _rand_int4(rng, n, h)
     x = _f16(rng.standard_normal((m, h)))
