@@ -1,10 +1,13 @@
-"""Launchers of the decode kernels (gemv_int4.cu, decode_attention.cu, decode_misc.cu).
+"""Launchers of the decode kernels (gemv_int4.cu, decode_attention.cu, decode_misc.cu) and of
+the multi-row step's (decode_attention_rows.cu, lm_head_rows.cu).
 
 `DecodeKernels(gpu, config)` builds the registry's decode specs (registry.decode_specs) and
 exposes one method per kernel. Every pointer is a device address (int); every method takes
 `stream` (a cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). Shapes
 are fixed by the config (constexpr in the kernels); the docstrings repeat each argument's
 dtype, shape and layout from the .cu files. The prefill shares embed, rmsnorm and rope_kv.
+`VerifyKernels(gpu, config)` does the same for registry.verify_specs: attention and lm_head +
+argmax over M = 1..verify_rows rows of one sequence (speculative decoding's verify step).
 """
 
 from __future__ import annotations
@@ -278,3 +281,112 @@ class DecodeKernels(Launcher):
         self.launch("sample", (1, 1, 1), logits, key, state, ring, host_ring, cancel, cond_arg,
                     _I32(self.config.vocab_size), stream=stream,
                     nbytes=self.config.vocab_size * 4)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RowsAttentionScratch:
+    """attention_rows' split scratch (DeviceArrays), R = verify_rows x group ratio rows a kv
+    head, S = mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster: part_ml fp32
+    [n_kv, C, R, S, 2], part_acc fp32 [n_kv, R, S, D], counters int32 [n_kv, C] (zeroed once;
+    every launch leaves them zero, so a captured graph replays)."""
+
+    part_ml: object
+    part_acc: object
+    counters: object
+
+    def free(self) -> None:
+        for buf in (self.part_ml, self.part_acc, self.counters):
+            buf.free()
+
+
+def rows_attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
+    """Bytes of RowsAttentionScratch's buffers."""
+    c, cl = config, g.mattn_cluster
+    rows, clusters = g.verify_rows * c.group_ratio, g.mattn_splits // cl
+    return {
+        "part_ml": c.num_kv_heads * cl * rows * clusters * 2 * 4,
+        "part_acc": c.num_kv_heads * rows * clusters * c.head_dim * 4,
+        "counters": c.num_kv_heads * cl * 4,
+    }
+
+
+class VerifyKernels(Launcher):
+    """The multi-row step's kernels (registry.verify_specs): attention and lm_head + argmax
+    for M = 1..geometry.verify_rows consecutive positions of one sequence (speculative
+    decoding verifies a token and its drafts in one step). The batch-1 step keeps
+    DecodeKernels.attention and DecodeKernels.lm_head."""
+
+    def __init__(
+        self,
+        gpu: Gpu,
+        config: ModelConfig,
+        geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+        *,
+        pdl: bool = True,
+    ) -> None:
+        super().__init__(gpu, config, registry.verify_specs(config, geometry), geometry, pdl=pdl)
+        g = self.geometry
+        for key in self.kernels:
+            gpu.set_smem_carveout(self.kernels[key], g.smem_carveout)
+        stages = registry.lmr_stages(config, g.verify_rows, g)
+        if stages < 2:
+            raise NanoqwenError(
+                f"lm_head_rows at M={g.verify_rows}: {g.lmr_smem} bytes of shared memory hold "
+                f"{stages} stage(s) beside x, at least 2 are needed (registry.lmr_stages)"
+            )
+        # Attention splits as DecodeKernels': whole clusters, about attn_ctas CTAs in all.
+        cl = g.mattn_cluster
+        per_head = min(g.mattn_splits, g.attn_ctas // config.num_kv_heads)
+        self.attn_splits = max(cl, per_head // cl * cl)
+        self._maps: dict[tuple[int, int], object] = {}
+
+    def _check_rows(self, m: int) -> int:
+        if not 1 <= m <= self.geometry.verify_rows:
+            raise NanoqwenError(
+                f"M={m} rows: the multi-row kernels take 1..{self.geometry.verify_rows}"
+            )
+        return m
+
+    def attention_rows(self, q, kc, vc, pages, start, m: int, scratch: RowsAttentionScratch,
+                       out, stream=None) -> None:  # fmt: skip
+        """Attention of M query rows at positions *start .. *start + M - 1 (row t over keys 0 ..
+        *start + t), split along the sequence in `attn_splits` CTAs a kv head with the
+        split-combine folded in (one launch).
+
+        q fp16 [M, n_heads, D] (RoPE applied); kc, vc the layer's K/V caches (engine.kv_cache's
+        device layout) with positions 0 .. *start + M - 1 written; pages int32 [max_pages];
+        start int32* (device; written by an earlier step, not the preceding kernel); scratch
+        from attention_scratch(); out fp16 [M, n_heads, D].
+        """
+        c = self.config
+        self.launch("attention_rows", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages,
+                    start, _I32(self._check_rows(m)), scratch.part_ml.ptr, scratch.part_acc.ptr,
+                    scratch.counters.ptr, out, stream=stream,
+                    per_token=c.kv_size * 2 * 2)  # fmt: skip
+
+    def attention_scratch(self) -> RowsAttentionScratch:
+        """The scratch attention_rows needs for this geometry, allocated on the Gpu."""
+        sizes = rows_attention_scratch_buffers(self.config, self.geometry)
+        bufs = {k: self.gpu.alloc(n, f"attention_rows {k}") for k, n in sizes.items()}
+        self.gpu.memset(bufs["counters"].ptr, 0, sizes["counters"])  # the last-CTA semaphores
+        return RowsAttentionScratch(**bufs)
+
+    def lm_head_rows(self, x, norm_w, w, logits, keys, m: int, stream=None,
+                     rows: int | None = None) -> None:  # fmt: skip
+        """Final RMSNorm + lm_head + argmax for M rows.
+
+        x fp16 [M, H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H] (16-byte aligned); logits
+        fp32 [M, V]; keys uint64 [M] (atomicMax of each row's (logit, -id) key; zero before
+        the launch). rows: only the first `rows` rows of w (the unit tests' small
+        vocabularies). The TMA descriptor of (w, rows) is made on first use and kept.
+        """
+        g, v = self.geometry, self.config.vocab_size if rows is None else rows
+        w_map = self._maps.get((w, v))
+        if w_map is None:
+            w_map = self.gpu.tensor_map_2d(w, v, self.config.hidden_size, g.lmr_block_rows,
+                                           g.lmr_k_tile)  # fmt: skip
+            self._maps[w, v] = w_map
+        ctas = min(-(-v // g.lmr_block_rows), self.gpu.num_sms)
+        self.launch("lm_head_rows", (ctas, 1, 1), w_map, x, norm_w, logits, keys,
+                    _I32(self._check_rows(m)), _I32(v), stream=stream,
+                    nbytes=v * self.config.hidden_size * 2)  # fmt: skip

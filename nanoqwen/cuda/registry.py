@@ -110,6 +110,24 @@ class Geometry:
     attn_min_pages: int = 16
     attn_merge_loads: int = 16
     attn_ctas: int = 128  # host only
+    # The multi-row step (speculative decoding: the current token and its drafts): the most
+    # rows; decode_attention_rows.cu's consumer warps (one producer more; a power of two), most
+    # splits along the sequence, ring pages, CTAs a cluster merges, fewest pages a cluster rank
+    # owns and the final merge's independent loads a thread; lm_head_rows.cu's consumer warps
+    # (one producer more), vocab rows a block (TMA box rows), columns a k-tile (TMA box
+    # columns: 128 bytes), ring stages at most, and the shared memory it asks for.
+    verify_rows: int = 16
+    mattn_consumers: int = 8
+    mattn_splits: int = 64
+    mattn_stages: int = 16
+    mattn_cluster: int = 8
+    mattn_min_pages: int = 8
+    mattn_merge_loads: int = 8
+    lmr_consumers: int = 4
+    lmr_block_rows: int = 128
+    lmr_k_tile: int = 64
+    lmr_max_stages: int = 12
+    lmr_smem: int = 220 * 1024  # host only
     # One shared-memory carveout (percent) for every kernel of the decode step, so that no SM
     # drains to reconfigure between overlapping (PDL) kernels.
     smem_carveout: int = 100  # host only
@@ -136,10 +154,18 @@ class Geometry:
     def attn_threads(self) -> int:
         return (self.attn_consumers + 1) * 32
 
+    @property
+    def mattn_threads(self) -> int:
+        return (self.mattn_consumers + 1) * 32
+
+    @property
+    def lmr_threads(self) -> int:
+        return (self.lmr_consumers + 1) * 32
+
     def constants(self) -> dict[str, int]:
         """Every value the header declares, by its C name (fields, then derived sizes)."""
         out = {c_name(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
-        for derived in ("gv_threads", "norm_rows", "attn_threads"):
+        for derived in ("gv_threads", "norm_rows", "attn_threads", "mattn_threads", "lmr_threads"):
             out[c_name(derived)] = getattr(self, derived)
         return out
 
@@ -242,6 +268,8 @@ class KernelSpec:
 
 GEMV = "gemv_int4.cu"
 GEMV_ROWS = "gemv_rows.cu"
+ATTENTION_ROWS = "decode_attention_rows.cu"
+LM_HEAD_ROWS = "lm_head_rows.cu"
 MISC = "decode_misc.cu"
 ATTENTION = "decode_attention.cu"
 PREFILL_GEMM = "prefill_gemm_wgmma.cu"
@@ -251,6 +279,10 @@ _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
 _MR_TUNABLES = ("kMrWarps", "kMrCtasPerSm", "kMrPairs", "kMrStageGroups", "kMrStages")
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
+_MATTN_TUNABLES = ("kVerifyRows", "kMattnConsumers", "kMattnSplits", "kMattnStages",
+                   "kMattnCluster", "kMattnMinPages", "kMattnMergeLoads")  # fmt: skip
+_LMR_TUNABLES = ("kVerifyRows", "kLmrConsumers", "kLmrBlockRows", "kLmrKTile",
+                 "kLmrMaxStages")  # fmt: skip
 
 
 def gemm_smem_bytes(tile: GemmTile, g: Geometry = DEFAULT_GEOMETRY) -> int:
@@ -313,6 +345,27 @@ def lm_head_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> i
     """lm_head's whole-row slots: as many a warp as fit in lm_ring, at most lm_max_slots."""
     row = config.hidden_size * 2
     return g.lm_warps * min(g.lm_max_slots, g.lm_ring // (g.lm_warps * row)) * row
+
+
+def mattn_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """decode_attention_rows.cu's kMaSmemBytes: the ring (mattn_stages pages of K and V), then
+    the cluster inbox: a column slice of every rank's rows (fp32) and their (m, l)."""
+    rows = g.verify_rows * config.group_ratio
+    ring = g.mattn_stages * 2 * PAGE_TOKENS * config.head_dim * 2
+    return (
+        ring
+        + g.mattn_cluster * rows * (config.head_dim // g.mattn_cluster) * 4
+        + (g.mattn_cluster * rows * 8)
+    )
+
+
+def lmr_stages(config: ModelConfig, m: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """lm_head_rows.cu's ring stages at M rows: what lmr_smem leaves beside the 1024-byte
+    alignment and the padded x rows (8 or 16), in 1024-byte units, at most lmr_max_stages."""
+    x_rows = 8 if m <= 8 else 16
+    x_bytes = -(-x_rows * (config.hidden_size * 2 + 16) // 1024) * 1024
+    stage = g.lmr_block_rows * g.lmr_k_tile * 2
+    return min(g.lmr_max_stages, (g.lmr_smem - 1024 - x_bytes) // stage)
 
 
 def gemv_shapes(config: ModelConfig) -> dict[str, tuple[int, int, bool, Epilogue]]:
@@ -432,6 +485,17 @@ def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[K
     )  # fmt: skip
 
 
+def verify_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
+    """The multi-row step's own kernels (speculative decoding verifies M = 1..verify_rows rows
+    of one sequence): attention with the causal mask inside the block, and lm_head + argmax."""
+    return (
+        KernelSpec("attention_rows", ATTENTION_ROWS, "attn_rows", g.mattn_threads,
+                   mattn_smem_bytes(config, g), tunables=_MATTN_TUNABLES),
+        KernelSpec("lm_head_rows", LM_HEAD_ROWS, "lm_head_rows", g.lmr_threads, g.lmr_smem,
+                   tunables=_LMR_TUNABLES),
+    )  # fmt: skip
+
+
 def prefill_specs(
     config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY, tiles: tuple = GEMM_TILES
 ) -> tuple[KernelSpec, ...]:
@@ -459,9 +523,14 @@ def prefill_specs(
 
 
 def kernel_table(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
-    """Every kernel of the engine for `config`: the decode step's, the M-row GEMVs, then the
-    prefill's."""
-    return decode_specs(config, g) + rows_specs(config, g) + prefill_specs(config, g)
+    """Every kernel of the engine for `config`: the decode step's, the multi-row step's (M-row
+    GEMVs, attention, lm_head), then the prefill's."""
+    return (
+        decode_specs(config, g)
+        + rows_specs(config, g)
+        + verify_specs(config, g)
+        + prefill_specs(config, g)
+    )
 
 
 def sources(specs) -> dict[str, list[str]]:

@@ -106,6 +106,26 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
       : "memory");
 }
 
+// A CUtensorMap, passed by value as a __grid_constant__ kernel parameter.
+struct alignas(64) TensorMap {
+  unsigned long long words[16];
+};
+// The box at (c0 along the inner dimension, c1 along the outer) of `map` into shared memory at
+// `dst`, completing its bytes on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, int c0, int c1,
+                                            unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+// bar.sync on named barrier `id` (1..15; 0 is __syncthreads') by `threads` threads.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // ldmatrix from a shared-memory address (smem_addr) or a generic pointer into shared memory.
 __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -160,6 +180,15 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   unsigned d;  // cvt.rn.f16x2.f32 d, a, b puts a in the upper half
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
   return d;
+}
+
+// The greedy sampler's key of logit v at vocabulary id `id` (lm_head_argmax and lm_head_rows
+// take its atomicMax, sample_finish decodes it): the float ordered as an unsigned int above the
+// complemented id, so ties go to the lowest id (sampling.py's greedy rule).
+__device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
+  uint32_t b = __float_as_uint(v);
+  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return ((unsigned long long)b << 32) | (0xFFFFFFFFu - (uint32_t)id);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

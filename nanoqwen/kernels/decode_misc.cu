@@ -118,13 +118,6 @@ rope_kv_write(const half* __restrict__ qkv, int pos0, const float2* __restrict__
   }
 }
 
-__device__ __forceinline__ unsigned long long argmax_key(float v, int id) {
-  // Order floats as unsigned ints; ties go to the lowest id (sampling.py's greedy rule).
-  uint32_t b = __float_as_uint(v);
-  b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-  return ((unsigned long long)b << 32) | (0xFFFFFFFFu - (uint32_t)id);
-}
-
 // logits fp32 [V] = W fp16 [V, kHidden] @ rmsnorm(x) * norm_w, and *key = max over rows of
 // argmax_key(logit, row) (the caller zeroes *key before the first use; sample_finish re-zeroes).
 // x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows. Persistent grid of at most one CTA an SM;

@@ -129,25 +129,7 @@ __device__ __forceinline__ unsigned dequant_pair(unsigned w, unsigned shift, uns
   return hmul2(hsub2(p, kMagic), scale2);
 }
 
-// A CUtensorMap, passed by value as a __grid_constant__ kernel parameter.
-struct alignas(64) TensorMap {
-  unsigned long long words[16];
-};
-
-// -- TMA / setmaxnreg (mbarriers: common.cuh; wgmma: wgmma.cuh) -----------------------------------
-// The box at (c0 along the inner dimension, c1 along the outer) of `map` into shared memory at
-// `dst`, completing its bytes on mbarrier `bar`.
-__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, int c0, int c1,
-                                            unsigned bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];"
-      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
+// -- setmaxnreg (TMA, mbarriers, named barriers: common.cuh; wgmma: wgmma.cuh) ------------
 // SWIGLU: CTA-local weight row r = 16 b + 8 h + g (b = r/16, h = 0/1, g = r%8) holds
 // gate (h = 0) or up (h = 1) row of output column 64 * tile_n + 8 b + g, so the thread
 // holding accumulator row g (gate) also holds row g + 8 (up) of the same column and token.
@@ -220,8 +202,8 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 // BT tokens per CTA (the wgmma N: 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
 template <int BT, int STAGES, bool SWIGLU>
 __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
-    prefill_gemm_wgmma(const __grid_constant__ nanoqwen_wgmma::TensorMap a_map,
-                       const __grid_constant__ nanoqwen_wgmma::TensorMap w_map,
+    prefill_gemm_wgmma(const __grid_constant__ TensorMap a_map,
+                       const __grid_constant__ TensorMap w_map,
                        const unsigned short* __restrict__ scales,
                        const unsigned short* __restrict__ bias, const unsigned short* residual,
                        unsigned short* out, int M, int N, int K, float* partials, int* flags) {

@@ -1,0 +1,135 @@
+"""CPU (no GPU): the multi-row step's kernels (registry.verify_specs: attn_rows, lm_head_rows)
+compile for every preset without spills and fit their shared memory, the launcher refuses bad
+row counts, and a float64 emulation of attn_rows' work split (clusters, ranks, page groups,
+the causal mask inside the block, the three merges) matches the reference: what the GPU script
+(dev/attn_rows.py) cannot show about the index math without a GPU."""
+
+import numpy as np
+import pytest
+
+from nanoqwen.config import PAGE_TOKENS, PRESETS, preset
+from nanoqwen.cuda import registry
+from nanoqwen.cuda.decode import VerifyKernels
+from nanoqwen.errors import NanoqwenError
+
+SMEM_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic + static shared memory
+
+
+@pytest.fixture(autouse=True)
+def _cache(kernel_cache):
+    return kernel_cache
+
+
+@pytest.mark.parametrize("name", ["0.5b", "7b", "32b"])
+def test_verify_specs_compile_and_fit(name):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    cfg = preset(name)
+    specs = registry.verify_specs(cfg)
+    res = {}
+    for mod in registry.compile_specs(specs, cfg).values():
+        res.update(mod.resources())
+    for s in specs:
+        r = res[s.expression]
+        assert r.spill_bytes == 0 and r.registers <= 65536 // s.threads, (s.key, r)
+        assert s.smem + r.smem_bytes <= SMEM_PER_BLOCK, (s.key, s.smem, r.smem_bytes)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_lm_head_rows_ring(name):
+    """Two stages beside x at the most rows (VerifyKernels refuses less); 7B: 10 / 6."""
+    cfg = preset(name)
+    assert registry.lmr_stages(cfg, registry.DEFAULT_GEOMETRY.verify_rows) >= 2
+    if name == "7b":
+        assert (registry.lmr_stages(cfg, 8), registry.lmr_stages(cfg, 16)) == (10, 6)
+
+
+def test_mattn_smem_7b():
+    """Ring 16 pages x 8 KB, inbox 8 ranks x 112 rows x 16 columns fp32, (m, l) 8 x 112."""
+    assert registry.mattn_smem_bytes(preset("7b")) == 16 * 8192 + 8 * 112 * 16 * 4 + 8 * 112 * 8
+
+
+@pytest.mark.parametrize("m", [0, -1, 17])
+def test_bad_row_counts_raise(m):
+    vk = VerifyKernels.__new__(VerifyKernels)  # the check alone: no Gpu, no launch
+    vk.geometry = registry.DEFAULT_GEOMETRY
+    with pytest.raises(NanoqwenError, match="1..16"):
+        vk._check_rows(m)
+    assert vk._check_rows(16) == 16 and vk._check_rows(1) == 1
+
+
+# -- attn_rows' split and merges, emulated ------------------------------------------------------
+def emulate_attn_rows(q, k, v, start, splits, g: registry.Geometry):
+    """attn_rows' algorithm in float64 for one kv head: q [M, G, D], k, v [start + M, D] ->
+    [M, G, D]. Mirrors the kernel's ranges (clusters, ranks, page groups), its per-page causal
+    mask and -inf guards, the CTA merge's -1e30 floor, the cluster merge and the final one."""
+    m, grp, d = q.shape
+    rows, c = m * grp, g.mattn_cluster
+    qr = q.reshape(rows, d)
+    lim = start + np.minimum(np.arange(rows) // grp, m - 1)  # each row's last key
+    p = -(-(start + m) // PAGE_TOKENS)
+    ncl = min(splits // c, -(-p // (c * g.mattn_min_pages)))
+    r_tiles = -(-rows // 16)
+    j_groups = 1
+    while 2 * j_groups * r_tiles <= g.mattn_consumers:
+        j_groups *= 2
+    kp = np.zeros((start + m + PAGE_TOKENS, d))  # page-padded keys (slots past L: finite)
+    vp = np.zeros_like(kp)
+    kp[: start + m], vp[: start + m] = k, v
+    clusters = []
+    for cl in range(ncl):
+        cb, ce = cl * p // ncl, (cl + 1) * p // ncl
+        ranks = []
+        for rank in range(c):
+            pb, pe = cb + rank * (ce - cb) // c, cb + (rank + 1) * (ce - cb) // c
+            groups = []
+            for grp_i in range(j_groups):
+                mr, lr, o = np.full(rows, -np.inf), np.zeros(rows), np.zeros((rows, d))
+                for i in range(grp_i, pe - pb, j_groups):
+                    keys = np.arange(PAGE_TOKENS) + (pb + i) * PAGE_TOKENS
+                    s = qr @ kp[keys].T / np.sqrt(d)
+                    s[keys[None, :] > lim[:, None]] = -np.inf
+                    mx = np.maximum(mr, s.max(1))
+                    safe = np.where(mx == -np.inf, 0.0, mx)
+                    alpha, pr = np.exp(mr - safe), np.exp(s - safe[:, None])
+                    lr = lr * alpha + pr.sum(1)
+                    o = o * alpha[:, None] + pr @ vp[keys]
+                    mr = mx
+                groups.append((mr, lr, o))
+            mx = np.maximum(-1e30, np.max([gm for gm, _, _ in groups], axis=0))
+            w = [np.exp(gm - mx) for gm, _, _ in groups]
+            lsum = sum(wi * gl for wi, (_, gl, _) in zip(w, groups, strict=True))
+            acc = sum(wi[:, None] * go for wi, (_, _, go) in zip(w, groups, strict=True))
+            ranks.append((mx, lsum, acc))
+        mx = np.max([rm for rm, _, _ in ranks], axis=0)
+        w = [np.exp(rm - mx) for rm, _, _ in ranks]
+        lsum = sum(wi * rl for wi, (_, rl, _) in zip(w, ranks, strict=True))
+        acc = sum(wi[:, None] * ra for wi, (_, _, ra) in zip(w, ranks, strict=True))
+        clusters.append((mx, lsum, acc))
+    mx = np.max([cm for cm, _, _ in clusters], axis=0)
+    w = [np.exp(cm - mx) for cm, _, _ in clusters]
+    lsum = sum(wi * cl_ for wi, (_, cl_, _) in zip(w, clusters, strict=True))
+    acc = sum(wi[:, None] * ca for wi, (_, _, ca) in zip(w, clusters, strict=True))
+    return (acc / lsum[:, None]).reshape(m, grp, d)
+
+
+def reference(q, k, v, start):
+    m, grp, d = q.shape
+    s = np.einsum("mgd,ld->mgl", q, k) / np.sqrt(d)
+    late = np.arange(k.shape[0])[None, None, :] > start + np.arange(m)[:, None, None]
+    s = np.where(late, -np.inf, s)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("mgl,ld->mgd", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize(
+    ("m", "grp", "start", "splits"),
+    [(1, 7, 0, 32), (2, 7, 15, 32), (3, 6, 5, 64), (5, 5, 511, 16), (8, 7, 4000, 32),
+     (16, 7, 8191 - 16, 32), (16, 8, 2047, 64), (9, 2, 30, 8)],
+)  # fmt: skip
+def test_attn_rows_split_emulation(m, grp, start, splits):
+    rng = np.random.default_rng(start * 131 + m)
+    d, g = 16, registry.DEFAULT_GEOMETRY
+    q = 2 * rng.standard_normal((m, grp, d))
+    k, v = rng.standard_normal((start + m, d)), rng.standard_normal((start + m, d))
+    got = emulate_attn_rows(q, k, v, start, splits, g)
+    np.testing.assert_allclose(got, reference(q, k, v, start), rtol=1e-9, atol=1e-12)
