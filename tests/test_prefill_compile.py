@@ -8,7 +8,7 @@ formulas are the kernels'."""
 import numpy as np
 import pytest
 
-from nanoqwen.config import PRESETS, preset
+from nanoqwen.config import PAGE_TOKENS, PRESETS, preset
 from nanoqwen.cuda import registry
 from nanoqwen.cuda.prefill import PrefillKernels
 from nanoqwen.quant import dequantize_packed, pack_value_shuffle, quantize_pack
@@ -367,3 +367,84 @@ def test_smem_formulas_are_the_kernels():
         text += f"static_assert(nanoqwen_prefill_attention::Layout<{d}>::kSmemBytes == {want});\n"
         assert want <= SMEM_LIMIT
     jit.compile_module(ATTENTION, [], registry.header(cfg), source=text)
+
+
+# -- prefill attention: occupancy and the K/V tile copies' index math ----------------------------
+SMEM_PER_SM = 228 * 1024  # sm_90: an SM's shared memory (prefill_attention.cu kSmemPerSm)
+SMEM_CTA_RESERVE = 1024  # sm_90: taken per resident CTA (kSmemCtaReserve)
+REGS_PER_SM = 65536
+REG_GRANULE = 8  # registers a thread are allocated in steps of 8 (256 a warp)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_attention_registers_keep_the_smem_occupancy(name):
+    """The attention's registers allow as many CTAs an SM as its shared memory does (2 at
+    head_dim 128, 5 at 64: the kernel's __launch_bounds__), so registers never cut occupancy."""
+    cfg = preset(name)
+    (spec,) = (s for s in registry.prefill_specs(cfg) if s.key == "prefill_attention")
+    regs = registry.compile_specs([spec], cfg)[ATTENTION].resources()[spec.expression].registers
+    by_smem = SMEM_PER_SM // (spec.smem + SMEM_CTA_RESERVE)
+    per_cta = -(-regs // REG_GRANULE) * REG_GRANULE * spec.threads
+    assert by_smem == (2 if cfg.head_dim == 128 else 5)
+    assert REGS_PER_SM // per_cta >= by_smem, f"{regs} registers allow fewer than {by_smem} CTAs"
+
+
+def _swizzled(r: int, c: int) -> int:
+    """prefill_attention.cu tile_chunk(r, c): block c / 8, row r, chunk (c % 8) ^ (r & 7)."""
+    return (c // 8) * 64 * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4)
+
+
+def _kv_offset(page: int, head: int, t: int, d: int, heads: int, head_dim: int) -> int:
+    """kv_cache.cuh kv_offset (tests/test_kv_layout.py checks it against the host layout)."""
+    return ((page * heads + head) * PAGE_TOKENS + t) * head_dim + ((d // 8) ^ (t % 8)) * 8 + d % 8
+
+
+def _copies_per_row(pages, head, key0, n_keys, heads, d, tile, threads):
+    """A K tile's copies computed row by row from the key: {shared offset: (source offset or
+    None for a zero-filled row, bytes)}."""
+    chunks, out = d // 8, {}
+    for u in range(tile * chunks):
+        row, c = u // chunks, u % chunks
+        key = key0 + row
+        live = key < n_keys
+        src = _kv_offset(pages[key // PAGE_TOKENS], head, key % PAGE_TOKENS, c * 8, heads, d)
+        out[_swizzled(row, c)] = (src if live else None, 16 if live else 0)
+    return out
+
+
+def _copies_by_thread(pages, head, key0, n_keys, heads, d, tile, threads):
+    """The same copies as KvTileCopy<D> issues them: per thread, in-page pointers and a shared
+    offset fixed at construction, the tile's page ids from fetch_pages, one multiply-add each."""
+    chunks = d // 8
+    step = threads // chunks
+    per_page, copies = PAGE_TOKENS // step, tile // step
+    page_elems = _kv_offset(1, 0, 0, 0, heads, d)
+    pg = [pages[key0 // PAGE_TOKENS + j] if key0 + j * PAGE_TOKENS < n_keys else 0
+          for j in range(tile // PAGE_TOKENS)]  # fmt: skip
+    out = {}
+    for tid in range(threads):
+        r0, c = tid // chunks, tid % chunks
+        src = [_kv_offset(0, head, r0 + j * step, c * 8, heads, d) for j in range(per_page)]
+        for i in range(copies):
+            live = r0 + i * step < n_keys - key0
+            at = src[i % per_page] + pg[i // per_page] * page_elems
+            dst = _swizzled(r0, c) + i * step * 128
+            assert dst not in out, f"thread {tid} copy {i} lands on another copy's chunk"
+            out[dst] = (at if live else None, 16 if live else 0)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_kv_tile_copy_index_math(d):
+    """KvTileCopy's hoisted addresses (page ids a tile ahead, in-page pointers and shared
+    offsets fixed per thread) copy exactly what the key-by-key formula copies, on a scattered
+    page table, at full tiles, a part tile and a tile with one live key."""
+    g = registry.DEFAULT_GEOMETRY
+    tile, threads, heads = g.prefill_attn_tile, g.prefill_attn_threads, 3
+    rng = np.random.default_rng()
+    for key0, live in ((0, 64), (64, 64), (4096, 37), (128, 1), (192, 16), (256, 17)):
+        n_keys = key0 + live
+        pages = rng.permutation(n_keys // PAGE_TOKENS + 8).tolist()
+        head = int(rng.integers(heads))
+        args = (pages, head, key0, n_keys, heads, d, tile, threads)
+        assert _copies_by_thread(*args) == _copies_per_row(*args), (key0, live)

@@ -16,12 +16,15 @@
 // per 8 columns is mma.m16n8k16's, so S's n8 tiles 2kk, 2kk+1 are the A fragment of k-step kk)
 // and V N-major from shared memory (keys along its rows: the transposed-B form, no transpose in
 // memory). Row sums are reduced across the quad once, at the end. K/V tiles are double-buffered
-// through cp.async, one tile ahead. Query tiles are issued latest first (they have the most
-// keys), every head of a tile before the next tile (the grid's x is the head), so the long CTAs
-// start early, the short ones fill the tail, and in a single wave (T = 512: 224 CTAs, two an
-// SM) the second CTA an SM gets is a shorter one than the first. S of the next tile and
-// O += P V of this one are not issued together: ptxas hoists the wait for P V above the
-// softmax, so the overlap would not happen (alternatives measured: docs/EXPERIMENTS.md).
+// through cp.async, one tile ahead; tile kb + 1's copies are issued after S(kb)'s wgmmas, so
+// that issuing them (their address arithmetic, 2 x 8 copies a thread at D = 128) overlaps the
+// tensor cores instead of delaying S behind the barrier. Query tiles are issued latest first
+// (they have the most keys), every head of a tile before the next tile (the grid's x is the
+// head), so the long CTAs start early, the short ones fill the tail, and in a single wave
+// (T = 512: 224 CTAs, two an SM) the second CTA an SM gets is a shorter one than the first. S
+// of the next tile and O += P V of this one are not issued together: ptxas hoists the wait for
+// P V above the softmax, so the overlap would not happen (alternatives measured:
+// docs/EXPERIMENTS.md).
 //
 // Shared memory: every tile is 64 rows x D halves, stored as D / 64 blocks of 64 rows x 128
 // bytes in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7); blocks 8 KB
@@ -40,12 +43,16 @@
 // rows keep m = -inf, l = 0, O = 0: the softmax update below guards its exponents); the range
 // holding key tile 0 has key 0 for every row, so M is finite.
 //
-// On the 7B shapes a launch at T = 8192 takes ~1.07 ms (449 TFLOP/s; dev/prefill_check.py).
-//
 // K/V tiles come straight from the paged cache (kv_cache.cuh): a 64-key tile is four pages'
 // 16-row tiles of the kv head, each row 16-byte chunks in the cache's XOR order, which is the
 // order the shared tile wants (chunk c of row r lands at (c % 8) ^ (r & 7) of block c / 8, and
-// the cache stores it at c ^ (r & 7): the same low bits, r & 7 being the row's slot & 7).
+// the cache stores it at c ^ (r & 7): the same low bits, r & 7 being the row's slot & 7). The
+// four page ids of a tile are loaded from the page table one tile before its copies
+// (KvTileCopy): a copy whose address waited on its page id would put a global load's latency
+// between the barrier and S every tile.
+//
+// Timed at T = 512, 2048 and 8192 on the 7B shapes by dev/prefill_check.py (--parts timing);
+// dev/attn_ab.py times it against this file at another git revision, in one process.
 //
 // Arguments (device pointers, 16-byte aligned, fp16 bits):
 //   q      fp16 [T, HQ, D]  the new tokens' queries (RoPE applied), row-major
@@ -69,6 +76,8 @@ constexpr int kTileK = kPrefillAttnTile;  // keys per K/V tile
 constexpr int kThreads = kPrefillAttnThreads;  // one warpgroup
 static_assert(kTileQ == 64 && kThreads == 128, "one warpgroup of m64 query rows");
 constexpr int kBlockBytes = 64 * 128;  // 64 rows x 128 bytes, 128-byte swizzled (8 KB)
+constexpr int kSmemPerSm = 228 * 1024;  // sm_90: an SM's shared memory at the largest carveout
+constexpr int kSmemCtaReserve = 1024;   // sm_90: what the system takes of it per resident CTA
 
 template <int D>
 struct Layout {
@@ -77,6 +86,10 @@ struct Layout {
   static constexpr int kTileBytes = kBlocks * kBlockBytes;  // one Q, K or V tile
   static constexpr int kSmemBytes = 1024 + 5 * kTileBytes;  // alignment + Q + 2 x K + 2 x V
   // (host side: nanoqwen/cuda/registry.py prefill_attention_smem_bytes)
+  // CTAs an SM holds by shared memory (2 at D = 128, 5 at D = 64). The kernel's
+  // __launch_bounds__ asks ptxas for registers that allow as many: at D = 64 it would otherwise
+  // take 104 a thread, room for 4.
+  static constexpr int kCtasPerSm = kSmemPerSm / (kSmemBytes + kSmemCtaReserve);
 };
 
 // Shared-memory byte offset of 16-byte chunk c of tile row r: block c / 8, row r, chunk
@@ -101,29 +114,81 @@ __device__ __forceinline__ void load_q_tile(unsigned char* dst, const unsigned s
   }
 }
 
-// Keys key0..key0+63 of kv head `head` from a layer's paged cache into a swizzled tile. Keys
-// >= n_keys read as zeros (their page-table entries are never read).
+// One thread's share of the K and V tile copies from a layer's paged cache (kv_cache.cuh). A
+// tile of kTileK keys is kPagesPerTile pages of the kv head; thread tid copies 16-byte chunk
+// c = tid % kChunks of tile rows r0 + i kRowStep (r0 = tid / kChunks, i < kCopies), of K and
+// of V. All but the page ids is fixed for the CTA and computed once: kv_offset is the page
+// times a page's elements plus an in-page offset, and a row's slot in its page repeats every
+// kRowsPerPage copies, so a source pointer per such slot (K and V, page 0) makes a copy's
+// address one multiply-add; copy i lands i kRowStep rows below copy 0 in the shared tile
+// (kRowStep being a multiple of 8, every row of the thread has the same row & 7, hence the
+// same swizzled chunk). The page ids come from fetch_pages a tile ahead, into registers, so
+// the copies wait on no global load.
 template <int D>
-__device__ __forceinline__ void load_kv_tile(unsigned char* dst, const unsigned short* cache,
-                                             const int* __restrict__ pages, int head, int key0,
-                                             int n_keys) {
-  constexpr int kChunks = D / 8;
-  static_assert(kTileK * kChunks % kThreads == 0, "tile copy must split evenly");
+struct KvTileCopy {
+  static constexpr int kChunks = D / 8;                        // 16-byte chunks of a row
+  static constexpr int kRowStep = kThreads / kChunks;          // rows between a thread's copies
+  static constexpr int kCopies = kTileK / kRowStep;            // a thread's copies of a tile
+  static constexpr int kRowsPerPage = kPageTokens / kRowStep;  // ... of one page
+  static constexpr int kPagesPerTile = kTileK / kPageTokens;
+  static_assert(kThreads % kChunks == 0, "a thread copies one chunk column");
+  static_assert(kTileK % kPageTokens == 0, "a tile is whole pages");
+  static_assert(kPageTokens % kRowStep == 0, "a thread's copies take the same slots of each page");
+  static_assert(kRowStep % 8 == 0, "a thread's rows share row & 7 (the swizzle's row bits)");
+
+  const unsigned short* k_src[kRowsPerPage];  // kc + kv_offset(0, head, r0 + j kRowStep, 8 c)
+  const unsigned short* v_src[kRowsPerPage];  // the same in vc
+  int r0;                                     // the thread's first tile row
+  int dst0;                                   // its shared-memory offset in a tile
+
+  __device__ __forceinline__ KvTileCopy(const unsigned short* kc, const unsigned short* vc,
+                                        int head) {
+    r0 = threadIdx.x / kChunks;
+    const int c = threadIdx.x % kChunks;
+    dst0 = tile_chunk(r0, c);
 #pragma unroll
-  for (int i = 0; i < kTileK * kChunks / kThreads; ++i) {
-    const int u = threadIdx.x + i * kThreads, row = u / kChunks, c = u % kChunks;
-    const int key = key0 + row;
-    const bool live = key < n_keys;
-    const int page = live ? pages[key / kPageTokens] : 0;
-    const unsigned short* s = cache + kv_offset(page, head, key % kPageTokens, c * 8);
-    cp_async16(dst + tile_chunk(row, c), s, live ? 16 : 0);
+    for (int j = 0; j < kRowsPerPage; ++j) {
+      const size_t at = kv_offset(0, head, r0 + j * kRowStep, c * 8);
+      k_src[j] = kc + at;
+      v_src[j] = vc + at;
+      // Opaque to the optimizer, which would otherwise fold kc + at into every copy's address
+      // (a 64-bit element offset, a shift and two adds per K/V pair, SASS): with it, an
+      // IMAD.WIDE.U32 a copy.
+      asm("" : "+l"(k_src[j]), "+l"(v_src[j]));
+    }
   }
-}
+
+  // pg[j] = the physical page of logical page key0 / kPageTokens + j; 0 past the last key
+  // (key0 is a multiple of kTileK; entries past n_keys' page are never read).
+  __device__ __forceinline__ static void fetch_pages(int (&pg)[kPagesPerTile],
+                                                     const int* __restrict__ pages, int key0,
+                                                     int n_keys) {
+#pragma unroll
+    for (int j = 0; j < kPagesPerTile; ++j)
+      pg[j] = key0 + j * kPageTokens < n_keys ? pages[key0 / kPageTokens + j] : 0;
+  }
+
+  // Keys key0..key0 + kTileK - 1 of K and V (pages pg) into the swizzled tiles at k_dst and
+  // v_dst. Keys >= n_keys read as zeros.
+  __device__ __forceinline__ void issue(unsigned char* k_dst, unsigned char* v_dst,
+                                        const int (&pg)[kPagesPerTile], int key0,
+                                        int n_keys) const {
+    const int live_rows = n_keys - key0;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const size_t page = static_cast<unsigned>(pg[i / kRowsPerPage]);
+      const int at = dst0 + i * kRowStep * 128, bytes = r0 + i * kRowStep < live_rows ? 16 : 0;
+      cp_async16(k_dst + at, k_src[i % kRowsPerPage] + page * kv_offset(1, 0, 0, 0), bytes);
+      cp_async16(v_dst + at, v_src[i % kRowsPerPage] + page * kv_offset(1, 0, 0, 0), bytes);
+    }
+  }
+};
 
 }  // namespace nanoqwen_prefill_attention
 
 template <int D, int HQ, int HKV>
-__global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
+__global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads,
+                                  nanoqwen_prefill_attention::Layout<D>::kCtasPerSm)
     prefill_attention(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc,
                       const unsigned short* __restrict__ vc, const int* __restrict__ pages,
                       unsigned short* __restrict__ out, float* __restrict__ part_o,
@@ -158,12 +223,16 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
   const int first_masked = (start + q0) / kTileK;
   const int kb0 = blockIdx.z * n_kv / gridDim.z, kb1 = (blockIdx.z + 1) * n_kv / gridDim.z;
 
+  using Copy = KvTileCopy<D>;
+  const Copy kv_copy(kc, vc, kv_head);
+  int pg[Copy::kPagesPerTile];  // the page ids of the next K/V tile to copy
   load_q_tile<D>(q_s, q + head * D, q0, T, kQStride);
   if (kb0 < kb1) {
-    load_kv_tile<D>(k_s, kc, pages, kv_head, kb0 * kTileK, n_keys);
-    load_kv_tile<D>(v_s, vc, pages, kv_head, kb0 * kTileK, n_keys);
+    Copy::fetch_pages(pg, pages, kb0 * kTileK, n_keys);
+    kv_copy.issue(k_s, v_s, pg, kb0 * kTileK, n_keys);
   }
   cp_async_commit();
+  Copy::fetch_pages(pg, pages, (kb0 + 1) * kTileK, n_keys);
 
   // This thread's two query rows (local to the new tokens) and their positions.
   const int row_a = q0 + warp * 16 + (lane >> 2), row_b = row_a + 8;
@@ -180,14 +249,9 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
     cp_async_wait<0>();
     fence_proxy_async_smem();
     __syncthreads();  // tile kb landed and visible to wgmma; buffer buf ^ 1 no longer read
-    if (kb + 1 < kb1) {
-      const int key0 = (kb + 1) * kTileK;
-      load_kv_tile<D>(k_s + (buf ^ 1) * L::kTileBytes, kc, pages, kv_head, key0, n_keys);
-      load_kv_tile<D>(v_s + (buf ^ 1) * L::kTileBytes, vc, pages, kv_head, key0, n_keys);
-    }
-    cp_async_commit();
 
-    // S = Q K^T: A = the Q tile, B = the K tile, both K-major (head dim along the rows).
+    // S = Q K^T: A = the Q tile, B = the K tile, both K-major (head dim along the rows). Issued
+    // before the next tile's copies, so the tensor cores run while the copies are issued.
     float s[kTileK / 2];
     const unsigned kt_a = k_a + buf * L::kTileBytes;
     wgmma_fence();
@@ -197,6 +261,13 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads)
       WgmmaSS<kTileK>::mma(s, make_desc_sw128(q_a + off), make_desc_sw128(kt_a + off), st > 0);
     }
     wgmma_commit();
+    if (kb + 1 < kb1) {  // tile kb + 1 into buffer buf ^ 1; tile kb + 2's page ids
+      const int key0 = (kb + 1) * kTileK;
+      kv_copy.issue(k_s + (buf ^ 1) * L::kTileBytes, v_s + (buf ^ 1) * L::kTileBytes, pg, key0,
+                    n_keys);
+      Copy::fetch_pages(pg, pages, key0 + kTileK, n_keys);
+    }
+    cp_async_commit();
     wgmma_wait<0>();
     fence_acc(s);
 
