@@ -63,13 +63,16 @@ TARGET_MS = 1.0  # launches queued per timing: enough for about this long, at mo
 def source_at(rev: str, log) -> str:
     """prefill_attention.cu at git revision `rev`, warning when the headers it is compiled
     with (this tree's kernels/*.cuh) differ from that revision's."""
-    show = ["git", "-C", str(ROOT), "show", f"{rev}:{KERNEL}"]
-    text = subprocess.run(show, capture_output=True, text=True, check=True).stdout
+    # safe.directory: a copied checkout may belong to another user than the one running this
+    git = ["git", "-c", "safe.directory=*", "-C", str(ROOT)]
+    show = subprocess.run([*git, "show", f"{rev}:{KERNEL}"], capture_output=True, text=True)
+    if show.returncode != 0:
+        raise RuntimeError(f"git show {rev}:{KERNEL} failed: {show.stderr.strip()}")
     headers = [str(p.relative_to(ROOT)) for p in sorted(jit.KERNEL_DIR.glob("*.cuh"))]
-    diff = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", rev, "--", *headers])
+    diff = subprocess.run([*git, "diff", "--quiet", rev, "--", *headers])
     if diff.returncode != 0:
         log(f"WARNING: kernels/*.cuh differ from {rev}: its kernel is built with this tree's")
-    return text
+    return show.stdout
 
 
 def compile_attention(text: str, cfg: ModelConfig, names: list[str]):
