@@ -99,6 +99,20 @@ def test_wide_gemv_form():
     assert registry.gemv_form(27648, g.override({"kGvCtasPerSm": 1})).consumers == 8
 
 
+def test_gemv_stage_pairs_balance():
+    """stage_pairs' balance rule: at K = 5120 (14B, 32B) one pair a stage gives each pair 8 warps
+    for its 5 octets, so 3 idle; 4 pairs give 2 warps 2.5 octets each (the extra rotates). The
+    7B's stages stay what the size rule makes them, and the wide form keeps the size rule."""
+    E, g = registry.Epilogue, registry.DEFAULT_GEOMETRY
+    size_only = g.override({"kGvBalance": 0})
+    assert [registry.gemv_stage_pairs(5120, e, size_only) for e in E] == [1, 1, 2]
+    assert [registry.gemv_stage_pairs(5120, e) for e in E] == [4, 4, 4]
+    assert [registry.gemv_stage_pairs(3584, e) for e in E] == [2, 2, 4]
+    assert registry.gemv_stage_pairs(18944, E.RESIDUAL) == 1  # 19 octets: the extras rotate
+    assert registry.gemv_stage_pairs(8960, E.RESIDUAL) == 2  # the 1.5B's down: 9 octets
+    assert registry.gemv_stage_pairs(27648, E.RESIDUAL) == 1  # wide: 2 stages would be left
+
+
 def test_cache_hit_and_no_compile(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOQWEN_CACHE", str(tmp_path))
     header = registry.header(preset("tiny"))

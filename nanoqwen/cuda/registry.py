@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import IntEnum
+from fractions import Fraction
 
 from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
 
@@ -75,7 +76,8 @@ class Geometry:
     # a thread), the smallest K of the wide form (gemv_form: past the 7B's down, K = 18944 with
     # three stages a CTA, before a CTA's share holds only two, K ~ 22k), weight bytes a stage
     # aims at (gate/up: twice), ring depth, stages in flight before x has landed, the largest K
-    # that takes the offset form, x items kept in registers.
+    # that takes the offset form, x items kept in registers, stage_pairs' balance rule (0: the
+    # size rule alone; kept as a switch so that dev/kernel_tune.py can time both).
     gv_consumers: int = 8
     gv_ctas_per_sm: int = 2
     gv_wide_min_k: int = 20480
@@ -84,6 +86,7 @@ class Geometry:
     gv_early_stages: int = 1
     gv_fold_max_k: int = 8192
     gv_x_reg_items: int = 2
+    gv_balance: int = 1
     gv_smem: int = 110 * 1024  # host only: dynamic shared memory a GEMV CTA gets (its ring)
     # gemv_rows.cu (the M-row GEMV): warps a CTA (2 row halves x one k lane a stage group),
     # CTAs an SM, pairs a row block, groups a stage, stages in the ring.
@@ -275,7 +278,8 @@ ATTENTION = "decode_attention.cu"
 PREFILL_GEMM = "prefill_gemm_wgmma.cu"
 PREFILL_ATTENTION = "prefill_attention.cu"
 _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
-                "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems")  # fmt: skip
+                "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
+                "kGvBalance")  # fmt: skip
 _MR_TUNABLES = ("kMrWarps", "kMrCtasPerSm", "kMrPairs", "kMrStageGroups", "kMrStages")
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
@@ -324,16 +328,35 @@ def gemv_form(k: int, g: Geometry = DEFAULT_GEOMETRY) -> GemvForm:
     return GemvForm(g.gv_consumers, g.gv_ctas_per_sm, g.gv_smem)
 
 
+def gemv_stage_pairs(k: int, epi: Epilogue, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """Pairs a stage of gemv_int4<K, *, EPI>: gemv_int4.cu's stage_pairs (why: its comment),
+    in Python. The size rule (about gv_stage_target bytes, gate/up twice), raised by the
+    balance rule (gv_balance; not in the wide form) to the fewest pairs that keep every
+    consumer warp busy."""
+    form, octets = gemv_form(k, g), (k // GROUP_SIZE + 7) // 8
+    target = g.gv_stage_target * (2 if epi == Epilogue.SWIGLU else 1)
+    p = 1
+    while p < form.consumers and 2 * p * k <= target:
+        p *= 2
+    best, best_rate = 1, Fraction(0)
+    q = 1
+    while g.gv_balance and k < g.gv_wide_min_k and q <= form.consumers:
+        wp = form.consumers // q
+        kx = -(-octets // wp)
+        rate = Fraction(q * wp, octets) if kx > g.gv_x_reg_items else Fraction(q, kx)
+        if rate > best_rate:
+            best, best_rate = q, rate
+        q *= 2
+    return max(p, best)
+
+
 def gemv_stages(k: int, epi: Epilogue, npairs: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
     """The stages of gemv_int4<K, *, EPI>'s ring in a CTA that owns `npairs` pairs: what its
     dynamic shared memory leaves beside x, the offset terms and the per-pair sums, at most
     gv_max_stages (the kernel traps below two). gemv_int4.cu's stage_pairs, kStageBytes and
     `stages`, in Python."""
     form, groups = gemv_form(k, g), k // GROUP_SIZE
-    target = g.gv_stage_target * (2 if epi == Epilogue.SWIGLU else 1)
-    p = 1
-    while p < form.consumers and 2 * p * k <= target:
-        p *= 2
+    p = gemv_stage_pairs(k, epi, g)
     scale_bytes = (p * groups * 2 + 28 + 15) // 16 * 16
     stage_bytes = (2 * (p * k // 2) + 2 * scale_bytes + 127) // 128 * 128
     xc_bytes = (groups + 1) // 2 * 2 * 4

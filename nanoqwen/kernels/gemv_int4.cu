@@ -148,12 +148,33 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(C * kWarp) : "memory");
 }
 
-// Pairs per stage: a power of two dividing the consumer warps, about `target` bytes of weights.
+// Pairs per stage, a power of two dividing the consumer warps: about `target` bytes of
+// weights, and (kGvBalance) at least the fewest pairs that keep every consumer warp busy. A
+// stage of P pairs gives each pair C / P warps, which share its O octets: with fewer octets
+// than warps some warps idle (K = 5120: 5 octets over 8 warps at P = 1), and when the octets
+// do not divide evenly the busiest warp sets the stage's pace unless the extra items rotate
+// (items past kGvXRegItems do: o0r). A stage's rate is P pairs over its busiest warp's items:
+// P / ceil(O / WP), or P WP / O once the extras rotate; the smallest P with the best rate wins.
+// Not in the wide form: its one-pair stages are already ~K bytes, and two pairs would leave
+// room for two stages beside x (the 32B's down). The host's twin: registry.gemv_stage_pairs.
 template <int K>
 constexpr int stage_pairs(int target) {
+  constexpr int C = GvForm<K>::kConsumers, O = (K / kGroupSize + 7) / 8;
   int p = 1;
-  while (p < GvForm<K>::kConsumers && 2 * p * K <= target) p *= 2;
-  return p;
+  while (p < C && 2 * p * K <= target) p *= 2;
+  int best = 1;
+  long long best_num = 0, best_den = 1;  // the best rate so far, best_num / best_den
+  for (int q = 1; kGvBalance && !GvForm<K>::kWide && q <= C; q *= 2) {
+    const int wp = C / q, kx = (O + wp - 1) / wp;
+    const bool rotates = kx > kGvXRegItems;
+    const long long num = (long long)q * (rotates ? wp : 1), den = rotates ? O : kx;
+    if (num * best_den > best_num * den) {
+      best = q;
+      best_num = num;
+      best_den = den;
+    }
+  }
+  return p > best ? p : best;
 }
 
 // The dot product of item KS (octet o) of one pair, scaled and summed into accA (row a) / accB
