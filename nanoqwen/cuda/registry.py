@@ -128,8 +128,10 @@ class Geometry:
     lmr_k_tile: int = 64
     lmr_max_stages: int = 12
     lmr_smem: int = 220 * 1024  # host only
-    # speculate.cu: draft_ngram's block (one CTA scans the whole history).
+    # speculate.cu: draft_ngram's block (one CTA scans the whole history) and its 16-byte
+    # history loads in flight a thread.
     draft_threads: int = 1024
+    draft_loads: int = 4
     # One shared-memory carveout (percent) for every kernel of the decode step, so that no SM
     # drains to reconfigure between overlapping (PDL) kernels.
     smem_carveout: int = 100  # host only
@@ -508,7 +510,7 @@ def speculate_specs(g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """The speculative step's drafting and acceptance kernels (speculate.cu)."""
     return (
         KernelSpec("draft_ngram", SPECULATE, "draft_ngram", g.draft_threads,
-                   tunables=("kDraftThreads", "kVerifyRows")),
+                   tunables=("kDraftThreads", "kDraftLoads", "kVerifyRows")),
         KernelSpec("accept_greedy", SPECULATE, "accept_greedy", 32, tunables=("kVerifyRows",)),
     )  # fmt: skip
 

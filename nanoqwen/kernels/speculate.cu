@@ -23,7 +23,8 @@
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
 
 // From the generated header (nanoqwen/cuda/registry.py): kDraftThreads (draft_ngram's block),
-// kVerifyRows (the verify step's most rows, 1 + K), enum StateWord and kMaxEos.
+// kDraftLoads (its 16-byte history loads in flight a thread), kVerifyRows (the verify step's
+// most rows, 1 + K), enum StateWord and kMaxEos.
 constexpr int kHistVec = 4;  // history words a 16-byte load brings
 static_assert(kDraftThreads % kWarp == 0 && kDraftThreads <= 1024, "whole warps, one CTA");
 static_assert(kVerifyRows <= kWarp, "accept_greedy: a lane a verify row");
@@ -49,10 +50,12 @@ __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
 // of its candidates, so every candidate of the winning size reaches the reduction. The key's
 // low word is below 2^32 while len < 2^27 (the launcher checks the capacity).
 //
-// Why one pass is fast: the history is read once, as 16-byte vectors in order (32k tokens: 128
-// KB, 8 loads a thread at 1024 threads, all issued before the compares consume them); only a
-// candidate whose last token equals h[len - 1] reads further (cached lines, rare on real
-// text). Then one warp shuffle max, one shared-memory max over the warps.
+// Why one pass is fast: the history is read once, as 16-byte vectors in order, kDraftLoads of
+// them a thread in flight before the compares consume them (32k tokens: 128 KB, 8 loads a
+// thread at 1024 threads, two rounds of memory latency); only a candidate whose last token
+// equals h[len - 1] reads further (cached lines; rare on varied text, every position on a run,
+// the slow case dev/speculate_check.py times). Then one warp shuffle max, one shared-memory max
+// over the warps.
 //
 // Arguments:
 //   h        int32 [capacity]   the history (16-byte aligned; capacity a multiple of 4, so the
@@ -77,21 +80,29 @@ draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __res
   if (limit > 0) {
     const int4* h4 = reinterpret_cast<const int4*>(h);
     const int chunks = (len - 1 + kHistVec - 1) / kHistVec;  // covering i = 0 .. len - 2
-    for (int c = threadIdx.x; c < chunks; c += kDraftThreads) {
-      const int4 v = __ldg(h4 + c);
-      const int w[kHistVec] = {v.x, v.y, v.z, v.w};
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += kDraftThreads * kDraftLoads) {
+      int4 v[kDraftLoads];  // all issued before the first compare: one latency a round
 #pragma unroll
-      for (int k = 0; k < kHistVec; ++k) {
-        const int i = c * kHistVec + k;
-        if (i > len - 2 || w[k] != last) continue;
-        int l = 1;
-        while (l < n_max && l <= i && __ldg(h + i - l) == __ldg(h + len - 1 - l)) ++l;
-        if (l < n_min) continue;
-        const int e = i + 1;
-        const unsigned long long key =
-            (unsigned long long)min(limit, len - e) * len + (unsigned long long)(e - l);
-        const unsigned long long packed = ((unsigned long long)l << 32) | key;
-        best = packed > best ? packed : best;
+      for (int u = 0; u < kDraftLoads; ++u) {
+        const int c = c0 + u * kDraftThreads;
+        v[u] = c < chunks ? __ldg(h4 + c) : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int u = 0; u < kDraftLoads; ++u) {
+        const int w[kHistVec] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+        for (int k = 0; k < kHistVec; ++k) {
+          const int i = (c0 + u * kDraftThreads) * kHistVec + k;
+          if (i > len - 2 || w[k] != last) continue;  // past the candidates, or no match
+          int l = 1;
+          while (l < n_max && l <= i && __ldg(h + i - l) == __ldg(h + len - 1 - l)) ++l;
+          if (l < n_min) continue;
+          const int e = i + 1;
+          const unsigned long long key =
+              (unsigned long long)min(limit, len - e) * len + (unsigned long long)(e - l);
+          const unsigned long long packed = ((unsigned long long)l << 32) | key;
+          best = packed > best ? packed : best;
+        }
       }
     }
   }
