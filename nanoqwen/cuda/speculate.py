@@ -65,6 +65,8 @@ class SpeculateKernels(Launcher):
             )
         super().__init__(gpu, config, registry.speculate_specs(geometry), geometry, pdl=pdl)
         self.spec, self.capacity = spec, check_capacity(capacity)
+        for kernel in self.kernels.values():  # the decode step's one carveout (DecodeKernels)
+            gpu.set_smem_carveout(kernel, self.geometry.smem_carveout)
 
     def draft(self, h: int, state: int, tokens: int, positions: int, ndraft: int,
               stream=None) -> None:  # fmt: skip
