@@ -42,7 +42,7 @@ from .kv_pages import BlockManager, KVStats, PageTable
 from .quant import dequantize_packed
 from .rope import rope_angles
 from .sampling import SamplingParams, make_generator
-from .speculative import SpecStats, SpeculativeConfig, accept, draft
+from .speculative import SpecStats, SpeculativeConfig, accept, cut, draft, step_limit
 
 if TYPE_CHECKING:
     from .fileformat import NanoqwenFile
@@ -373,19 +373,18 @@ class ReferenceBackend:
                     stats.steps += 1
                     stats.drafted += len(drafts)
                     stats.accepted += len(kept) - 1
-                kept = kept[:left]
-                stop = next((i for i, t in enumerate(kept) if t in stop_ids), None)
-                if stop is not None:
-                    kept = kept[: stop + 1]
+                kept, stopped = cut(kept, left, stop_ids)
                 pages.commit(table, fed + kept[:-1])
                 yield from kept
                 left -= len(kept)
-                if stop is not None or left == 0:
+                if stopped or left == 0:
                     return
                 history += kept
                 fed = kept[-1:]
-                # Drafts past left - 1 could not be emitted (the step emits one more token).
-                drafts = draft(history, self.speculative, left - 1) if self.speculative else []
+                if self.speculative:
+                    cap = step_limit(params.max_tokens, params.max_tokens - left, len(history),
+                                     self.max_context)  # fmt: skip
+                    drafts = draft(history, self.speculative, cap)
                 decoding = True
         finally:  # also runs on close() or garbage collection of an unfinished iterator
             pages.release(table)

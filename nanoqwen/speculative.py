@@ -25,6 +25,9 @@ feeds, not yet in the KV cache):
     drafts only P tokens, where an earlier lap drafts K. Equivalently: maximize
     min(limit, len(h) - j - n) * len(h) + j over the matches (a max-reduction for a kernel).
   - no match of any size: no draft, and the step is the plain one-token step (adaptive K).
+  - the caller's cap (`step_limit`) is min(max_tokens - emitted - 1, capacity - len(h) - 1):
+    the step emits at most limit + 1 tokens, so it never passes max_tokens, and the history
+    (and the KV slots of the fed rows) never pass the context capacity.
   - the prefill step carries no drafts: drafting starts with the first decode step, whose
     history already ends with the first sampled token.
 
@@ -107,6 +110,21 @@ class SpecStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+
+
+def step_limit(max_new: int, step: int, length: int, capacity: int) -> int:
+    """The caller's cap on a step's drafts (module docstring): `step` tokens generated of
+    `max_new`, a history of `length` tokens in a context of `capacity` positions. Below 1:
+    no drafts. speculate.cu's draft_ngram computes the same from the decode state."""
+    return min(max_new - step - 1, capacity - length - 1)
+
+
+def cut(kept: list[int], left: int, stop_ids) -> tuple[list[int], bool]:
+    """A step's emitted tokens: `kept` (accept's) cut to the `left` tokens max_tokens allows,
+    then after the first stop id; and whether a stop id ended it."""
+    kept = kept[:left]
+    stop = next((i for i, t in enumerate(kept) if t in stop_ids), None)
+    return (kept, False) if stop is None else (kept[: stop + 1], True)
 
 
 def draft(history: Sequence[int], config: SpeculativeConfig, limit: int | None = None) -> list[int]:

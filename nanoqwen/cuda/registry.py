@@ -131,6 +131,10 @@ class Geometry:
     lmr_k_tile: int = 64
     lmr_max_stages: int = 12
     lmr_smem: int = 220 * 1024  # host only
+    # speculate.cu: draft_ngram's block (one CTA scans the whole history) and its 16-byte
+    # history loads in flight a thread.
+    draft_threads: int = 1024
+    draft_loads: int = 4
     # One shared-memory carveout (percent) for every kernel of the decode step, so that no SM
     # drains to reconfigure between overlapping (PDL) kernels.
     smem_carveout: int = 100  # host only
@@ -274,6 +278,7 @@ GEMV_ROWS = "gemv_rows.cu"
 ATTENTION_ROWS = "decode_attention_rows.cu"
 LM_HEAD_ROWS = "lm_head_rows.cu"
 MISC = "decode_misc.cu"
+SPECULATE = "speculate.cu"
 ATTENTION = "decode_attention.cu"
 PREFILL_GEMM = "prefill_gemm_wgmma.cu"
 PREFILL_ATTENTION = "prefill_attention.cu"
@@ -519,6 +524,20 @@ def verify_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[K
     )  # fmt: skip
 
 
+# Histories below 2^27 tokens: draft_ngram's 32-bit key min(limit, len - e) * len + j stays
+# below 2^32 at K <= verify_rows - 1 <= 15.
+MAX_HISTORY = 1 << 27
+
+
+def speculate_specs(g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
+    """The speculative step's drafting and acceptance kernels (speculate.cu)."""
+    return (
+        KernelSpec("draft_ngram", SPECULATE, "draft_ngram", g.draft_threads,
+                   tunables=("kDraftThreads", "kDraftLoads", "kVerifyRows")),
+        KernelSpec("accept_greedy", SPECULATE, "accept_greedy", 32, tunables=("kVerifyRows",)),
+    )  # fmt: skip
+
+
 def prefill_specs(
     config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY, tiles: tuple = GEMM_TILES
 ) -> tuple[KernelSpec, ...]:
@@ -547,11 +566,12 @@ def prefill_specs(
 
 def kernel_table(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """Every kernel of the engine for `config`: the decode step's, the multi-row step's (M-row
-    GEMVs, attention, lm_head), then the prefill's."""
+    GEMVs, attention, lm_head), speculation's drafting and acceptance, then the prefill's."""
     return (
         decode_specs(config, g)
         + rows_specs(config, g)
         + verify_specs(config, g)
+        + speculate_specs(g)
         + prefill_specs(config, g)
     )
 

@@ -1,0 +1,107 @@
+"""Launchers of speculate.cu: the drafting and acceptance ends of a speculative decode step, on
+the device (no host round trip a step; nanoqwen.speculative states the rules).
+
+`SpeculateKernels(gpu, config, spec, capacity)` builds registry.speculate_specs for one
+SpeculativeConfig (K, n_min, n_max are launch arguments, fixed when a graph captures them) and
+one history capacity. Every pointer is a device address (int); every method takes `stream` (a
+cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). Greedy only: the
+kernels accept drafts by the rows' argmax, so `require_greedy` refuses sampled parameters and
+the engine calls it for every generation it runs speculatively.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import NanoqwenError
+from ..sampling import SamplingParams
+from ..speculative import SpeculativeConfig, SpeculativeError
+from . import registry
+from .device import Gpu
+from .launcher import Launcher
+
+_I32 = np.int32
+HISTORY_ALIGN = 16  # bytes: draft_ngram reads the history as 16-byte vectors
+
+
+def require_greedy(params: SamplingParams) -> None:
+    """Raise unless `params` decode greedily: the device accepts drafts by argmax only (the
+    sampled rule, speculative.accept's, runs on the reference backend)."""
+    if not params.greedy:
+        raise SpeculativeError(
+            "speculative decoding on the cuda backend is greedy only (temperature 0 or "
+            f"top_k 1), got temperature={params.temperature}, top_k={params.top_k}; "
+            "sample without speculation, or use the reference backend"
+        )
+
+
+def check_capacity(capacity: int) -> int:
+    """The history's words: a multiple of 4 (draft_ngram's 16-byte loads stay inside), below
+    registry.MAX_HISTORY (its 32-bit key)."""
+    if capacity < 4 or capacity % 4 or capacity >= registry.MAX_HISTORY:
+        raise NanoqwenError(
+            f"speculation history capacity must be a multiple of 4 in [4, "
+            f"{registry.MAX_HISTORY}), got {capacity}"
+        )
+    return capacity
+
+
+class SpeculateKernels(Launcher):
+    def __init__(
+        self,
+        gpu: Gpu,
+        config: ModelConfig,
+        spec: SpeculativeConfig,
+        capacity: int,
+        geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+        *,
+        pdl: bool = True,
+    ) -> None:
+        rows = geometry.verify_rows
+        if spec.k + 1 > rows:
+            raise SpeculativeError(
+                f"k={spec.k} drafts need {spec.k + 1} verify rows, the step has {rows}"
+            )
+        super().__init__(gpu, config, registry.speculate_specs(geometry), geometry, pdl=pdl)
+        self.spec, self.capacity = spec, check_capacity(capacity)
+        for kernel in self.kernels.values():  # the decode step's one carveout (DecodeKernels)
+            gpu.set_smem_carveout(kernel, self.geometry.smem_carveout)
+
+    def draft(self, h: int, state: int, tokens: int, positions: int, ndraft: int,
+              stream=None) -> None:  # fmt: skip
+        """The step's input rows from an n-gram lookup in the history (speculative.draft with
+        speculative.step_limit's cap, from the state words).
+
+        h          int32 [capacity] the history, h[0 .. POS] valid (len = state[POS] + 1),
+                   16-byte aligned
+        state      int32 [registry.STATE_WORDS]: reads POS, STEP, MAX_NEW
+        tokens     int32 [1 + K] out: h[len - 1], the d drafts, h[len - 1] in the other rows
+        positions  int32 [1 + K] out: state[POS] + r for row r
+        ndraft     int32 [1]     out: d
+        """
+        if h % HISTORY_ALIGN:
+            raise NanoqwenError(f"draft_ngram: history address {h:#x} is not 16-byte aligned")
+        s = self.spec
+        self.launch("draft_ngram", (1, 1, 1), h, state, tokens, positions, ndraft, _I32(s.k),
+                    _I32(s.n_min), _I32(s.n_max), _I32(self.capacity), stream=stream,
+                    nbytes=4 * self.capacity)  # fmt: skip
+
+    def accept(self, keys: int, tokens: int, ndraft: int, state: int, h: int, host_ring: int,
+               cancel: int, stats: int, cond, stream=None) -> None:  # fmt: skip
+        """Keep the agreeing drafts and the model's next token (speculative.accept, greedy),
+        cut at an eos id and at max_new; append them to h and the host ring; advance the state.
+
+        keys       uint64 [1 + K] lm_head_rows' argmax key per row (re-zeroed)
+        tokens     int32 [1 + K] draft's rows; ndraft int32 [1] d
+        state      int32 [registry.STATE_WORDS]: TOKEN, POS, STEP, DONE advanced
+        h          int32 [capacity] the history: h[POS + 1 + t] = emitted token t
+        host_ring  int32* mapped host memory (or 0): host_ring[step + t] = token t, then
+                   host_ring[-1] = the count (decode_loop.HostRing)
+        cancel     int32* mapped host flag (or 0): nonzero stops after this step
+        stats      int32 [3] (or 0): += steps 1, drafted d, accepted (before the cuts)
+        cond       the generation while loop's GraphCondition (or 0): set to "not done"
+        """
+        cond_arg = cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
+        self.launch("accept_greedy", (1, 1, 1), keys, tokens, ndraft, state, h, host_ring,
+                    cancel, stats, cond_arg, _I32(self.spec.k), stream=stream)  # fmt: skip
