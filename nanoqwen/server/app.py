@@ -29,6 +29,7 @@ then CORS when origins are configured, then the body limit, then the API key. /h
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -63,6 +64,14 @@ OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 RETRY_AFTER_S = 1  # Retry-After on a 429 (queue full)
 INLINE_TOKENIZE_CHARS = 4096  # prompts up to this many characters are tokenized on the loop
 FIELD_NAMES = field_names()
+# FastAPI's native OpenTelemetry (0.16x: the `telemetry` option) looks up three global
+# providers on every request, 8 us (2-core CPU, hot); the server has its own metrics and log
+# line (middleware.py).
+NO_OTEL = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
 
 
 class ClientGone(Exception):
@@ -379,7 +388,7 @@ def create_app(
     generation requests skip FastAPI's request machinery (fast_routes.py; False: FastAPI serves
     them too, the same answers a little later, for comparisons).
     """
-    app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None, **NO_OTEL)
     service = Service(llm, worker, model_name, special_tokens)
     metrics = Metrics(worker, llm)
     # add_middleware puts each one outside the ones before it: the key is checked last, after
