@@ -1,7 +1,7 @@
 """Where a request's time to first token goes, layer by layer (run on an sm_90 GPU).
 
     PYTHONPATH=. python3 dev/first_token.py FILE.nanoqwen [--tokens 46] [--runs 30]
-        [--server] [--json OUT.json] [--backend reference]
+        [--server] [--routes fast|fastapi|both] [--json OUT.json] [--backend reference]
 
 The same prompt (a piece of real Python source, cut to --tokens tokens by the model's
 tokenizer) through each layer, warm, median of --runs after 5 warm-ups, greedy:
@@ -14,7 +14,11 @@ tokenizer) through each layer, warm, median of --runs after 5 warm-ups, greedy:
                /v1/completions stream=true with the prompt text -> the first `data:` event
                with text, and the same for /v1/chat/completions (its prompt is the template's,
                so it is not compared with the engine row); `server_over_stream` is the
-               completion's time over the stream row: what the server adds
+               completion's time over the stream row: what the server adds. --routes says
+               which path serves the generation requests: `fast` (the default, as served:
+               nanoqwen/server/fast_routes.py), `fastapi` (FastAPI's routes alone,
+               create_app(fast_routes=False)), or `both`: one server after the other, the
+               second's rows suffixed `_fastapi` (a server that fails leaves the other's rows)
 
 and one instrumented engine run: the host's clock when the first and the last prefill kernel
 were enqueued and when the token arrived (the launch cost the GPU cannot hide at a short
@@ -37,6 +41,7 @@ own cost. The script also runs on the CPU, the engine then the reference backend
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import socket
@@ -55,7 +60,9 @@ GEN_TOKENS = 16  # each request asks for this many; only the first is timed
 # sleep of POLL_S between looks at the host ring (nanoqwen/engine/decode_loop.py).
 INSTANT_STEP_S = 5e-3
 POLL_S = 20e-6
-SERVE_INSTANT = "--serve-instant"  # argv[1] of the server process that --instant starts
+# argv[1] of the server process that --server starts: `nanoqwen serve` with the options in
+# argv[2] ("instant", "fastapi": comma-separated, or "-") and serve's arguments after them.
+SERVE = "--serve"
 
 
 def prompt_text(llm: LLM, tokens: int) -> tuple[str, list[int]]:
@@ -130,13 +137,17 @@ def _instant_deltas(llm: LLM, ids: list[int], max_tokens: int):
         yield Delta(llm.tokenizer.decode([token]), (token,), "length" if last else None)
 
 
-def serve_instant(argv: list[str]) -> int:
-    """`nanoqwen serve ARGV` as the CLI runs it, over `instant` engine (--instant's server)."""
-    from nanoqwen import cli
+def run_server(options: list[str], argv: list[str]) -> int:
+    """`nanoqwen serve ARGV` as the CLI runs it, over the `instant` engine ("instant" in
+    `options`) and with FastAPI's routes alone ("fastapi")."""
+    from nanoqwen import cli, server
     from nanoqwen.commands import serve
 
-    open_llm = serve.open_llm
-    serve.open_llm = lambda *args, **kwargs: instant(open_llm(*args, **kwargs))
+    if "instant" in options:
+        open_llm = serve.open_llm
+        serve.open_llm = lambda *args, **kwargs: instant(open_llm(*args, **kwargs))
+    if "fastapi" in options:
+        server.create_app = functools.partial(server.create_app, fast_routes=False)
     return cli.main(["serve", *argv])
 
 
@@ -249,15 +260,12 @@ def _has_text(event: bytes) -> bool:
 
 
 def server_layers(
-    file: str, model: str, text: str, runs: int, port: int, ctx: int, backend: str, instant: bool
-) -> dict:
-    serve = [file, "--port", str(port), "--backend", backend, "--max-context", str(ctx),
-             "--log-level", "warning"]  # fmt: skip
-    if instant:
-        cmd = [sys.executable, __file__, SERVE_INSTANT, *serve]
-    else:
-        cmd = [sys.executable, "-m", "nanoqwen.cli", "serve", *serve]
-    proc = subprocess.Popen(cmd)
+    file: str, model: str, text: str, runs: int, port: int, ctx: int, backend: str,
+    options: list[str],
+) -> dict:  # fmt: skip
+    args = [file, "--port", str(port), "--backend", backend, "--max-context", str(ctx),
+            "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, __file__, SERVE, ",".join(options) or "-", *args])
     try:
         deadline = time.time() + 300
         while True:
@@ -284,12 +292,41 @@ def server_layers(
         proc.wait(60)
 
 
+def served(args: argparse.Namespace, model: str, text: str, ctx: int, stream_ms: float) -> dict:
+    """The server rows of each --routes path, the `fastapi` ones suffixed."""
+    paths = {"fast": ["fast"], "fastapi": ["fastapi"], "both": ["fast", "fastapi"]}[args.routes]
+    out = {}
+    for path in paths:
+        options = ["instant"] * args.instant + ["fastapi"] * (path == "fastapi")
+        suffix = "_fastapi" if args.routes == "both" and path == "fastapi" else ""
+        try:
+            rows = server_layers(
+                args.file, model, text, args.runs, args.port, ctx, args.backend, options
+            )
+        except Exception as exc:  # one server's failure must not hide the other's rows
+            print(f"server ({path} routes) failed: {exc!r}", file=sys.stderr)
+            continue
+        rows["server_over_stream_ms"] = rows["server_completion_ms"] - stream_ms
+        out.update({key.replace("_ms", f"{suffix}_ms"): value for key, value in rows.items()})
+    if {"server_completion_ms", "server_completion_fastapi_ms"} <= out.keys():
+        for kind in ("completion", "chat"):
+            fast, slow = out[f"server_{kind}_ms"], out[f"server_{kind}_fastapi_ms"]
+            out[f"fast_routes_gain_{kind}_ms"] = slow - fast
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
     ap.add_argument("--tokens", type=int, default=46)
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--server", action="store_true")
+    ap.add_argument(
+        "--routes",
+        choices=("fast", "fastapi", "both"),
+        default="fast",
+        help="the server's path for generation requests (module docstring)",
+    )
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--json", default=None)
     ap.add_argument("--backend", default="cuda", help="reference: a CPU run of the script")
@@ -314,22 +351,17 @@ def main() -> int:
     model = llm.model_name
     llm.close()
     if args.server:
-        res.update(
-            server_layers(
-                args.file, model, text, args.runs, args.port, ctx, args.backend, args.instant
-            )
-        )
-        res["server_over_stream_ms"] = res["server_completion_ms"] - res["stream_ms"]
+        res.update(served(args, model, text, ctx, res["stream_ms"]))
     print(f"{res['file']}: prompt {res['prompt_tokens']} tokens, {res['launches']} launches")
     for key, value in res.items():
         if key.endswith(("_ms", "_us")):
-            print(f"  {key:<24} {value:8.3f}")
+            print(f"  {key:<32} {value:8.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == [SERVE_INSTANT]:
-        raise SystemExit(serve_instant(sys.argv[2:]))
+    if sys.argv[1:2] == [SERVE]:
+        raise SystemExit(run_server(sys.argv[2].split(","), sys.argv[3:]))
     raise SystemExit(main())

@@ -70,7 +70,7 @@ class FakeLLM:
 
 
 async def _next(job: Job, timeout: float = 5.0):
-    return await asyncio.wait_for(job.events.get(), timeout)
+    return await asyncio.wait_for(job.next(), timeout)
 
 
 async def _wait_idle(worker: Worker, timeout: float = 5.0) -> None:
@@ -136,7 +136,7 @@ def test_full_queue_is_refused_and_cancelled_queued_job_is_skipped() -> None:
         jobs[1].cancel()
         llm.gate.set()
         assert [await _next(jobs[2]) for _ in range(3)][-1] is DONE
-        assert jobs[1].events.empty()
+        assert not jobs[1].events
         assert llm.produced == 4  # jobs 0 and 2 only
         worker.stop()
 

@@ -124,6 +124,21 @@ def test_template_that_transforms_content_falls_back_to_full_encoding(spec, sp):
     assert ids == [sp["im_start"], *b"HI", sp["im_end"]]
 
 
+def test_template_text_like_a_placeholder_falls_back_to_full_encoding(spec, sp):
+    fake = "\ue000" + "0" * 16 + ":0\ue001"  # a placeholder's shape, not this prompt's nonce
+    template = "{% for m in messages %}<|im_start|>" + fake + "{{ m['content'] }}{% endfor %}"
+    ids = with_template(spec, template).encode_chat([{"role": "user", "content": "hi"}])
+    assert ids == [sp["im_start"], *fake.encode(), *b"hi"]
+
+
+def test_encode_chat_compiles_no_pattern_per_prompt(tok, monkeypatch):
+    import nanoqwen.tokenizer
+
+    before = tok.encode_chat(MESSAGES)
+    monkeypatch.setattr(nanoqwen.tokenizer, "re", None)  # re.split/re.compile would now fail
+    assert tok.encode_chat(MESSAGES) == before
+
+
 def test_template_sandbox_helpers(spec):
     template = (
         "{{ messages | tojson }}"

@@ -5,6 +5,7 @@
     llamacpp.py    llama.cpp's /infill and /props (llama.vim, llama.vscode)
     ollama.py      Ollama's /api/* (Continue, Twinny, Open WebUI)
     compat.py      what those two share: body parsing, the generation record
+    fast_routes.py valid OpenAI generation requests without FastAPI's request machinery
     limits.py      the request-body limit (ASGI middleware, 413 before the body is read)
     schemas.py     request bodies (pydantic, strict, OpenAI's ranges and fields)
     protocol.py    OpenAI wire format: error objects, response bodies, SSE chunks

@@ -29,6 +29,7 @@ then CORS when origins are configured, then the body limit, then the API key. /h
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -44,6 +45,7 @@ from ..errors import ContextError, DeviceError, NanoqwenError
 from ..sampling import SamplingParams
 from ..tokenizer import TooManyTokens
 from .auth import BearerAuth
+from .fast_routes import FastRoutes
 from .limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
@@ -62,6 +64,14 @@ OPEN_PATHS = ("/health", "/metrics")  # served without the API key
 RETRY_AFTER_S = 1  # Retry-After on a 429 (queue full)
 INLINE_TOKENIZE_CHARS = 4096  # prompts up to this many characters are tokenized on the loop
 FIELD_NAMES = field_names()
+# FastAPI's native OpenTelemetry (0.16x: the `telemetry` option) looks up three global
+# providers on every request, 8 us (2-core CPU, hot); the server has its own metrics and log
+# line (middleware.py).
+NO_OTEL = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
 
 
 class ClientGone(Exception):
@@ -108,27 +118,22 @@ async def job_events(request: Request, job: Job) -> AsyncIterator[Any]:
     """The job's deltas as they arrive; raises APIError on failure, ClientGone on disconnect.
 
     Call it once the request body has been read: a task then awaits the ASGI receive channel,
-    whose next message is `http.disconnect`, raced against every wait for an event, so a
+    whose next message is `http.disconnect`, and its end wakes every wait for an event, so a
     disconnect is seen the moment it happens, tokens flowing or not. The job is cancelled
     however the iteration ends, and each delta is accounted in the request's record (metrics,
     the log line).
     """
     record = record_of(request.scope)
     gone = asyncio.ensure_future(_disconnected(request.receive))
-    getter: asyncio.Future[Any] | None = None
+    gone.add_done_callback(job.wake)  # a disconnect ends the wait for the next event
     try:
         while True:
             if gone.done():
                 record.client_gone = True
                 raise ClientGone
-            if getter is None and not job.events.empty():
-                event = job.events.get_nowait()  # the fast path while tokens queue up
-            else:
-                getter = getter or asyncio.ensure_future(job.events.get())
-                await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    continue  # the client left
-                event, getter = getter.result(), None
+            event = await job.next()
+            if event is None:
+                continue  # woken by the disconnect
             if event is DONE:
                 return
             if isinstance(event, BaseException):
@@ -138,8 +143,6 @@ async def job_events(request: Request, job: Job) -> AsyncIterator[Any]:
     finally:
         job.cancel()
         gone.cancel()
-        if getter is not None:
-            getter.cancel()
 
 
 async def _disconnected(receive: Any) -> None:
@@ -256,6 +259,19 @@ class Service:
             raise engine_error(exc) from None
         return job
 
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        self.check_model(body.model)
+        messages = [m.as_template_message() for m in body.messages]
+        ids = await self.prepare("messages", messages=messages)
+        return await self.respond(request, body, [ids], None)  # default: the rest
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """POST /v1/completions."""
+        self.check_model(body.model)
+        prompts = [await self.prepare(param, **args) for param, args in body.prepare_args()]
+        return await self.respond(request, body, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS)
+
     async def respond(
         self,
         request: Request,
@@ -361,21 +377,30 @@ def create_app(
     cors_origins: tuple[str, ...] = (),
     special_tokens: str = "parse",
     max_body_bytes: int | None = None,
+    fast_routes: bool = True,
 ) -> FastAPI:
     """The ASGI app over a started `worker` that owns `llm` (an `nanoqwen.llm.LLM`).
 
     `model_name` is the id clients see and must send (default: `llm.model_name`);
     `cors_origins` turns on CORS for those browser origins ("*": any); `special_tokens`: how
     raw completion prompts encode special-token text (`LLM.prepare`); `max_body_bytes`: the
-    largest request body taken (None: limits.DEFAULT_MAX_BODY_BYTES).
+    largest request body taken (None: limits.DEFAULT_MAX_BODY_BYTES); `fast_routes`: valid
+    generation requests skip FastAPI's request machinery (fast_routes.py; False: FastAPI serves
+    them too, the same answers a little later, for comparisons).
     """
-    app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="nanoqwen", docs_url=None, redoc_url=None, openapi_url=None, **NO_OTEL)
     service = Service(llm, worker, model_name, special_tokens)
     metrics = Metrics(worker, llm)
     # add_middleware puts each one outside the ones before it: the key is checked last, after
     # the body limit and after CORS has answered preflights (a browser sends them without
     # credentials); the telemetry outside them all counts and logs every answer, 413 and 401
-    # included.
+    # included. FastRoutes, inside them all, sees only requests that passed.
+    if fast_routes:
+        routes = {
+            "/v1/chat/completions": (ChatRequest, service.chat),
+            "/v1/completions": (CompletionRequest, service.completions),
+        }
+        app.add_middleware(FastRoutes, routes=routes)
     if api_key:
         app.add_middleware(BearerAuth, api_key=api_key, open_paths=OPEN_PATHS)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes or DEFAULT_MAX_BODY_BYTES)
@@ -468,15 +493,11 @@ def _add_info_routes(app: FastAPI, service: Service, metrics: Metrics) -> None:
 
 
 def _add_generation_routes(app: FastAPI, service: Service) -> None:
+    # FastRoutes serves valid bodies of these two without FastAPI; these routes answer the rest.
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        service.check_model(body.model)
-        messages = [m.as_template_message() for m in body.messages]
-        ids = await service.prepare("messages", messages=messages)
-        return await service.respond(request, body, [ids], None)  # default: the rest
+        return await service.chat(body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        service.check_model(body.model)
-        prompts = [await service.prepare(param, **args) for param, args in body.prepare_args()]
-        return await service.respond(request, body, prompts, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await service.completions(body, request)

@@ -53,7 +53,8 @@ class BodyLimit:
                 return
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(b"".join(chunks), receive), send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, replay(body, receive), send)
 
     async def _refuse(self, scope: Any, receive: Any, send: Any, size: str) -> None:
         error = APIError(
@@ -66,10 +67,10 @@ class BodyLimit:
         await error.response()(scope, receive, send)
 
 
-def _replay(body: bytes, receive: Any) -> Any:
-    """A receive callable that yields `body` as one message, then defers to `receive`
+def replay(message: dict[str, Any], receive: Any) -> Any:
+    """A receive callable that yields `message` (already received), then defers to `receive`
     (which reports the client's disconnect)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
+    pending = [message]
 
     async def replay() -> dict[str, Any]:
         return pending.pop() if pending else await receive()

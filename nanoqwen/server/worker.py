@@ -3,7 +3,7 @@
 Requests become `Job`s in a bounded FIFO (`queue.Queue(maxsize=max_queue)`); a full queue is
 refused at once (`QueueFull` -> HTTP 429) rather than letting latency grow without bound. The
 worker thread pops a job, iterates `llm.stream(ids, params)` and hands every `Delta` to the
-job's asyncio queue through `loop.call_soon_threadsafe`, so the HTTP handlers await results
+job's event loop through `loop.call_soon_threadsafe`, so the HTTP handlers await results
 without ever blocking the event loop, and the engine is never touched by two threads.
 
 Cancellation: the handler sets `job.cancelled` (client disconnected, response torn down). The
@@ -27,6 +27,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,11 +57,14 @@ DONE = Done()
 
 
 class Job:
-    """One generation request: prompt ids and params in, events out on an asyncio queue.
+    """One generation request: prompt ids and params in, events out on its event loop.
 
-    Events are `Delta`s, then `DONE`, or an exception instance if the generation failed.
-    `submitted_at` and `started_at` (time.monotonic(); the latter set by the worker thread when
-    the job leaves the queue) give its queue wait.
+    Events are `Delta`s, then `DONE`, or an exception instance if the generation failed. The
+    worker thread `post`s each one; on the loop it lands in `events` and ends the wait of
+    `next`, the one consumer: a future of the job's own, resolved by the callback that delivers
+    the event, so the consumer's task resumes in the next loop iteration. `submitted_at` and
+    `started_at` (time.monotonic(); the latter set by the worker thread when the job leaves
+    the queue) give its queue wait.
     """
 
     def __init__(
@@ -68,11 +72,12 @@ class Job:
     ) -> None:
         self.ids = list(ids)
         self.params = params
-        self.events: asyncio.Queue[Any] = asyncio.Queue()
+        self.events: deque[Any] = deque()  # delivered, not yet taken by `next`
         self.cancelled = threading.Event()
         self.submitted_at = time.monotonic()
         self.started_at: float | None = None
         self._loop = loop
+        self._arrival: asyncio.Future[None] | None = None  # the wait of `next`, if one is on
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -85,9 +90,32 @@ class Job:
     def post(self, event: Any) -> None:
         """Called from the worker thread: deliver `event` on the job's event loop."""
         try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self._loop.call_soon_threadsafe(self._deliver, event)
         except RuntimeError:  # the loop is closed: the server is gone, nobody is listening
             self.cancel()
+
+    def _deliver(self, event: Any) -> None:
+        self.events.append(event)
+        self.wake()
+
+    def wake(self, *_: Any) -> None:
+        """End the wait of `next` (on the loop): an event arrived, or its caller has another
+        reason to look (a done-callback, e.g. of the client's disconnect)."""
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
+
+    async def next(self) -> Any:
+        """The next event, waited for on the job's loop; None when `wake` ended the wait with
+        no event delivered."""
+        if not self.events:
+            self._arrival = self._loop.create_future()
+            try:
+                await self._arrival
+            finally:
+                self._arrival = None
+            if not self.events:
+                return None
+        return self.events.popleft()
 
 
 class Worker:
