@@ -18,13 +18,18 @@ time: the 7B and 14B shapes (--time-presets), each as one CUDA graph of 28 launc
   kernel (gemv_int4) and gemv_rows at M = 1, 2, 4, 8, 16; us a launch, the ratio to
   gemv_int4, and a layer's sum.
 The target (issue #26): gemv_rows at M = 8 within ~1.1x of gemv_int4 at M = 1, per shape.
-Each part (and each preset) runs under its own try: a failure prints and the rest goes on.
+Each part of each preset runs in its own process (--timeout seconds at most): a failure, a trap
+that leaves the CUDA context unusable or a hang prints and the rest goes on.
 """
 
 from __future__ import annotations
 
 import argparse
-import traceback
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -102,10 +107,12 @@ def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, bool]:
     return err, bool(np.isnan(kc).all() and np.isnan(vc).all())
 
 
-def part_check(gpu, name: str, ms: tuple[int, ...], rng) -> list[tuple]:
+def part_check(gpu, name: str, ms: tuple[int, ...], rng, rows: list) -> None:
+    """Appends (preset, case, M, err, ok, note) to `rows` case by case (a later trap keeps
+    the earlier results)."""
     cfg = preset(name)
     k = DecodeKernels(gpu, cfg, rows=True)
-    dev, rows = _Dev(gpu), []
+    dev = _Dev(gpu)
     for kind in ("o", "down", "gate_up", "qkv"):
         for m in ms:
             try:
@@ -126,7 +133,6 @@ def part_check(gpu, name: str, ms: tuple[int, ...], rng) -> list[tuple]:
                 rows.append((name, kind, m, float("nan"), False, f"{type(e).__name__}: {e}"))
                 gpu.ensure_ok()
             dev.free()
-    return rows
 
 
 def part_time(gpu, name: str) -> list[tuple]:
@@ -202,6 +208,34 @@ def print_times(times: list[tuple]) -> None:
             print(f"    {kern:10} M={m:2d} {s:8.2f} us  {s / base:5.2f}x")
 
 
+def run_part(part: str, target: str, seed, checks: list, times: list) -> None:
+    """One part ("check" or "time") of one preset in this process, into checks / times."""
+    gpu, rng = Gpu(), np.random.default_rng(seed)
+    if part == "check":
+        name, *ms = target.split(":")
+        part_check(gpu, name, tuple(map(int, ms)) or MS, rng, checks)
+    else:
+        times += part_time(gpu, target)
+
+
+def run_isolated(part: str, target: str, seed, timeout: int) -> tuple[list, list, str]:
+    """run_part in a child process (a kernel that traps leaves the CUDA context unusable, one
+    that hangs would stop the run): (checks, times, "" or why it failed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "part.json"
+        cmd = [sys.executable, __file__, "--one", part, target, str(out)]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        try:
+            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return [], [], f"timed out after {timeout} s (a hang?)"
+        sys.stdout.write(proc.stdout)
+        res = json.loads(out.read_text()) if out.exists() else {"checks": [], "times": []}
+        why = f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}" if proc.returncode else ""
+        return [tuple(c) for c in res["checks"]], [tuple(t) for t in res["times"]], why
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="7b,1.5b,14b:5:16",
@@ -210,24 +244,28 @@ def main() -> int:
     ap.add_argument("--time-presets", default="7b,14b", help="presets timed (comma-separated)")
     ap.add_argument("--parts", default="check,time", help="check, time or both")
     ap.add_argument("--seed", type=int, default=None, help="inputs' seed (default: fresh)")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds a part may take")
+    ap.add_argument(
+        "--one", nargs=3, metavar=("PART", "TARGET", "JSON"), help=argparse.SUPPRESS
+    )  # a child process: one part, results to JSON
     args = ap.parse_args()
-    gpu, rng = Gpu(), np.random.default_rng(args.seed)
+    if args.one:
+        part, target, path = args.one
+        checks, times = [], []
+        try:
+            run_part(part, target, args.seed, checks, times)
+        finally:  # what ran before a failure still reaches the table
+            Path(path).write_text(json.dumps({"checks": checks, "times": times}))
+        return 0
+    parts = [("check", t) for t in args.presets.split(",") if "check" in args.parts]
+    parts += [("time", t) for t in args.time_presets.split(",") if "time" in args.parts]
     checks, times, failed = [], [], []
-    if "check" in args.parts:
-        for spec in args.presets.split(","):
-            name, *ms = spec.split(":")
-            try:
-                checks += part_check(gpu, name, tuple(map(int, ms)) or MS, rng)
-            except Exception:  # noqa: BLE001
-                failed.append(f"check {spec}")
-                traceback.print_exc()
-    if "time" in args.parts:
-        for name in args.time_presets.split(","):
-            try:
-                times += part_time(gpu, name)
-            except Exception:  # noqa: BLE001
-                failed.append(f"time {name}")
-                traceback.print_exc()
+    for part, target in parts:
+        c, t, why = run_isolated(part, target, args.seed, args.timeout)
+        checks, times = checks + c, times + t
+        if why:
+            failed.append(f"{part} {target}")
+            print(f"!! {part} {target}: {why}")
     bad = [c for c in checks if not c[4]]
     print(f"\n== check: {len(checks) - len(bad)}/{len(checks)} pass (tolerance {TOL})")
     for c in checks:
