@@ -185,16 +185,20 @@ class DecodeKernels(Launcher):
 
     def _rows_map(self, qweight: int, rows: int, k: int, s: int):
         """gemv_rows' TMA descriptor of qweight uint32 [rows, K/8] as [rows][G][16 words], box
-        8 rows x ceil(G / s) groups (kept per address: the weights stay put)."""
-        groups = k // GROUP_SIZE
+        8 rows x ceil(G / s) groups (kept per address: the weights stay put). S = 1 kernels
+        ignore theirs: they get the plain 2-D form, boxes of 8 x 8 words."""
+        groups, words = k // GROUP_SIZE, GROUP_SIZE // 8
         key = (qweight, rows, k, s)
         w_map = self._rows_maps.get(key)
         if w_map is None:
             if len(self._rows_maps) >= _MAX_KEPT_MAPS:
                 self._rows_maps.clear()
-            w_map = self.gpu.tensor_map_u32(qweight, (rows, groups, GROUP_SIZE // 8),
-                                            (registry.ROWS_STAGE_PAIRS, -(-groups // s),
-                                             GROUP_SIZE // 8))  # fmt: skip
+            pairs = registry.ROWS_STAGE_PAIRS
+            if s == 1:
+                w_map = self.gpu.tensor_map_2d(qweight, rows, k // 8, pairs, 8, fp16=False)
+            else:
+                w_map = self.gpu.tensor_map_u32(qweight, (rows, groups, words),
+                                                (pairs, -(-groups // s), words))  # fmt: skip
             self._rows_maps[key] = w_map
         return w_map
 
