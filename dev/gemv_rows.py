@@ -1,8 +1,10 @@
 """The M-row INT4 GEMV (gemv_rows.cu): validated against float64 numpy, then timed.
 
-    PYTHONPATH=. python3 dev/gemv_rows.py [--presets 7b,1.5b] [--parts check,time]
+    PYTHONPATH=. python3 dev/gemv_rows.py [--presets 7b,1.5b,14b:5:16] [--time-presets 7b,14b]
+        [--parts check,time]
 
-check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16: fresh random
+check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16 (the 14B's at
+  M = 5 and 16: its hidden size takes the cluster split with RMSNorm at MT = 16): fresh random
   weights and inputs, outputs (and the K/V caches) poisoned with NaN before the launch, the
   reference on the dequantized weights in float64 (RMSNorm rounded to fp16 as the kernels'
   reference does). q/k/v: one sequence (page_stride 0) at consecutive positions 14.. across a
@@ -11,16 +13,23 @@ check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16:
   epilogues (fp32 sums of exact products; what is left is the fp16 output and, with RMSNorm,
   one fp16 rounding of x c w per element), 2e-2 for SwiGLU (fp16 output of silu(g) u with
   large g), the ladder's values (nanoqwen/config/nanoqwen.yaml).
-time: the 7B shapes, each as one CUDA graph of 28 launches over 28 layers' own weights (so the
-  L2 does not hold them), median of 7 replays: today's batch-1 kernel (gemv_int4) and
-  gemv_rows at M = 1, 2, 4, 8, 16; us a launch, the ratio to gemv_int4, and a layer's sum.
-Each part (and each preset) runs under its own try: a failure prints and the rest goes on.
+time: the 7B and 14B shapes (--time-presets), each as one CUDA graph of 28 launches over 28
+  layers' own weights (so the L2 does not hold them), median of 7 replays: today's batch-1
+  kernel (gemv_int4) and gemv_rows at M = 1, 2, 4, 8, 16; us a launch, the ratio to
+  gemv_int4, and a layer's sum.
+The target (issue #26): gemv_rows at M = 8 within ~1.1x of gemv_int4 at M = 1, per shape.
+Each part of each preset runs in its own process (--timeout seconds at most): a failure, a trap
+that leaves the CUDA context unusable or a hang prints and the rest goes on.
 """
 
 from __future__ import annotations
 
 import argparse
-import traceback
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -58,7 +67,7 @@ def check_linear(k, dev, cfg, kind, m, rng) -> float:
         ref = resid.astype(np.float64) + y
         optr, host = dev.put(resid), np.empty((m, n), np.float16)
     k.gemv_rows(kind, m, dev.put(x), dev.put(normw) if norm else 0, dev.put(words),
-                dev.put(scales), optr, k.scratch)  # fmt: skip
+                dev.put(scales), optr)  # fmt: skip
     return _rel_err(dev.get(optr, host), ref)
 
 
@@ -84,7 +93,7 @@ def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, bool]:
     kc_ptr, kc = dev.out((total, hkv, PAGE_TOKENS, d), np.float16)
     vc_ptr, vc = dev.out((total, hkv, PAGE_TOKENS, d), np.float16)
     k.gemv_rows("qkv", m, dev.put(x), dev.put(normw), dev.put(words), dev.put(scales), q_ptr,
-                k.scratch, bias=dev.put(bias), pos=dev.put(pos), rope=dev.put(rope),
+                bias=dev.put(bias), pos=dev.put(pos), rope=dev.put(rope),
                 pages=dev.put(tables), page_stride=npages if page_stride else 0, kc=kc_ptr,
                 vc=vc_ptr)  # fmt: skip
     err = _rel_err(dev.get(q_ptr, qh), rot[:, :hq])
@@ -98,13 +107,14 @@ def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, bool]:
     return err, bool(np.isnan(kc).all() and np.isnan(vc).all())
 
 
-def part_check(gpu, name: str, rng) -> list[tuple]:
+def part_check(gpu, name: str, ms: tuple[int, ...], rng, rows: list) -> None:
+    """Appends (preset, case, M, err, ok, note) to `rows` case by case (a later trap keeps
+    the earlier results)."""
     cfg = preset(name)
     k = DecodeKernels(gpu, cfg, rows=True)
-    k.scratch = k.rows_scratch()
-    dev, rows = _Dev(gpu), []
+    dev = _Dev(gpu)
     for kind in ("o", "down", "gate_up", "qkv"):
-        for m in MS:
+        for m in ms:
             try:
                 if kind == "qkv":
                     for stride in (0, 1):
@@ -123,15 +133,13 @@ def part_check(gpu, name: str, rng) -> list[tuple]:
                 rows.append((name, kind, m, float("nan"), False, f"{type(e).__name__}: {e}"))
                 gpu.ensure_ok()
             dev.free()
-    k.scratch.free()
-    return rows
 
 
-def part_time(gpu) -> list[tuple]:
-    """us a launch of each 7B GEMV shape, 28 layers' own weights in one graph."""
-    cfg, rng = preset("7b"), np.random.default_rng(0)
+def part_time(gpu, name: str) -> list[tuple]:
+    """us a launch of each GEMV shape of preset `name`, 28 layers' own weights in one graph."""
+    cfg, rng = preset(name), np.random.default_rng(0)
     k = DecodeKernels(gpu, cfg, rows=True)
-    scratch, bufs = k.rows_scratch(), []
+    bufs = []
 
     def put(a):
         b = gpu.alloc(a.nbytes, "gemv_rows time")
@@ -173,58 +181,100 @@ def part_time(gpu) -> list[tuple]:
 
         def rows_m(s, m, kind=kind, x=x, out=out, nw=nw):
             for w, sc in weights[kind]:
-                k.gemv_rows(kind, m, x, nw, w, sc, out, scratch, bias=bias, pos=pos, rope=rope,
+                k.gemv_rows(kind, m, x, nw, w, sc, out, bias=bias, pos=pos, rope=rope,
                             pages=pages, kc=kv[0], vc=kv[1], stream=s)  # fmt: skip
 
         base = time_graph(gpu, today, reps=2, timed=7) / LAYERS * 1e6
-        table.append(("7b", kind, "gemv_int4", 1, base, 1.0))
+        table.append((name, kind, "gemv_int4", 1, base, 1.0))
         for m in (1, 2, 4, 8, 16):
             t = time_graph(gpu, lambda s, m=m: rows_m(s, m), reps=2, timed=7) / LAYERS * 1e6
-            table.append(("7b", kind, "gemv_rows", m, t, t / base))
+            table.append((name, kind, "gemv_rows", m, t, t / base))
     for b in bufs:
         b.free()
-    scratch.free()
     return table
+
+
+def print_times(times: list[tuple]) -> None:
+    print("\n== time (us a launch, median of 7 graph replays of 28 layers)")
+    print(f"  {'model':5} {'kind':8} {'kernel':10} {'M':>3} {'us':>8} {'x M=1':>6}")
+    for name, kind, kern, m, t, ratio in times:
+        print(f"  {name:5} {kind:8} {kern:10} {m:3d} {t:8.2f} {ratio:6.2f}")
+    for name in dict.fromkeys(t[0] for t in times):
+        rows = [t for t in times if t[0] == name]
+        base = sum(t[4] for t in rows if t[2] == "gemv_int4")
+        print(f"  {name}: a layer's four GEMVs (sum):")
+        for kern, m in [("gemv_int4", 1)] + [("gemv_rows", m) for m in (1, 2, 4, 8, 16)]:
+            s = sum(t[4] for t in rows if t[2] == kern and t[3] == m)
+            print(f"    {kern:10} M={m:2d} {s:8.2f} us  {s / base:5.2f}x")
+
+
+def run_part(part: str, target: str, seed, checks: list, times: list) -> None:
+    """One part ("check" or "time") of one preset in this process, into checks / times."""
+    gpu, rng = Gpu(), np.random.default_rng(seed)
+    if part == "check":
+        name, *ms = target.split(":")
+        part_check(gpu, name, tuple(map(int, ms)) or MS, rng, checks)
+    else:
+        times += part_time(gpu, target)
+
+
+def run_isolated(part: str, target: str, seed, timeout: int) -> tuple[list, list, str]:
+    """run_part in a child process (a kernel that traps leaves the CUDA context unusable, one
+    that hangs would stop the run): (checks, times, "" or why it failed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "part.json"
+        cmd = [sys.executable, __file__, "--one", part, target, str(out)]
+        if seed is not None:
+            cmd += ["--seed", str(seed)]
+        try:
+            proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+        except subprocess.TimeoutExpired:
+            return [], [], f"timed out after {timeout} s (a hang?)"
+        sys.stdout.write(proc.stdout)
+        res = json.loads(out.read_text()) if out.exists() else {"checks": [], "times": []}
+        why = f"exit {proc.returncode}: {proc.stderr.strip()[-2000:]}" if proc.returncode else ""
+        return [tuple(c) for c in res["checks"]], [tuple(t) for t in res["times"]], why
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--presets", default="7b,1.5b", help="presets validated (comma-separated)")
+    ap.add_argument("--presets", default="7b,1.5b,14b:5:16",
+                    help="presets validated (comma-separated; NAME:M:M... checks only those M, "
+                         "else M in 1, 2, 3, 5, 8, 9, 16)")  # fmt: skip
+    ap.add_argument("--time-presets", default="7b,14b", help="presets timed (comma-separated)")
     ap.add_argument("--parts", default="check,time", help="check, time or both")
     ap.add_argument("--seed", type=int, default=None, help="inputs' seed (default: fresh)")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds a part may take")
+    ap.add_argument(
+        "--one", nargs=3, metavar=("PART", "TARGET", "JSON"), help=argparse.SUPPRESS
+    )  # a child process: one part, results to JSON
     args = ap.parse_args()
-    gpu, rng = Gpu(), np.random.default_rng(args.seed)
-    checks, times, failed = [], [], []
-    if "check" in args.parts:
-        for name in args.presets.split(","):
-            try:
-                checks += part_check(gpu, name, rng)
-            except Exception:  # noqa: BLE001
-                failed.append(f"check {name}")
-                traceback.print_exc()
-    if "time" in args.parts:
+    if args.one:
+        part, target, path = args.one
+        checks, times = [], []
         try:
-            times = part_time(gpu)
-        except Exception:  # noqa: BLE001
-            failed.append("time")
-            traceback.print_exc()
+            run_part(part, target, args.seed, checks, times)
+        finally:  # what ran before a failure still reaches the table
+            Path(path).write_text(json.dumps({"checks": checks, "times": times}))
+        return 0
+    parts = [("check", t) for t in args.presets.split(",") if "check" in args.parts]
+    parts += [("time", t) for t in args.time_presets.split(",") if "time" in args.parts]
+    checks, times, failed = [], [], []
+    for part, target in parts:
+        c, t, why = run_isolated(part, target, args.seed, args.timeout)
+        checks, times = checks + c, times + t
+        if why:
+            failed.append(f"{part} {target}")
+            print(f"!! {part} {target}: {why}")
     bad = [c for c in checks if not c[4]]
     print(f"\n== check: {len(checks) - len(bad)}/{len(checks)} pass (tolerance {TOL})")
     for c in checks:
-        if not c[4] or c[2] in (1, 16):
+        if not c[4] or c[2] in (1, 8, 16):
             print(
                 f"  {c[0]:5} {c[1]:16} M={c[2]:2} err {c[3]:.2e} {'ok' if c[4] else 'FAIL'} {c[5]}"
             )
     if times:
-        print("\n== time (H200, us a launch, median of 7 graph replays of 28 layers)")
-        print(f"  {'kind':8} {'kernel':10} {'M':>3} {'us':>8} {'x M=1':>6}")
-        for _, kind, kern, m, t, ratio in times:
-            print(f"  {kind:8} {kern:10} {m:3d} {t:8.2f} {ratio:6.2f}")
-        print("  a layer's four GEMVs (sum):")
-        for kern, m in [("gemv_int4", 1)] + [("gemv_rows", m) for m in (1, 2, 4, 8, 16)]:
-            s = sum(t for _, _, kk, mm, t, _ in times if kk == kern and mm == m)
-            base = sum(t for _, _, kk, _, t, _ in times if kk == "gemv_int4")
-            print(f"    {kern:10} M={m:2d} {s:8.2f} us  {s / base:5.2f}x")
+        print_times(times)
     print(f"\nfailed parts: {', '.join(failed) or 'none'}")
     return 1 if failed or bad else 0
 

@@ -23,6 +23,7 @@ from .device import Gpu
 from .launcher import Launcher
 
 _I32 = np.int32
+_MAX_KEPT_MAPS = 4096  # gemv_rows' weight descriptors kept (four a layer of the largest model)
 
 
 @dataclass(frozen=True)
@@ -38,24 +39,6 @@ class AttentionScratch:
     def free(self) -> None:
         for buf in (self.part_ml, self.part_acc, self.counters):
             buf.free()
-
-
-@dataclass(frozen=True)
-class RowsScratch:
-    """gemv_rows' scratch (DeviceArrays): work fp32 [blocks, slots, rows_slot_floats] (the
-    pieces' partial sums; `floats` long), counters int32 [`blocks`] (zeroed once; every launch
-    leaves them zero, so a captured graph replays). One scratch serves every kind and bucket:
-    launches on one stream never overlap their use of it (each reads and writes it only after
-    griddepcontrol.wait)."""
-
-    work: object
-    counters: object
-    floats: int
-    blocks: int
-
-    def free(self) -> None:
-        self.work.free()
-        self.counters.free()
 
 
 def attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
@@ -92,9 +75,12 @@ class DecodeKernels(Launcher):
         # CTAs an SM). Grids by (kernel, N), checked once each; the model's are made here, so
         # a ring that cannot hold two stages is refused at load.
         self._gemv_grids: dict[tuple[str, int], int] = {}
-        self._rows_layouts: dict[tuple[str, int], registry.RowsLayout] = {}
+        self._rows_grids: dict[tuple[str, int], int] = {}
+        self._rows_maps: dict[tuple[int, int, int, int], object] = {}
         for kind, (_, n, _, _) in registry.gemv_shapes(config).items():
             self._gemv_grid(f"gemv_{kind}", n)
+            for mt in registry.ROW_BUCKETS if rows else ():
+                self._rows_grid(f"gemv_rows_{kind}_m{mt}", n)
         # Attention splits: whole clusters, at most attn_splits, about attn_ctas CTAs in all.
         cl = g.attn_cluster
         per_head = min(g.attn_splits, g.attn_ctas // config.num_kv_heads)
@@ -159,9 +145,8 @@ class DecodeKernels(Launcher):
         self._gemv_grids[key, n] = grid
         return grid
 
-    def gemv_rows(self, kind, m, x, norm_w, qweight, scales, out, scratch: RowsScratch, *,
-                  bias=0, pos=0, rope=0, pages=0, page_stride=0, kc=0, vc=0, n=None,
-                  stream=None) -> None:  # fmt: skip
+    def gemv_rows(self, kind, m, x, norm_w, qweight, scales, out, *, bias=0, pos=0, rope=0,
+                  pages=0, page_stride=0, kc=0, vc=0, n=None, stream=None) -> None:  # fmt: skip
         """The INT4 GEMV over m = 1..16 token rows, every weight byte read once (gemv_rows.cu).
 
         kind     "qkv" (RMSNorm + q/k/v + bias + RoPE at pos[r] + K/V write into the pages),
@@ -170,11 +155,12 @@ class DecodeKernels(Launcher):
         x        fp16 [m, K] row-major; norm_w fp16 [K] (qkv, gate_up) or 0
         qweight  uint32 [R, K/8] ValueShuffle rows; scales fp16 [R, K/128]; R = n (gate_up: 2n)
         out      fp16 [m, n] (qkv: q fp16 [m, n_heads, D])
-        scratch  rows_scratch()'s work and counters
         qkv only: bias fp16 [q+2kv]; pos int32 [m] (device: each row's position); rope float32
                  [max_pos, D/2, 2] (cos, sin); pages int32 page tables, row r's at pages +
                  r * page_stride (0: every row of one sequence); kc, vc the layer's K/V caches
         n        output features (default: the model's for `kind`)
+        The launch grid (whole clusters when K is split: registry.rows_split) is checked once
+        per (kernel, n); qweight's TMA descriptor is made on first use and kept.
         """
         if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
             raise NanoqwenError(
@@ -187,45 +173,52 @@ class DecodeKernels(Launcher):
         key = f"gemv_rows_{kind}_m{registry.row_bucket(int(m))}"
         if key not in self.specs:
             raise NanoqwenError(f"{key}: DecodeKernels was built without rows=True")
-        spec = self.specs[key]
-        k, epi = spec.targs[0], registry.Epilogue(spec.targs[3])
-        lay = self._rows_layout(key, n)
-        need = lay.blocks * lay.slots * registry.rows_slot_floats(spec.targs[1], self.geometry)
-        if need > scratch.floats or lay.blocks > scratch.blocks:
-            raise NanoqwenError(f"{key} over N={n}: needs {need} floats and {lay.blocks} counters "
-                                f"of scratch, rows_scratch() has {scratch.floats} and "
-                                f"{scratch.blocks}")  # fmt: skip
+        k, epi = self.specs[key].targs[0], registry.Epilogue(self.specs[key].targs[3])
+        grid = self._rows_grids.get((key, n)) or self._rows_grid(key, n)
         rows = 2 * n if epi == registry.Epilogue.SWIGLU else n
-        self.launch(key, (lay.grid, 1, 1), x, norm_w, qweight, scales, bias, out, _I32(n),
-                    _I32(m), pos, rope, pages, _I32(page_stride), kc, vc, scratch.work.ptr,
-                    scratch.counters.ptr, _I32(lay.slots), stream=stream,
+        w_map = self._rows_map(qweight, rows, k, self.specs[key].targs[4])
+        self.launch(key, (grid, 1, 1), w_map, x, norm_w, qweight, scales, bias, out, _I32(n),
+                    _I32(m),
+                    pos, rope, pages, _I32(page_stride), kc, vc, stream=stream,
                     label=f"gemv_rows {kind}",
                     nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
 
-    def _rows_layout(self, key: str, n: int) -> registry.RowsLayout:
-        """gemv_rows' stream-K split of kernel `key` over n features on this GPU (cached)."""
-        lay = self._rows_layouts.get((key, n))
-        if lay is None:
-            spec = self.specs[key]
-            k, epi = spec.targs[0], registry.Epilogue(spec.targs[3])
-            ctas = min(self.geometry.mr_ctas_per_sm, self.ctas_per_sm(key)) * self.gpu.num_sms
-            lay = self._rows_layouts[key, n] = registry.rows_layout(k, n, epi, ctas, self.geometry)
-        return lay
+    def _rows_map(self, qweight: int, rows: int, k: int, s: int):
+        """gemv_rows' TMA descriptor of qweight uint32 [rows, K/8] as [rows][G][16 words], box
+        8 rows x ceil(G / s) groups (kept per address: the weights stay put). S = 1 kernels
+        ignore theirs: they get the plain 2-D form, boxes of 8 x 8 words."""
+        groups, words = k // GROUP_SIZE, GROUP_SIZE // 8
+        key = (qweight, rows, k, s)
+        w_map = self._rows_maps.get(key)
+        if w_map is None:
+            if len(self._rows_maps) >= _MAX_KEPT_MAPS:
+                self._rows_maps.clear()
+            pairs = registry.ROWS_STAGE_PAIRS
+            if s == 1:
+                w_map = self.gpu.tensor_map_2d(qweight, rows, k // 8, pairs, 8, fp16=False)
+            else:
+                w_map = self.gpu.tensor_map_u32(qweight, (rows, groups, words),
+                                                (pairs, -(-groups // s), words))  # fmt: skip
+            self._rows_maps[key] = w_map
+        return w_map
 
-    def rows_scratch(self) -> RowsScratch:
-        """The scratch gemv_rows needs for the model's four shapes at every bucket."""
-        floats = blocks = 0
-        for key, spec in self.specs.items():
-            if spec.source == registry.GEMV_ROWS:
-                kind = key.removeprefix("gemv_rows_").rsplit("_m", 1)[0]
-                lay = self._rows_layout(key, registry.gemv_shapes(self.config)[kind][1])
-                mt = spec.targs[1]
-                floats = max(floats, lay.blocks * lay.slots * registry.rows_slot_floats(mt))
-                blocks = max(blocks, lay.blocks)
-        work = self.gpu.alloc(max(floats, 1) * 4, "gemv_rows work")
-        counters = self.gpu.alloc(max(blocks, 1) * 4, "gemv_rows counters")
-        self.gpu.memset(counters.ptr, 0, max(blocks, 1) * 4)
-        return RowsScratch(work, counters, floats, blocks)
+    def _rows_grid(self, key: str, n: int) -> int:
+        """gemv_rows' grid of kernel `key` over n features on this GPU (cached); raises when a
+        cluster's ring would hold fewer than two stages (the kernel would trap)."""
+        spec = self.specs[key]
+        k, mt, epi = spec.targs[0], spec.targs[1], registry.Epilogue(spec.targs[3])
+        s = spec.targs[4]
+        grid = registry.rows_grid(n, epi, s, self.gpu.num_sms)
+        npairs = -(-registry.gemv_pairs(n, epi) // (grid // s))
+        stages = registry.rows_stages(k, mt, s, npairs, self.geometry)
+        if stages < 2:
+            raise NanoqwenError(
+                f"{spec.expression} over N={n}: {grid} CTAs of {spec.smem} bytes of shared "
+                f"memory hold {stages} stage(s) of its ring, at least 2 are needed "
+                "(registry.rows_stages, rows_split; raise mr_min_sms' margin)"
+            )
+        self._rows_grids[key, n] = grid
+        return grid
 
     def rope_kv(self, qkv, pos0: int, rope, pages, kc, vc, q, T, stream=None) -> None:
         """RoPE + paged K/V write for T tokens at positions pos0 .. pos0 + T - 1.

@@ -359,15 +359,25 @@ class Gpu:
         box_cols * 2 <= 128 bytes) or, fp16=False, uint32 (boxes stored plain, row after
         row). Boxes are box_rows x box_cols; elements outside the matrix load as zeros. ptr
         and the row pitch must be multiples of 16 bytes."""
+        return self._tensor_map(ptr, (rows, cols), (box_rows, box_cols), fp16)
+
+    def tensor_map_u32(self, ptr: int, shape: tuple[int, ...], box: tuple[int, ...]):
+        """The TMA descriptor of the row-major uint32 array `shape` (outermost dimension first,
+        any rank up to 5) at device address `ptr`: boxes `box` (same order) stored plain, box
+        after box; elements outside the array load as zeros. ptr and every stride but the
+        innermost must be multiples of 16 bytes."""
+        return self._tensor_map(ptr, shape, box, False)
+
+    def _tensor_map(self, ptr: int, shape: tuple, box: tuple, fp16: bool):
         from cuda.core._tensor_map import TensorMapL2Promotion, TensorMapSwizzle
         from cuda.core.utils import StridedMemoryView
 
-        array = _CudaArray(ptr, (rows, cols), "<f2" if fp16 else "<u4")
+        array = _CudaArray(ptr, tuple(shape), "<f2" if fp16 else "<u4")
         swizzle = TensorMapSwizzle.SWIZZLE_128B if fp16 else TensorMapSwizzle.NONE
         with self.guard("tensor map"):
             view = StridedMemoryView.from_cuda_array_interface(array, stream_ptr=-1)
             return view.as_tensor_map(
-                box_dim=(box_rows, box_cols),
+                box_dim=tuple(box),
                 swizzle=swizzle,
                 l2_promotion=TensorMapL2Promotion.L2_256B,
             )

@@ -88,13 +88,13 @@ class Geometry:
     gv_x_reg_items: int = 2
     gv_balance: int = 1
     gv_smem: int = 110 * 1024  # host only: dynamic shared memory a GEMV CTA gets (its ring)
-    # gemv_rows.cu (the M-row GEMV): warps a CTA (2 row halves x one k lane a stage group),
-    # CTAs an SM, pairs a row block, groups a stage, stages in the ring.
-    mr_warps: int = 8
-    mr_ctas_per_sm: int = 2
-    mr_pairs: int = 64
-    mr_stage_groups: int = 4
-    mr_stages: int = 2
+    # gemv_rows.cu (the M-row GEMV): consumer warps (one producer warp more; one CTA an SM),
+    # ring depth at most, the dynamic shared memory a CTA asks for, and the fewest SMs its
+    # split of K plans for (rows_split: a cluster's pairs, and so its sums, grow as SMs go).
+    mr_consumers: int = 16
+    mr_max_stages: int = 4
+    mr_smem: int = 224 * 1024  # host only
+    mr_min_sms: int = 112  # host only
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
     # flight a warp, the sampler's block and bisection steps.
     misc_threads: int = 256
@@ -285,7 +285,7 @@ PREFILL_ATTENTION = "prefill_attention.cu"
 _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
                 "kGvBalance")  # fmt: skip
-_MR_TUNABLES = ("kMrWarps", "kMrCtasPerSm", "kMrPairs", "kMrStageGroups", "kMrStages")
+_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages")
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
 _MATTN_TUNABLES = ("kVerifyRows", "kMattnConsumers", "kMattnSplits", "kMattnStages",
@@ -426,60 +426,70 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= m)
 
 
-def rows_stage_bytes(mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
-    """gemv_rows.cu's MrStage<MT>::kBytes: weights of 2 x mr_pairs rows x mr_stage_groups
-    groups (64 bytes each), x [MT][groups x 128] fp16, norm weights and scales."""
-    rows, sg = 2 * g.mr_pairs, g.mr_stage_groups
-    return (
-        sg * rows * GROUP_SIZE // 2 + mt * sg * GROUP_SIZE * 2 + sg * GROUP_SIZE * 2 + rows * sg * 2
-    )
+# gemv_rows.cu's constants: pairs a stage (16 weight rows, one mma's A), the largest cluster
+# that splits K (the portable cluster size), the ring's alignment (kMrAlign).
+ROWS_STAGE_PAIRS = 8
+ROWS_MAX_SPLIT = 8
+ROWS_ALIGN = 128
 
 
-def rows_slot_floats(mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
-    """gemv_rows.cu's mr_slot_floats<MT>(): a piece's [MT][2 mr_pairs] sums + [MT] squares."""
-    return mt * 2 * g.mr_pairs + mt
+def rows_split(k: int, n: int, epi: Epilogue, mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """S, the CTAs of a cluster that split K (gemv_rows.cu's template argument): the smallest
+    power of two that leaves two stages of the ring beside x of MT tokens over the slice, the
+    stage reduction and the sums, on a GPU of mr_min_sms SMs."""
+    s = 1
+    while rows_stages(k, mt, s, _rows_npairs(n, epi, s, g.mr_min_sms), g) < 2:
+        s *= 2
+        if s > ROWS_MAX_SPLIT:
+            raise ValueError(f"gemv_rows: K={k}, N={n} at MT={mt} fits no split")
+    return s
 
 
-@dataclass(frozen=True)
-class RowsLayout:
-    """The stream-K split of one gemv_rows launch: `blocks` row blocks of mr_pairs pairs x
-    `groups` groups = units, over `grid` CTAs; `slots` = the most pieces (CTAs) any block is
-    cut into (the workspace's stride)."""
-
-    blocks: int
-    groups: int
-    grid: int
-    slots: int
-
-
-def rows_layout(k: int, n: int, epi: Epilogue, max_ctas: int, g: Geometry = DEFAULT_GEOMETRY
-                ) -> RowsLayout:  # fmt: skip
-    """gemv_rows.cu's unit split, in Python: CTA c owns units [c U / grid, (c + 1) U / grid)."""
+def rows_stage_bytes(k: int, s: int) -> int:
+    """gemv_rows.cu's MrShape<K, MT, S>::kStage: runs a and b (8 rows each, whole at S = 1,
+    else the slice's ceil(G / S) groups) and their scales (the 16-byte units around the run at
+    S = 1, each row's 4-byte units around its slice at S > 1)."""
     groups = k // GROUP_SIZE
-    blocks = -(-gemv_pairs(n, epi) // g.mr_pairs)
-    units = blocks * groups
-    grid = min(max_ctas, units)
-    first = [c * units // grid for c in range(grid + 1)]
-    cta = 0
-    slots = 0
-    for b in range(blocks):  # the CTAs holding units b G .. b G + G - 1
-        lo, hi = b * groups, (b + 1) * groups - 1
-        while first[cta + 1] <= lo:
-            cta += 1
-        last = cta
-        while first[last + 1] <= hi:
-            last += 1
-        slots = max(slots, last - cta + 1)
-    return RowsLayout(blocks, groups, grid, slots)
+    gs = -(-groups // s)
+    row = k // 2 if s == 1 else gs * GROUP_SIZE // 2
+    if s == 1:
+        scales = (ROWS_STAGE_PAIRS * groups * 2 + 28 + 15) // 16 * 16
+    else:
+        scales = ROWS_STAGE_PAIRS * (((gs + 2) * 2 + 15) // 16 * 16)
+    return (2 * ROWS_STAGE_PAIRS * row + 2 * scales + 127) // 128 * 128
+
+
+def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """The ring stages of gemv_rows<K, MT, *, *, S> in a cluster that owns `npairs` pairs: what
+    mr_smem leaves beside x, the stage reduction and the sums, at most mr_max_stages (the
+    kernel traps below two). gemv_rows.cu's `stages`, in Python."""
+    x = mt * -(-(k // GROUP_SIZE) // s) * GROUP_SIZE * 2
+    red = 2 * g.mr_consumers * 16 * mt * 4
+    sums = npairs * 2 * mt * 4
+    free = g.mr_smem - ROWS_ALIGN - x - red - sums
+    return min(g.mr_max_stages, free // rows_stage_bytes(k, s))
+
+
+def _rows_npairs(n: int, epi: Epilogue, s: int, num_sms: int) -> int:
+    """The most pairs a cluster of gemv_rows owns (rows_grid's grid)."""
+    return -(-gemv_pairs(n, epi) // (rows_grid(n, epi, s, num_sms) // s))
+
+
+def rows_grid(n: int, epi: Epilogue, s: int, num_sms: int) -> int:
+    """gemv_rows' persistent grid: one CTA an SM, in clusters of S; clusters of 2 or more keep
+    to a multiple of 8 SMs (a cluster lives inside one GPC: 132 SMs hold 16 clusters of 8, not
+    16.5), at most one cluster per pair."""
+    ctas = num_sms if s == 1 else max(s, num_sms // 8 * 8)
+    return min(ctas // s, gemv_pairs(n, epi)) * s
 
 
 def rows_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """The M-row GEMV of the decode step's four shapes at each token bucket."""
     return tuple(
-        KernelSpec(f"gemv_rows_{kind}_m{mt}", GEMV_ROWS, "gemv_rows", g.mr_warps * 32,
-                   g.mr_stages * rows_stage_bytes(mt, g), targs=(k, mt, norm, int(epi)),
+        KernelSpec(f"gemv_rows_{kind}_m{mt}", GEMV_ROWS, "gemv_rows", (g.mr_consumers + 1) * 32,
+                   g.mr_smem, targs=(k, mt, norm, int(epi), rows_split(k, n, epi, mt, g)),
                    tunables=_MR_TUNABLES)
-        for kind, (k, _, norm, epi) in gemv_shapes(config).items()
+        for kind, (k, n, norm, epi) in gemv_shapes(config).items()
         for mt in ROW_BUCKETS
     )  # fmt: skip
 

@@ -121,6 +121,18 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap& map, 
       : "memory");
 }
 
+// The 3-D box at (c0 innermost, c1, c2 outermost) of `map` into shared memory at `dst`
+// (128-byte aligned), completing its bytes (the whole box, zero-filled parts included) on `bar`.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap& map, int c0, int c1,
+                                            int c2, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(&map)), "r"(c0), "r"(c1), "r"(c2),
+        "r"(bar)
+      : "memory");
+}
+
 // bar.sync on named barrier `id` (1..15; 0 is __syncthreads') by `threads` threads.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

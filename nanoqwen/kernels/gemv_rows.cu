@@ -3,48 +3,42 @@
 //
 //   out[r, :] = epilogue( dequant(W) @ norm(x[r, :]) )   r < M; fp16 in/out, fp32 accumulation
 //
-// The mma mapping: the columns of B are the tokens. A = 16 weight rows x k16 dequantized from
-// ValueShuffle words, B = x of 8 tokens x k16, D = 16 rows x 8 tokens. Thread t4 (lane % 4)
-// takes the 16-byte chunk t4 of a group row for A and the same 32 elements of x for B, exactly
-// as gemv_int4.cu does (K order inside a group is free as long as A and B agree): word q of the
-// chunk feeds two mma (its pairs 0, 1 and 2, 3). M is a runtime argument; MT = 8 or 16 (one or
-// two n8 token tiles) is the compile-time bucket, tokens r >= M are zero and never written.
-// Every group's fp32 partial (fresh D) is multiplied by its row's scale into the accumulators.
+// Structure: gemv_int4.cu's (read its header), with other consumer math. Persistent CTAs own
+// contiguous ranges of whole pairs of weight rows (its pairs: kResidual p / p + ceil(N/2),
+// kSwiGLU gate p / up p, kRope the RoPE partners), so no CTA waits on another's partial sums;
+// a producer warp streams stages of P = 8 pairs (16 rows) with a few 1-D bulk copies into a
+// ring of "full"/"empty" mbarriers, and keeps kGvEarlyStages in flight until x has landed.
+// Why this shape and not a split over (row blocks, K) with a cross-CTA reduction: at M <= 16
+// the launch is still bound by the weight stream plus a fixed cost, and a reduction chain
+// through global memory (fence, counter, a last CTA re-reading the slots) made that fixed cost
+// ~12 us against gemv_int4's ~3 (docs/EXPERIMENTS.md, Decode GEMV); streaming whole rows keeps
+// gemv_int4's cost model (fixed cost + bytes at 4.5 TB/s) as long as the consumers keep up.
 //
-// Decomposition (why): x of M rows does not fit in shared memory whole (down at K = 18944:
-// 303 KB for M = 8), and a CTA that owns whole weight rows must read all of x: 264 CTAs x M x
-// 2K bytes is 80 MB of L2 reads for down's 34 MB of weights at M = 8. So both N and K are cut:
-//   - a row block is kMrPairs = 64 pairs (128 rows: run a(p..p+63) and run b(p..p+63), the
-//     pairs of gemv_int4.cu, so that SwiGLU's gate/up and RoPE's partners meet in one block;
-//     rows are copied one by one, so a block may span heads: head_dim 64 at 0.5B);
-//   - the work is (row block, group) units, nb x G, split evenly over a persistent grid of
-//     kMrCtasPerSm CTAs an SM (stream-K: a CTA's range crosses block boundaries, so there is
-//     no wave tail: gate/up's 296 blocks do not fit 264 CTAs, but 8288 units do to within one);
-//   - a CTA streams its range in stages of kMrStageGroups groups of its current block: 32 KB
-//     of weights and x of MT tokens over the same 512 k (8 / 16 KB) staged beside them by
-//     cp.async (every thread: a single producer warp cannot issue 16-byte copies fast enough,
-//     and a K slice of 128 rows is 128 runs of 256 bytes, too short for bulk copies).
-//   L2 traffic at M = 16 (7B): x is read once per row block, M x K x 2 x nb: down 14 MB for
-//   34 MB of weights, gate/up 34 MB for 68 MB, q/k/v 4 MB for 8 MB; per 8 rows it halves. A
-//   piece (one CTA's part of a block) writes MT x 128 fp32 partials: down ~10 pieces a block,
-//   4 MB written and read at M = 16; gate/up ~2 a block, 9 MB.
-//   Warps: 8 = 2 row halves (64 rows, four m16 tiles each) x 4 k lanes (group kl of a stage):
-//   a warp keeps its group's x in registers (16 per token tile) across its four row tiles, so
-//   shared memory serves M / 16 bytes of x per byte of weights. Registers at MT = 16: 32
-//   accumulators, 32 of x, 8 of D: beside the rest they need ~170, so MT = 16 runs one CTA an
-//   SM (mr_ctas_per_sm); MT = 8 fits two CTAs of 256 threads (128 registers; ptxas -v).
-//   Shared memory: kMrStages = 2 stages of 42 / 50 KB (MT = 8 / 16): one stage in flight while
-//   the other is consumed, ~64 KB of weight copies in flight an SM at MT = 8, half at MT = 16.
-// Reduction (deterministic): at a piece's end the four k lanes' sums are added in lane order
-// in shared memory (aliasing the stage just consumed), written to the piece's slot of the
-// workspace (slot = this CTA's index - the first CTA of the block), and the CTA adds its
-// groups to the block's counter (acq_rel). The CTA that completes the count adds every slot in
-// slot order, runs the epilogue and zeroes the counter (so a captured graph replays).
-// RMSNorm (NORM): a CTA never sees a whole row of x. Each stage is normalized by its own RMS
-// (c = rsqrt(mean(x^2 over the stage's groups) + eps), B = fp16(x c w), so B stays in fp16's
-// range) and its groups' partials are multiplied by 1 / c; the stages' sums of squares travel
-// with the partials, and the last CTA multiplies the block's sums by the row's rstd. The
-// products differ from the reference's fp16(x rstd w) by one fp16 rounding of x c w.
+// x of all M tokens stays in shared memory for the whole K (MT x K fp16, RMSNorm-ed once per
+// token after the PDL wait): 57 KB at K = 3584 and MT = 8, 115 KB at MT = 16. So one CTA an
+// SM (kMrConsumers + 1 warps: the SM keeps gemv_int4's warp count), the ring beside x. Every
+// CTA reads all of x from L2 (M x 7 KB a CTA at the 7B's hidden size), under the first stage.
+// When MT x K does not fit (registry.rows_split: down_proj, K = 18944 on the 7B; the 14B/32B
+// hidden 5120 at MT = 16), K is cut in S slices over the CTAs of a thread-block cluster: rank
+// s stages x of its slice and streams its slice of the cluster's rows (a TMA box of 8 rows x
+// the slice per run: the copy engine pays per copy, so not a bulk copy per row), and the
+// ranks' per-pair sums are added through distributed shared memory in rank order
+// (deterministic) by the rank that owns the output. RMSNorm with S > 1: each rank's
+// sums of squares of its slice are exchanged the same way before x is normalized.
+//
+// One mma: A = 16 weight rows (rows 0..7 row a of the stage's pairs 0..7, rows 8..15 row b)
+// x k16, B = x of 8 tokens x k16, D = 16 rows x 8 tokens (MT = 16: two n8 tiles). Thread t4 =
+// lane % 4 takes the 16-byte chunk t4 of a group (32 nibbles) for A and the same 32 elements
+// of x for B (K order inside a group is free as long as A and B agree: gemv_int4.cu's
+// mapping); word q of the chunk feeds two mma (pairs 0, 1 and 2, 3). Each group's fresh D is
+// scaled by its rows' scales into fp32 accumulators. The consumer warps split a stage's
+// groups (warp w takes groups w, w + C, ... rotated by the stage so that uneven counts even
+// out), then reduce the stage's 16 rows x MT tokens over the warps in a fixed warp order
+// through a double-buffered shared array: one consumer barrier a stage.
+// Cost model at MT = 8, per 1 KB of weights (16 rows x one group): 72 dequant instructions, 8
+// mma, 6 LDS.128, about 95 warp instructions in all (24 cycles on 4 schedulers) against ~60
+// cycles for an SM's share of 4.5 TB/s: the weight stream bounds it. At MT = 16: 16 mma and
+// 10 LDS.128 (~125 instructions, ~32 cycles, shared memory at ~70% of its 128 B/cycle).
 //
 // Epilogues (per token row r; the ids of gemv_int4.cu):
 //   kRope     + bias, RoPE at pos[r], K/V into the pages at pos[r] (page table pages +
@@ -55,44 +49,122 @@
 #include "kv_cache.cuh"
 
 // From the generated header (nanoqwen/cuda/registry.py, Geometry):
-//   kMrWarps        warps a CTA: 2 row halves x kMrStageGroups k lanes
-//   kMrCtasPerSm    CTAs an SM (the persistent grid; 128 registers a thread)
-//   kMrPairs        pairs a row block (128 rows)
-//   kMrStageGroups  groups a stage (one per k lane)
-//   kMrStages       stages in the ring
-constexpr int kMrGroupBytes = kGroupSize / 2;
-constexpr int kMrRows = 2 * kMrPairs;  // weight rows a block
+//   kMrConsumers    consumer warps; one producer warp more
+//   kMrMaxStages    the most stages in the ring (the dynamic shared memory sets how many fit)
+//   kGvEarlyStages  stages in flight before x has landed (gemv_int4.cu's reason)
+constexpr int kMrPairs = 8;                       // pairs a stage: A's 16 rows
+constexpr int kMrGroupBytes = kGroupSize / 2;     // 64 bytes of weights a row and group
+constexpr int kMrThreads = (kMrConsumers + 1) * kWarp;
+constexpr int kMrAlign = 128;  // TMA boxes land 128-byte aligned: the ring's base is rounded up
+static_assert(kMrConsumers * kWarp >= 16 * 16, "one consumer thread per (row, token) sum");
+static_assert(kMrConsumers >= 16, "NORM: a warp per token's sum of squares");
+
+// The shape of gemv_rows<K, MT, S> (the host's twin: registry.rows_stage_bytes, rows_stages).
+template <int K, int MT, int S>
+struct MrShape {
+  static constexpr int G = K / kGroupSize;         // groups a row
+  static constexpr int GS = (G + S - 1) / S;       // groups a slice, at most
+  // A stage row's bytes: whole rows (one bulk copy a run) at S = 1, else the slice's GS
+  // groups (one TMA box a run: 8 rows x GS groups x 64 bytes).
+  static constexpr int kRow = S == 1 ? K / 2 : GS * kMrGroupBytes;
+  static constexpr int kRun = kMrPairs * kRow;     // run a or run b of a stage
+  // A run's scales: S = 1, the 16-byte units around the run's (8 G halves + up to 14 of
+  // slack); S > 1, a row's 4-byte units around its slice (at most GS + 2 halves), kScRow
+  // bytes a row.
+  static constexpr int kScRow = ((GS + 2) * 2 + 15) / 16 * 16;
+  static constexpr int kScales =
+      S == 1 ? (kMrPairs * G * 2 + 28 + 15) / 16 * 16 : kMrPairs * kScRow;
+  static constexpr int kStage = (2 * kRun + 2 * kScales + 127) / 128 * 128;
+  static constexpr int kX = MT * GS * kGroupSize * 2;                    // x [MT][GS groups]
+  static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;            // [2][C][16][MT] f32
+};
+
+// What an epilogue item reads from global memory, loaded before the stage loop for a thread's
+// first item (under the weight stream an L2 round trip takes ~1 us; after the last stage it
+// would add that to the launch). kResidual: the residual at rows a, b; kRope: the biases,
+// (cos, sin), the K/V page and the token's slot in it.
+struct EpiIn {
+  float a, b;
+  float2 cs;
+  int page, t;
+};
+
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
-static_assert(kMrWarps == 2 * kMrStageGroups, "warps = 2 row halves x one k lane a group");
-static_assert(kMrPairs % 16 == 0 && kMrPairs / 16 == 4, "a warp takes four m16 row tiles");
 
-// A stage's layout (bytes): weights [SG][128 rows][64] (rows 64 bytes apart: a quarter warp's
-// two rows x four chunks are 128 contiguous bytes, no bank conflict), x [MT][SG x 128] fp16,
-// norm weights [SG x 128] fp16, scales [128 rows][SG] fp16. The host's twin:
-// registry.rows_stage_bytes.
-template <int MT>
-struct MrStage {
-  static constexpr int kW = 0;
-  static constexpr int kX = kMrStageGroups * kMrRows * kMrGroupBytes;
-  static constexpr int kNw = kX + MT * kMrStageGroups * kGroupSize * 2;
-  static constexpr int kSc = kNw + kMrStageGroups * kGroupSize * 2;
-  static constexpr int kBytes = kSc + kMrRows * kMrStageGroups * 2;
-  // The piece's reduction aliases the consumed stage: [kMrStageGroups][128 rows][MT] fp32.
-  static_assert(kMrStageGroups * kMrRows * MT * 4 <= kBytes, "reduction fits in a stage");
-};
+// x of token row r in shared memory: 16-byte unit u (chunk u % 16 of group u / 16) sits at
+// u ^ bit3(u) ^ 2 (r & 1). A quarter warp (tokens 2h, 2h + 1; t4 = 0..3) loads chunk 4 t4 + q
+// of one group: 8 distinct bank quads (unswizzled, a row of x is a multiple of 128 bytes and
+// the loads would be 2-way conflicts).
+__device__ __forceinline__ int xr_unit(int r, int u) { return u ^ ((u >> 3) & 1) ^ ((r & 1) << 1); }
 
-// A stage: `ng` groups from group g0 of row block b.
-struct MrSpan {
-  int b, g0, ng;
-};
-
-// The workspace slot of one piece: [MT][128] fp32 sums (rows a then b of the block), then
-// [MT] fp32 sums of squares of x over the piece's groups (NORM).
-template <int MT>
-__host__ __device__ constexpr int mr_slot_floats() {
-  return MT * kMrRows + MT;
+// 4-byte global -> shared copy (cp.async.ca: the 16-byte .cg form does not take 4), and the
+// mbarrier arrival that fires once this thread's earlier cp.async have landed (.noinc: the
+// barrier's expected count includes it).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// A float of cluster rank `rank`'s shared memory at this CTA's address `addr`.
+__device__ __forceinline__ float ld_rank(uint32_t addr, int rank) {
+  uint32_t a;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
+  return v;
 }
 
+template <int C>
+__device__ __forceinline__ void consumer_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(C * kWarp) : "memory");
+}
+
+// One group (slice-local j) of a stage against the lane's two rows (g: row a, g + 8: row b of
+// pair g) and MT / 8 token tiles, scaled into acc[tt] (c0, c1: row a, tokens 8 tt + 2 t4, + 1;
+// c2, c3: row b).
+template <int K, int MT, int S>
+__device__ __forceinline__ void group_mma(const unsigned char* st, const half* sa, const half* sb,
+                                          const uint4* xs4, int j, int g, int t4,
+                                          float (&acc)[MT / 8][4]) {
+  using Sh = MrShape<K, MT, S>;
+  const uint4 wa = *reinterpret_cast<const uint4*>(st + g * Sh::kRow + j * kMrGroupBytes + t4 * 16);
+  const uint4 wb =
+      *reinterpret_cast<const uint4*>(st + Sh::kRun + g * Sh::kRow + j * kMrGroupBytes + t4 * 16);
+  float d[MT / 8][2][4] = {};  // two chains a tile (pairs 0, 1 and 2, 3): half the latency
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {  // word q of the chunk: elements 8q..8q+7
+    half2 ha[4], hb[4];
+    dequant_word((&wa.x)[q], ha);
+    dequant_word((&wb.x)[q], hb);
+    const uint32_t a0[4] = {h2u(ha[0]), h2u(hb[0]), h2u(ha[1]), h2u(hb[1])};
+    const uint32_t a1[4] = {h2u(ha[2]), h2u(hb[2]), h2u(ha[3]), h2u(hb[3])};
+#pragma unroll
+    for (int tt = 0; tt < MT / 8; ++tt) {
+      const int r = tt * 8 + g;
+      const uint4 xv = xs4[r * Sh::GS * 16 + xr_unit(r, j * 16 + t4 * 4 + q)];
+      mma_16816(d[tt][0], a0, xv.x, xv.y);
+      mma_16816(d[tt][1], a1, xv.z, xv.w);
+    }
+  }
+  const float fa = __half2float(sa[j]), fb = __half2float(sb[j]);
+#pragma unroll
+  for (int tt = 0; tt < MT / 8; ++tt) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      acc[tt][c] = fmaf(c < 2 ? fa : fb, d[tt][0][c] + d[tt][1][c], acc[tt][c]);
+  }
+}
+
+// w_map    TMA descriptor of qweight as uint32 [R][G][16] (word, group, row innermost first),
+//          box [8 rows][GS groups][16 words], no swizzle (S > 1 only; S = 1 ignores it)
 // x        fp16   [M, K]         activations, row-major, 16-byte aligned
 // norm_w   fp16   [K]            RMSNorm weight (NORM only; else ignored)
 // qweight  uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
@@ -105,196 +177,286 @@ __host__ __device__ constexpr int mr_slot_floats() {
 // kRope only: pos int32 [M] (device; each row's position), rope float2 [max_pos, kHeadDim/2]
 //   (cos, sin), pages int32 page tables (row r's at pages + r * page_stride; page_stride 0:
 //   one sequence), kc/vc this layer's caches (kv_cache.cuh). Other epilogues ignore them.
-// work     fp32   [nb, slots, mr_slot_floats<MT>()]  the pieces' partial sums (scratch)
-// counters int32  [nb]           zero before the first launch; every launch leaves them zero
-// slots    int                   the workspace's slots a block (>= the pieces of any block)
-// Grid: at most kMrCtasPerSm CTAs an SM, at most nb x G; block kMrWarps x 32; dynamic shared
-// memory kMrStages x MrStage<MT>::kBytes.
-// CTAs an SM asked of the register allocator: at MT = 16 the 32 accumulators and 32 registers
-// of x do not fit 128 registers beside the rest (ptxas spills), so one CTA an SM takes it.
-constexpr int mr_ctas_per_sm(int MT) { return MT == 8 ? kMrCtasPerSm : 1; }
-
-template <int K, int MT, bool NORM, int EPI>
-__global__ void __launch_bounds__(kMrWarps* kWarp, mr_ctas_per_sm(MT))
-gemv_rows(const half* __restrict__ x, const half* __restrict__ norm_w,
-          const unsigned char* __restrict__ qweight, const half* __restrict__ scales,
-          const half* __restrict__ bias, half* out, int N, int M, const int* __restrict__ pos,
-          const float2* __restrict__ rope, const int* __restrict__ pages, int page_stride,
-          half* kc, half* vc, float* work, int* counters, int slots) {
+// Grid: a multiple of S (clusters of S along x), at most one cluster per pair; block
+// kMrThreads. Dynamic shared memory: the ring, x [MT][GS groups] (swizzled), the stage
+// reduction [2][C][16][MT] fp32 and the per-pair sums; at least two stages must fit (the host
+// checks: registry.rows_stages).
+template <int K, int MT, bool NORM, int EPI, int S>
+__global__ void __launch_bounds__(kMrThreads, 1) __cluster_dims__(S, 1, 1)
+gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
+          const half* __restrict__ norm_w, const unsigned char* __restrict__ qweight,
+          const half* __restrict__ scales, const half* __restrict__ bias, half* out, int N,
+          int M, const int* __restrict__ pos, const float2* __restrict__ rope,
+          const int* __restrict__ pages, int page_stride, half* kc, half* vc) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
   static_assert(MT == 8 || MT == 16, "token buckets of one or two n8 tiles");
-  constexpr int G = K / kGroupSize, SG = kMrStageGroups, TT = MT / 8;
-  constexpr int kThreads = kMrWarps * kWarp;
-  using S = MrStage<MT>;
+  static_assert(EPI != kRope || (kHeadDim / 2) % kMrPairs == 0, "a stage within one head");
+  using Sh = MrShape<K, MT, S>;
+  constexpr int C = kMrConsumers, G = Sh::G, GS = Sh::GS, TT = MT / 8;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ float inv_c[kMrStages][MT];  // NORM: 1 / the stage's scale of each token
-  __shared__ float piece_ss[MT];          // NORM: the piece's sums of squares
-  __shared__ int last;
+  __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
+  __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
+  __shared__ float ss_own[MT], rstd_s[MT];           // NORM: this slice's x^2 sums, 1 / rms
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
-  const int g = lane / 4, t4 = lane % 4;
-  const int rh = warp / SG, kl = warp % SG;  // row half, k lane
+  const int rank = S == 1 ? 0 : (int)(blockIdx.x % S), ncl = gridDim.x / S;
+  const int cl = blockIdx.x / S;
+  const int g0 = rank * G / S, gs = (rank + 1) * G / S - g0;  // this rank's slice of K
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
-  const int half_n = (N + 1) / 2;
-  const int rows_total = EPI == kSwiGLU ? 2 * N : N;
-  const int nb = (pairs + kMrPairs - 1) / kMrPairs;
-  const int units = nb * G;
-  const int u0 = (int)((long long)blockIdx.x * units / gridDim.x);
-  const int u1 = (int)((long long)(blockIdx.x + 1) * units / gridDim.x);
-  pdl_trigger();
+  const int half_n = (N + 1) / 2;  // kResidual: row b(p) = p + half_n
+  const int p0 = (int)((long long)cl * pairs / ncl);
+  const int p1 = (int)((long long)(cl + 1) * pairs / ncl);
+  const int npairs = p1 - p0;
 
-  auto row_of = [&](int p, bool b) -> int {  // weight row of pair p, run a or b
-    if (EPI == kRope) {
-      const int ra = p / (kHeadDim / 2) * kHeadDim + p % (kHeadDim / 2);
-      return b ? ra + kHeadDim / 2 : ra;
-    }
-    return b ? p + (EPI == kSwiGLU ? N : half_n) : p;
-  };
-  auto span_at = [&](int u) -> MrSpan {
-    const int b = u / G, g0 = u % G;
-    return {b, g0, min(SG, min(G - g0, u1 - u))};
-  };
-  // The first CTA whose range holds unit u (the slot order of a block's pieces).
-  auto cta_of = [&](int u) -> int {
-    int c = (int)((long long)u * gridDim.x / units);
-    while (c + 1 < (int)gridDim.x && (long long)(c + 1) * units / gridDim.x <= u) ++c;
-    while ((long long)c * units / gridDim.x > u) --c;
-    return c;
-  };
+  unsigned dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  const int sum_bytes = npairs * 2 * MT * 4;
+  const int stages = min(kMrMaxStages, ((int)dyn - kMrAlign - Sh::kX - Sh::kRed - sum_bytes) /
+                                           Sh::kStage);
+  if (stages < 2) __trap();  // a launch the host must not make
+  unsigned char* base = smem + ((kMrAlign - smem_addr(smem) % kMrAlign) % kMrAlign);
+  uint4* xs4 = reinterpret_cast<uint4*>(base + stages * Sh::kStage);
+  float* red = reinterpret_cast<float*>(base + stages * Sh::kStage + Sh::kX);  // [2][C][16][MT]
+  float* sums = red + Sh::kRed / 4;  // [npairs][2 (row a, b)][MT] this rank's sums
+  const uint32_t ring = smem_addr(base);
 
-  // Copies of a stage's weights (and, with_x, x and norm weights); scales through registers
-  // (a row's 2-byte scales of a span are not 4-byte aligned): loaded here, stored next
-  // iteration (store_scales) so that their latency hides behind a stage.
-  half sreg[kMrRows * SG / kThreads];
-  auto issue = [&](MrSpan sp, int buf, bool with_w, bool with_x) {
-    unsigned char* st = smem + buf * S::kBytes;
-    if (with_w) {
-#pragma unroll 1
-      for (int i = tid; i < SG * kMrRows * 4; i += kThreads) {
-        const int c = i % 4, gi = i / 4 % SG, lr = i / (4 * SG);
-        const int p = sp.b * kMrPairs + lr % kMrPairs, row = row_of(p, lr >= kMrPairs);
-        const bool ok = gi < sp.ng && p < pairs && row < rows_total;
-        const unsigned char* src =
-            qweight + (ok ? (size_t)row * (K / 2) + (sp.g0 + gi) * kMrGroupBytes + c * 16 : 0);
-        cp_async16(st + S::kW + ((gi * kMrRows + lr) * 4 + c) * 16, src, ok ? 16 : 0);
-      }
-#pragma unroll
-      for (int j = 0; j < kMrRows * SG / kThreads; ++j) {
-        const int i = tid + j * kThreads, gi = i % SG, lr = i / SG;
-        const int p = sp.b * kMrPairs + lr % kMrPairs, row = row_of(p, lr >= kMrPairs);
-        const bool ok = gi < sp.ng && p < pairs && row < rows_total;
-        sreg[j] = ok ? scales[(size_t)row * G + sp.g0 + gi] : __float2half(0.f);
-      }
-    }
-    if (with_x) {
-#pragma unroll 1
-      for (int i = tid; i < MT * SG * 16; i += kThreads) {
-        const int v = i % (SG * 16), r = i / (SG * 16);
-        const bool ok = r < M && v < sp.ng * 16;
-        const half* src = x + (ok ? (size_t)r * K + sp.g0 * kGroupSize + v * 8 : 0);
-        cp_async16(st + S::kX + i * 16, src, ok ? 16 : 0);
-      }
-      if (NORM && tid < SG * 16) {
-        const bool ok = tid < sp.ng * 16;
-        cp_async16(st + S::kNw + tid * 16, norm_w + (ok ? sp.g0 * kGroupSize + tid * 8 : 0),
-                   ok ? 16 : 0);
-      }
-    }
+  auto row_a = [&](int p) -> int {
+    if (EPI == kRope) return p / (kHeadDim / 2) * kHeadDim + p % (kHeadDim / 2);
+    return p;
   };
-  auto store_scales = [&](int buf) {
-    half* sc = reinterpret_cast<half*>(smem + buf * S::kBytes + S::kSc);
-#pragma unroll
-    for (int j = 0; j < kMrRows * SG / kThreads; ++j) sc[tid + j * kThreads] = sreg[j];
+  auto row_b = [&](int p) -> int {
+    if (EPI == kRope) return row_a(p) + kHeadDim / 2;
+    return p + (EPI == kSwiGLU ? N : half_n);
   };
+  auto stage_len = [&](int p) -> int {
+    const int n = min(kMrPairs, p1 - p);
+    return EPI == kRope ? min(n, kHeadDim / 2 - p % (kHeadDim / 2)) : n;
+  };
+  // What epilogue item e (token e % M of pair p0 + e / M) reads from global memory.
+  auto epi_load = [&](int e) -> EpiIn {
+    const int r = e % M, p = p0 + e / M;
+    EpiIn in{};
+    if (EPI == kResidual) {
+      in.a = __half2float(out[(size_t)r * N + p]);
+      if (p + half_n < N) in.b = __half2float(out[(size_t)r * N + p + half_n]);
+    } else if (EPI == kRope) {
+      const int ra = row_a(p), ps = pos[r];
+      in.a = __half2float(bias[ra]);
+      in.b = __half2float(bias[row_b(p)]);
+      if (ra < kQSize + kKVSize) in.cs = rope[(size_t)ps * (kHeadDim / 2) + ra % kHeadDim];
+      if (ra >= kQSize) in.page = pages[(size_t)r * page_stride + ps / kPageTokens];
+      in.t = ps % kPageTokens;
+    }
+    return in;
+  };
+  const int e_first = rank + S * tid;  // a consumer thread's first epilogue item
+  EpiIn epi_first{};
 
-  // NORM: each token's x over the stage scaled by c = rsqrt(mean(x^2) + eps) and the norm
-  // weight, in place; 1/c kept for the partials, x^2 summed into the piece's totals.
-  auto normalize = [&](int buf, int ng) {
-    constexpr int TPR = kThreads / MT, VPT = SG * 16 / TPR;  // threads a token, vectors each
-    static_assert(TPR <= kWarp && kWarp % TPR == 0, "a token's threads inside one warp");
-    unsigned char* st = smem + buf * S::kBytes;
-    uint4* xs = reinterpret_cast<uint4*>(st + S::kX);
-    const uint4* nw = reinterpret_cast<const uint4*>(st + S::kNw);
-    const int r = tid / TPR;
-    float ss = 0.f;  // two passes over shared memory: x held in registers would spill
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) add_squares(ss, xs[r * SG * 16 + tid % TPR + j * TPR]);
-#pragma unroll
-    for (int m = TPR / 2; m > 0; m /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-    const float c = rsqrtf(ss / (ng * kGroupSize) + kRmsEps);
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      uint4& v = xs[r * SG * 16 + tid % TPR + j * TPR];
-      v = rmsnorm_vec(v, nw[tid % TPR + j * TPR], c);
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      // the producer's arrive.expect_tx (S > 1: and its lanes' scale copies)
+      mbar_init(smem_addr(&full_bar[s]), S == 1 ? 1 : 1 + kWarp);
+      mbar_init(smem_addr(&empty_bar[s]), C);
     }
-    if (tid % TPR == 0) {
-      inv_c[buf][r] = 1.f / c;
-      piece_ss[r] += ss;
-    }
-  };
+    mbar_init(smem_addr(&x_bar), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_trigger();  // the whole grid is resident: the next kernel may launch (and wait)
 
-  float acc[4][TT][4] = {};
-  // One stage: warp (rh, kl) takes group kl against its four row tiles.
-  auto compute = [&](int buf, int ng) {
-    if (kl >= ng) return;
-    const unsigned char* st = smem + buf * S::kBytes;
-    const uint4* xs = reinterpret_cast<const uint4*>(st + S::kX);
-    const half* sc = reinterpret_cast<const half*>(st + S::kSc);
-    uint4 xr[TT][4];  // x of tokens 8 tt + g, chunk t4 of group kl
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) xr[tt][q] = xs[(tt * 8 + g) * SG * 16 + kl * 16 + t4 * 4 + q];
-    float ic[TT][2];  // 1/c of this lane's D columns 8 tt + 2 t4, + 1
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) ic[tt][e] = NORM ? inv_c[buf][tt * 8 + 2 * t4 + e] : 1.f;
-#pragma unroll
-    for (int rt = 0; rt < 4; ++rt) {
-      const int lr = rh * kMrPairs + rt * 16 + g;  // rows lr, lr + 8 of the block
-      const uint4 wa = *reinterpret_cast<const uint4*>(
-          st + S::kW + ((kl * kMrRows + lr) * 4 + t4) * 16);
-      const uint4 wb = *reinterpret_cast<const uint4*>(
-          st + S::kW + ((kl * kMrRows + lr + 8) * 4 + t4) * 16);
-      float d[TT][4] = {};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        half2 ha[4], hb[4];
-        dequant_word((&wa.x)[q], ha);
-        dequant_word((&wb.x)[q], hb);
-        const uint32_t a0[4] = {h2u(ha[0]), h2u(hb[0]), h2u(ha[1]),
-                                h2u(hb[1])};
-        const uint32_t a1[4] = {h2u(ha[2]), h2u(hb[2]), h2u(ha[3]),
-                                h2u(hb[3])};
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-          mma_16816(d[tt], a0, xr[tt][q].x, xr[tt][q].y);
-          mma_16816(d[tt], a1, xr[tt][q].z, xr[tt][q].w);
+  if (warp == C) {
+    // ---- producer warp. S = 1: lanes 0, 1 copy run a and run b whole, lanes 2, 3 their
+    // scales (the 16-byte units around them: a stage row keeps its scales at an offset of
+    // 0..7 halves, and a copy may read up to 14 bytes past the tensor's end, inside the slack
+    // every Gpu.alloc leaves). S > 1: lanes 0, 1 copy run a's and run b's slice as one TMA box
+    // each (w_map; a row's slice is 1-3.5 KB, and one 1-D bulk copy per row would make the
+    // copy engine, which pays per copy, the bound); the box reads GS groups, one past a
+    // shorter slice (unused) and zeros past the matrix. A row's scales of the slice (2-byte
+    // aligned, 40-110 bytes: no bulk copy) go by 4-byte cp.async, the warp's lanes along one
+    // row, whose completion each lane then counts on "full" (cp.async.mbarrier.arrive.noinc).
+    if (NORM && S > 1) cluster_arrive();  // the consumers' x^2 exchange (waited below)
+    int slot = 0, phase = 0;
+    bool x_in = false;
+    for (int p = p0, i = 0; p < p1; ++i) {
+      const int np = stage_len(p);
+      const int run = lane & 1;  // S = 1: lanes 0, 2 take run a, lanes 1, 3 run b
+      const int r0 = run ? row_b(p) : row_a(p);
+      const int rows = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - r0));  // copied rows
+      const uint32_t st = ring + slot * Sh::kStage;
+      const void* src = nullptr;
+      uint32_t dst = 0, bytes = 0;
+      if (S == 1 && lane < 2) {
+        src = qweight + (size_t)r0 * (K / 2);
+        dst = st + run * Sh::kRun;
+        bytes = rows * (K / 2);
+      } else if (S == 1 && lane < 4) {
+        const size_t e0 = ((size_t)r0 * G) & ~(size_t)7;  // 16-byte units
+        src = scales + e0;
+        dst = st + 2 * Sh::kRun + run * Sh::kScales;
+        bytes = rows ? (uint32_t)((((size_t)(r0 + rows) * G + 7) & ~(size_t)7) - e0) * 2 : 0;
+      }
+      const uint32_t total = S == 1 ? __reduce_add_sync(0xffffffffu, bytes) : 2 * Sh::kRun;
+      if (!x_in && i >= kGvEarlyStages) {  // until x is in: stage i - kGvEarlyStages landed
+        const int j = i - kGvEarlyStages;
+        const uint32_t jb = smem_addr(&full_bar[j % stages]), jp = (j / stages) & 1;
+        while (!(x_in = mbar_test(smem_addr(&x_bar), 0)) && !mbar_test(jb, jp)) {
         }
       }
-      const float sa = __half2float(sc[lr * SG + kl]), sb = __half2float(sc[(lr + 8) * SG + kl]);
+      if (i >= stages) mbar_wait(smem_addr(&empty_bar[slot]), phase ^ 1);
+      const uint32_t full = smem_addr(&full_bar[slot]);
+      if (lane == 0) mbar_arrive_expect_tx(full, total);
+      __syncwarp();
+      if (bytes) bulk_g2s(dst, src, bytes, full);
+      if constexpr (S > 1) {
+        if (lane < 2) tma_load_3d(st + run * Sh::kRun, w_map, 0, g0, r0, full);
+        for (int rr = 0; rr < 2 * kMrPairs; ++rr) {  // stage row rr: run rr / 8, row rr % 8
+          const int ra = rr < kMrPairs ? row_a(p) : row_b(p);
+          const int n_ok = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - ra));
+          if (rr % kMrPairs >= n_ok) continue;
+          const size_t first = (size_t)(ra + rr % kMrPairs) * G + g0;  // in halves
+          const size_t e0 = first & ~(size_t)1;
+          const int units = (int)((first + gs + 1 - e0) / 2);
+          for (int u = lane; u < units; u += kWarp)
+            cp_async4(base + slot * Sh::kStage + 2 * Sh::kRun + rr * Sh::kScRow + 4 * u,
+                      scales + e0 + 2 * u);
+        }
+        cp_async_arrive_noinc(full);
+      }
+      if (++slot == stages) {
+        slot = 0;
+        phase ^= 1;
+      }
+      p += np;
+    }
+    if (NORM && S > 1) cluster_wait();
+  } else {
+    // ---- consumer warps: x of this slice -> shared memory, RMSNorm-ed in place if NORM.
+    constexpr int kNV = (GS * 16 + C * kWarp - 1) / (C * kWarp);  // x units a thread (NORM)
+    uint4 nw[kNV];  // NORM: this thread's norm weights, loaded before the wait (constant)
+    if (NORM) {
 #pragma unroll
-      for (int tt = 0; tt < TT; ++tt) {
-        acc[rt][tt][0] = fmaf(sa * ic[tt][0], d[tt][0], acc[rt][tt][0]);
-        acc[rt][tt][1] = fmaf(sa * ic[tt][1], d[tt][1], acc[rt][tt][1]);
-        acc[rt][tt][2] = fmaf(sb * ic[tt][0], d[tt][2], acc[rt][tt][2]);
-        acc[rt][tt][3] = fmaf(sb * ic[tt][1], d[tt][3], acc[rt][tt][3]);
+      for (int k = 0; k < kNV; ++k) {
+        const int u = tid + k * C * kWarp;
+        if (u < gs * 16) nw[k] = reinterpret_cast<const uint4*>(norm_w + g0 * kGroupSize)[u];
       }
     }
-  };
+    pdl_wait();
+    if (e_first < npairs * M) epi_first = epi_load(e_first);
+    for (int v = tid; v < M * gs * 16; v += C * kWarp) {
+      const int r = v / (gs * 16), u = v % (gs * 16);
+      cp_async16(xs4 + r * GS * 16 + xr_unit(r, u),
+                 x + (size_t)r * K + g0 * kGroupSize + u * 8);
+    }
+    cp_async_wait_all();
+    consumer_sync<C>();
+    if (tid == 0) mbar_arrive(smem_addr(&x_bar));
+    if (NORM) {
+      if (warp < M) {  // warp r: token r's sum of squares over the slice
+        float ss = 0.f;
+        for (int u = lane; u < gs * 16; u += kWarp) add_squares(ss, xs4[warp * GS * 16 + u]);
+        ss = warp_sum(ss);
+        if (lane == 0) ss_own[warp] = ss;
+      }
+      if constexpr (S > 1) {
+        cluster_arrive();  // ss_own of every rank is written
+        cluster_wait();
+      } else {
+        consumer_sync<C>();
+      }
+      if (tid < M) {
+        float total = 0.f;
+        for (int s = 0; s < S; ++s)  // the ranks' slices in rank order
+          total += S == 1 ? ss_own[tid] : ld_rank(smem_addr(&ss_own[tid]), s);
+        rstd_s[tid] = rsqrtf(total / K + kRmsEps);
+      }
+      consumer_sync<C>();
+#pragma unroll
+      for (int k = 0; k < kNV; ++k) {
+        const int u = tid + k * C * kWarp;
+        if (u < gs * 16) {
+          for (int r = 0; r < M; ++r) {
+            uint4& xv = xs4[r * GS * 16 + xr_unit(r, u)];
+            xv = rmsnorm_vec(xv, nw[k], rstd_s[r]);
+          }
+        }
+      }
+      consumer_sync<C>();
+    }
 
-  // The epilogue of one (token r, pair p) with the block's sums da (row a), db (row b).
-  auto epilogue = [&](int r, int p, float da, float db) {
+    // ---- the stages: warp takes groups (warp - i) mod C, + C, ... of stage i.
+    const int g = lane / 4, t4 = lane % 4;
+    int slot = 0, phase = 0;
+    for (int p = p0, i = 0; p < p1; ++i) {
+      const int np = stage_len(p);
+      mbar_wait(smem_addr(&full_bar[slot]), phase);
+      const unsigned char* st = base + slot * Sh::kStage;
+      // The scales of the lane's rows a(p + g), b(p + g) at the slice's first group.
+      const half* sc = reinterpret_cast<const half*>(st + 2 * Sh::kRun);
+      const half* sa = S == 1 ? sc + (((size_t)row_a(p) * G) & 7) + g * G
+                              : sc + g * Sh::kScRow / 2 + (((size_t)(row_a(p) + g) * G + g0) & 1);
+      const half* sb = S == 1 ? sc + Sh::kScales / 2 + (((size_t)row_b(p) * G) & 7) + g * G
+                              : sc + (8 + g) * Sh::kScRow / 2 +
+                                    (((size_t)(row_b(p) + g) * G + g0) & 1);
+      float acc[TT][4] = {};
+      for (int j = (warp + C - i % C) % C; j < gs; j += C)
+        group_mma<K, MT, S>(st, sa, sb, xs4, j, g, t4, acc);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
+      // The warps' sums, [C][16 rows][MT] in buffer i % 2, then one thread per (row, token).
+      float* rb = red + (i & 1) * (C * 16 * MT);
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) {
+        float* w = rb + warp * 16 * MT + g * MT + tt * 8 + 2 * t4;
+        *reinterpret_cast<float2*>(w) = make_float2(acc[tt][0], acc[tt][1]);
+        *reinterpret_cast<float2*>(w + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
+      }
+      consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
+      if (tid < 16 * MT) {
+        const int row = tid / MT, r = tid % MT;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < C; ++w) s += rb[w * 16 * MT + tid];
+        if (row % 8 < np && r < M) sums[((p - p0 + row % 8) * 2 + row / 8) * MT + r] = s;
+      }
+      if (++slot == stages) {
+        slot = 0;
+        phase ^= 1;
+      }
+      p += np;
+    }
+  }
+  __syncthreads();
+  if constexpr (S > 1) {
+    cluster_arrive();  // every rank's sums are complete
+    cluster_wait();
+  }
+
+  // ---- epilogue, on the consumer threads (they waited for the previous kernel): (pair,
+  // token) items, item e on rank e % S, the ranks' sums added in rank order. A thread's first
+  // item has its inputs loaded before the stages.
+  for (int e = e_first; warp < C && e < npairs * M; e += S * C * kWarp) {
+    const int i = e / M, r = e % M, p = p0 + i;
+    const EpiIn in = e == e_first ? epi_first : epi_load(e);
+    float da = 0.f, db = 0.f;
+    const float* sp = sums + (i * 2) * MT + r;
+    if constexpr (S == 1) {
+      da = sp[0];
+      db = sp[MT];
+    } else {
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        da += ld_rank(smem_addr(sp), s);
+        db += ld_rank(smem_addr(sp + MT), s);
+      }
+    }
     if (EPI == kRope) {
-      const int ra = row_of(p, false), rb = row_of(p, true), ps = pos[r];
-      half ha = __float2half_rn(da + __half2float(bias[ra]));
-      half hb = __float2half_rn(db + __half2float(bias[rb]));
+      const int ra = row_a(p), rb = row_b(p);
+      half ha = __float2half_rn(da + in.a);
+      half hb = __float2half_rn(db + in.b);
       if (ra < kQSize + kKVSize) {  // q and k heads: rotate (x1, x2) = (row j, row j + D/2)
-        const float2 cs = rope[(size_t)ps * (kHeadDim / 2) + ra % kHeadDim];
         const float x1 = __half2float(ha), x2 = __half2float(hb);
-        ha = __float2half_rn(x1 * cs.x - x2 * cs.y);
-        hb = __float2half_rn(x2 * cs.x + x1 * cs.y);
+        ha = __float2half_rn(x1 * in.cs.x - x2 * in.cs.y);
+        hb = __float2half_rn(x2 * in.cs.x + x1 * in.cs.y);
       }
       if (ra < kQSize) {
         out[(size_t)r * kQSize + ra] = ha;
@@ -302,109 +464,20 @@ gemv_rows(const half* __restrict__ x, const half* __restrict__ norm_w,
       } else {  // k or v: rows ra, rb are dims d, d + D/2 of one kv head
         const bool is_k = ra < kQSize + kKVSize;
         const int f = ra - kQSize - (is_k ? 0 : kKVSize), kh = f / kHeadDim, d = f % kHeadDim;
-        const int page = pages[(size_t)r * page_stride + ps / kPageTokens], t = ps % kPageTokens;
         half* cache = is_k ? kc : vc;
-        cache[kv_offset(page, kh, t, d)] = ha;
-        cache[kv_offset(page, kh, t, d + kHeadDim / 2)] = hb;
+        cache[kv_offset(in.page, kh, in.t, d)] = ha;
+        cache[kv_offset(in.page, kh, in.t, d + kHeadDim / 2)] = hb;
       }
     } else if (EPI == kSwiGLU) {
       out[(size_t)r * N + p] = __float2half_rn(da / (1.f + __expf(-da)) * db);
     } else {
       half* o = out + (size_t)r * N;
-      o[p] = __float2half_rn(__half2float(o[p]) + da);
-      if (p + half_n < N) o[p + half_n] = __float2half_rn(__half2float(o[p + half_n]) + db);
+      o[p] = __float2half_rn(in.a + da);
+      if (p + half_n < N) o[p + half_n] = __float2half_rn(in.b + db);
     }
-  };
-
-  // A piece's end: the k lanes' sums in lane order into the workspace slot, the block's
-  // counter, and the last CTA's reduction over the slots in slot order + the epilogue.
-  auto finish_piece = [&](MrSpan sp, int buf, int pg0) {
-    float* red = reinterpret_cast<float*>(smem + buf * S::kBytes);  // [SG][128 rows][MT]
-    __syncthreads();  // every warp is done with the stage
-#pragma unroll
-    for (int rt = 0; rt < 4; ++rt)
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int lr = rh * kMrPairs + rt * 16 + g + (e / 2) * 8;
-          const int col = tt * 8 + 2 * t4 + e % 2;
-          red[(kl * kMrRows + lr) * MT + col] = acc[rt][tt][e];
-          acc[rt][tt][e] = 0.f;
-        }
-    __syncthreads();
-    const int slot = blockIdx.x - cta_of(sp.b * G);
-    float* ws = work + ((size_t)sp.b * slots + slot) * mr_slot_floats<MT>();
-    for (int i = tid; i < MT * kMrRows; i += kThreads) {  // ws[r][lr]
-      const int r = i / kMrRows, lr = i % kMrRows;
-      float s = 0.f;
-#pragma unroll
-      for (int k = 0; k < SG; ++k) s += red[(k * kMrRows + lr) * MT + r];
-      ws[i] = s;
-    }
-    if (tid < MT) {
-      ws[MT * kMrRows + tid] = NORM ? piece_ss[tid] : 0.f;
-      if (NORM) piece_ss[tid] = 0.f;
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      const int n = sp.g0 + sp.ng - pg0;  // the piece's groups
-      last = atom_add_acq_rel(counters + sp.b, n) + n == G;
-      if (last) counters[sp.b] = 0;  // every piece has arrived: nobody else touches it now
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const int nslots = cta_of(min(units, (sp.b + 1) * G) - 1) - cta_of(sp.b * G) + 1;
-    const float* wb = work + (size_t)sp.b * slots * mr_slot_floats<MT>();
-    for (int i = tid; i < MT * kMrPairs; i += kThreads) {
-      const int r = i / kMrPairs, j = i % kMrPairs, p = sp.b * kMrPairs + j;
-      if (r >= M || p >= pairs) continue;
-      float da = 0.f, db = 0.f, ss = 0.f;
-      for (int s = 0; s < nslots; ++s) {
-        const float* w = wb + (size_t)s * mr_slot_floats<MT>();
-        da += __ldcg(w + r * kMrRows + j);
-        db += __ldcg(w + r * kMrRows + kMrPairs + j);
-        if (NORM) ss += __ldcg(w + MT * kMrRows + r);
-      }
-      if (NORM) {
-        const float rstd = rsqrtf(ss / K + kRmsEps);
-        da *= rstd;
-        db *= rstd;
-      }
-      epilogue(r, p, da, db);
-    }
-  };
-
-  if (NORM && tid < MT) piece_ss[tid] = 0.f;
-  // Prologue: stage 0's weights (constant) before the wait for x, its x after it.
-  int nst = 0;  // stages of this CTA
-  for (int u = u0; u < u1; u += span_at(u).ng) ++nst;
-  MrSpan cur = span_at(u0);
-  if (u0 < u1) issue(cur, 0, true, false);
-  pdl_wait();
-  if (u0 < u1) issue(cur, 0, false, true);
-  cp_async_commit();
-  int pg0 = cur.g0;  // the current piece's first group
-  for (int i = 0, u = u0; i < nst; ++i) {
-    const int buf = i % kMrStages;
-    store_scales(buf);
-    const MrSpan nxt = span_at(u + cur.ng);
-    if (i + 1 < nst) issue(nxt, (i + 1) % kMrStages, true, true);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    if (NORM) {
-      normalize(buf, cur.ng);
-      __syncthreads();
-    }
-    compute(buf, cur.ng);
-    const bool piece_end = cur.g0 + cur.ng == G || i + 1 == nst;
-    if (piece_end) finish_piece(cur, buf, pg0);
-    __syncthreads();  // buf is free for stage i + kMrStages
-    u += cur.ng;
-    if (piece_end) pg0 = nxt.g0;
-    cur = nxt;
+  }
+  if constexpr (S > 1) {  // no rank leaves while another may still read its sums
+    cluster_arrive();
+    cluster_wait();
   }
 }

@@ -1,0 +1,221 @@
+"""gemv_rows.cu's index math emulated in numpy (no GPU): the producer's copies (bulk copies,
+TMA boxes, the scales' cp.async) into a stage's bytes, the swizzled x, each lane's A / B
+fragments of mma.m16n8k16, the scales' offsets, the groups' rotation over the warps, the stage
+reduction, the cluster's K slices and the epilogue's items, on small awkward shapes; the
+result must be the dequantized weights' product.
+
+The emulation follows the kernel statement by statement (names as there); it checks the
+layout arithmetic, not the hardware: a mismatch here is an indexing bug in one of the two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen.config import GROUP_SIZE
+from nanoqwen.cuda import registry
+from nanoqwen.quant import dequantize_packed
+
+C, P, HEAD_DIM = 16, registry.ROWS_STAGE_PAIRS, 64  # consumer warps, pairs a stage
+ROPE, RESIDUAL, SWIGLU = (registry.Epilogue.ROPE, registry.Epilogue.RESIDUAL,
+                          registry.Epilogue.SWIGLU)  # fmt: skip
+
+
+def shape(k: int, s: int) -> dict[str, int]:
+    """MrShape<K, MT, S>'s byte counts."""
+    g = k // GROUP_SIZE
+    gs = -(-g // s)
+    row = k // 2 if s == 1 else gs * 64
+    sc_row = ((gs + 2) * 2 + 15) // 16 * 16
+    scales = (P * g * 2 + 28 + 15) // 16 * 16 if s == 1 else P * sc_row
+    stage = (2 * P * row + 2 * scales + 127) // 128 * 128
+    assert stage == registry.rows_stage_bytes(k, s)
+    return {"G": g, "GS": gs, "kRow": row, "kRun": P * row, "kScRow": sc_row, "kScales": scales,
+            "kStage": stage}  # fmt: skip
+
+
+def nibbles(words: np.ndarray) -> np.ndarray:
+    """dequant_word's values of 32-bit words [...]: [..., 8] in pair order (nibbles 0, 4, 1, 5,
+    2, 6, 3, 7; each the signed two's-complement nibble)."""
+    order = np.array([0, 4, 1, 5, 2, 6, 3, 7])
+    nib = (words[..., None].astype(np.int64) >> (4 * order)) & 0xF
+    return ((nib ^ 8) - 8).astype(np.float64)
+
+
+def xr_unit(r, u):
+    return u ^ ((u >> 3) & 1) ^ ((r & 1) << 1)
+
+
+class Emulation:
+    """gemv_rows<K, MT, *, EPI, S> over words uint32 [R, K/8], scales fp16 [R, G], x fp16
+    [M, K] (already normalized), N features, in `ncl` clusters. run() -> [M, R] float64: each
+    row's epilogue sums (kRope's rows a and b written raw)."""
+
+    def __init__(self, words, scales, x, n, epi, mt, s, ncl):
+        self.words, self.x, self.n, self.epi, self.mt, self.s, self.ncl = (
+            words, x, n, epi, mt, s, ncl)  # fmt: skip
+        self.m, self.k = x.shape
+        self.sh = shape(self.k, s)
+        self.wbytes = np.concatenate([words.reshape(-1).view(np.uint8), np.zeros(16, np.uint8)])
+        self.sbytes = np.concatenate([scales.reshape(-1).view(np.uint8), np.zeros(16, np.uint8)])
+        self.pairs = n if epi == SWIGLU else (n + 1) // 2
+        self.rows_total = 2 * n if epi == SWIGLU else n
+        self.rng = np.random.default_rng(1)  # stale shared memory: random bytes (NaN, inf)
+
+    def row_a(self, p):
+        return p // (HEAD_DIM // 2) * HEAD_DIM + p % (HEAD_DIM // 2) if self.epi == ROPE else p
+
+    def row_b(self, p):
+        if self.epi == ROPE:
+            return self.row_a(p) + HEAD_DIM // 2
+        return p + (self.n if self.epi == SWIGLU else (self.n + 1) // 2)
+
+    def run(self):
+        out = np.full((self.m, self.rows_total), np.nan)
+        for cl in range(self.ncl):
+            p0, p1 = cl * self.pairs // self.ncl, (cl + 1) * self.pairs // self.ncl
+            sums = [self.rank_sums(rank, p0, p1) for rank in range(self.s)]
+            self.epilogue(out, sums, p0, p1 - p0)
+        return out
+
+    def rank_sums(self, rank, p0, p1):
+        """One rank's [npairs][2][MT] sums: x of its slice staged, then the stages."""
+        sh, s = self.sh, self.s
+        g0 = rank * sh["G"] // s
+        gs = (rank + 1) * sh["G"] // s - g0
+        xs = self.rng.integers(0, 255, (self.mt * sh["GS"] * 16, 16)).astype(np.uint8)
+        for r in range(self.m):
+            for u in range(gs * 16):
+                e = g0 * GROUP_SIZE + u * 8
+                xs[r * sh["GS"] * 16 + xr_unit(r, u)] = self.x[r, e : e + 8].view(np.uint8)
+        xh = xs.view(np.float16).astype(np.float64)  # [units, 8]
+        sm = np.zeros((p1 - p0, 2, self.mt))
+        p, i = p0, 0
+        while p < p1:
+            np_ = min(P, p1 - p)
+            if self.epi == ROPE:
+                np_ = min(np_, HEAD_DIM // 2 - p % (HEAD_DIM // 2))
+            st = self.stage(p, np_, g0, gs)
+            red = np.stack([self.warp_sums(st, xh, p, i, warp, g0, gs) for warp in range(C)])
+            for tid in range(16 * self.mt):  # one thread per (row, token), warps in order
+                row, r = tid // self.mt, tid % self.mt
+                v = red.reshape(C, -1)[:, tid].sum()
+                if row % 8 < np_ and r < self.m:
+                    sm[p - p0 + row % 8, row // 8, r] = v
+            p += np_
+            i += 1
+        return sm
+
+    def stage(self, p, np_, g0, gs):
+        """The stage's bytes after the producer's copies (stale bytes elsewhere)."""
+        sh, k = self.sh, self.k
+        st = self.rng.integers(0, 255, sh["kStage"]).astype(np.uint8)
+        for lane in range(4 if self.s == 1 else 0):  # bulk copies: runs, then their scales
+            run = lane & 1
+            r0 = self.row_b(p) if run else self.row_a(p)
+            rows = max(0, min(np_, self.rows_total - r0))
+            if lane < 2:
+                src, dst, nb, from_ = r0 * (k // 2), run * sh["kRun"], rows * (k // 2), self.wbytes
+            else:
+                e0 = (r0 * sh["G"]) & ~7
+                src, dst = e0 * 2, 2 * sh["kRun"] + run * sh["kScales"]
+                nb = ((((r0 + rows) * sh["G"] + 7) & ~7) - e0) * 2 if rows else 0
+                from_ = self.sbytes
+            assert src % 16 == 0 and dst % 16 == 0 and nb % 16 == 0
+            assert dst + nb <= sh["kStage"] and src + nb <= from_.size
+            st[dst : dst + nb] = from_[src : src + nb]
+        if self.s > 1:  # two TMA boxes [8 rows][GS groups][64 bytes], zeros past the matrix
+            words3 = self.words.reshape(self.rows_total, sh["G"], 16)
+            for run, r0 in enumerate((self.row_a(p), self.row_b(p))):
+                box = np.zeros((8, sh["GS"], 16), np.uint32)
+                part = words3[r0 : r0 + 8, g0 : g0 + sh["GS"]]
+                box[: part.shape[0], : part.shape[1]] = part
+                st[run * sh["kRun"] : (run + 1) * sh["kRun"]] = box.reshape(-1).view(np.uint8)
+            for rr in range(16):  # the scales' 4-byte cp.async, row by row
+                ra = self.row_a(p) if rr < 8 else self.row_b(p)
+                if rr % 8 >= max(0, min(np_, self.rows_total - ra)):
+                    continue
+                first = (ra + rr % 8) * sh["G"] + g0
+                e0 = first & ~1
+                units = (first + gs + 1 - e0) // 2
+                dst = 2 * sh["kRun"] + rr * sh["kScRow"]
+                assert 4 * units <= sh["kScRow"] and e0 * 2 + 4 * units <= self.sbytes.size
+                st[dst : dst + 4 * units] = self.sbytes[e0 * 2 : e0 * 2 + 4 * units]
+        return st
+
+    def warp_sums(self, st, xh, p, i, warp, g0, gs):
+        """Warp `warp`'s [16 rows][MT] sums of stage i, as its lanes store them into red."""
+        sh, mt = self.sh, self.mt
+        sc = st[2 * sh["kRun"] :].view(np.float16).astype(np.float64)
+        acc = np.zeros((8, 4, mt // 8, 4))  # lane (g, t4): [tt][c]
+        for j in range((warp + C - i % C) % C, gs, C):
+            for g in range(8):
+                if self.s == 1:
+                    sa = (self.row_a(p) * sh["G"]) % 8 + g * sh["G"]
+                    sb = sh["kScales"] // 2 + (self.row_b(p) * sh["G"]) % 8 + g * sh["G"]
+                else:
+                    sa = g * sh["kScRow"] // 2 + ((self.row_a(p) + g) * sh["G"] + g0) % 2
+                    sb = (8 + g) * sh["kScRow"] // 2 + ((self.row_b(p) + g) * sh["G"] + g0) % 2
+                fa, fb = sc[sa + j], sc[sb + j]
+                # The mma's D over the four lanes t4' of a row and a column: row g (a) / g + 8
+                # (b) is chunk t4' of the row's group j in the stage, column col the x units
+                # that lane (col % 8, t4') loads.
+                o = g * sh["kRow"] + j * 64
+                va = nibbles(st[o : o + 64].view(np.uint32)).reshape(4, 4, 8)
+                o += sh["kRun"]
+                vb = nibbles(st[o : o + 64].view(np.uint32)).reshape(4, 4, 8)
+                u = j * 16 + np.arange(16).reshape(4, 4)  # [t4', q]
+                cols = np.arange(mt)[:, None, None]
+                xu = xh[cols * sh["GS"] * 16 + xr_unit(cols, u)]  # [mt, t4', q, 8]
+                d_a = np.einsum("tqe,ctqe->c", va, xu)
+                d_b = np.einsum("tqe,ctqe->c", vb, xu)
+                for t4 in range(4):
+                    for tt in range(mt // 8):
+                        col = tt * 8 + 2 * t4
+                        acc[g, t4, tt, :2] += fa * d_a[col : col + 2]
+                        acc[g, t4, tt, 2:] += fb * d_b[col : col + 2]
+        red = np.zeros((16, mt))
+        for g in range(8):
+            for t4 in range(4):
+                for tt in range(mt // 8):
+                    col = tt * 8 + 2 * t4
+                    red[g, col : col + 2] = acc[g, t4, tt, :2]
+                    red[g + 8, col : col + 2] = acc[g, t4, tt, 2:]
+        return red
+
+    def epilogue(self, out, sums, p0, npairs):
+        """Item e (token e % M of pair p0 + e / M) on rank e % S, the ranks' sums in order."""
+        s, m = self.s, self.m
+        for rank in range(s):
+            for tid in range(C * 32):
+                for e in range(rank + s * tid, npairs * m, s * C * 32):
+                    i, r = e // m, e % m
+                    p = p0 + i
+                    assert np.isnan(out[r, self.row_a(p)])  # each item once
+                    out[r, self.row_a(p)] = sum(sums[q][i, 0, r] for q in range(s))
+                    if self.row_b(p) < self.rows_total:
+                        out[r, self.row_b(p)] = sum(sums[q][i, 1, r] for q in range(s))
+
+
+@pytest.mark.parametrize(
+    "k_groups, n, epi, m, mt, s, ncl",
+    [
+        (7, 38, RESIDUAL, 3, 8, 1, 3),  # G < C warps; pairs not a multiple of 8
+        (21, 22, SWIGLU, 8, 8, 1, 2),  # SwiGLU: gate p / up p
+        (37, 30, RESIDUAL, 11, 16, 4, 2),  # uneven K slices, two token tiles
+        (37, 20, SWIGLU, 16, 16, 8, 1),  # boxes past the last slice's end (zeros)
+        (18, 3 * HEAD_DIM, ROPE, 5, 8, 2, 5),  # RoPE partners; stages end at head boundaries
+    ],
+)
+def test_gemv_rows_emulated(k_groups, n, epi, m, mt, s, ncl):
+    rng = np.random.default_rng(0)
+    k = k_groups * GROUP_SIZE
+    rows = 2 * n if epi == SWIGLU else n
+    words = rng.integers(0, 2**32, (rows, k // 8), dtype=np.uint64).astype(np.uint32)
+    scales = rng.uniform(0.5, 1.5, (rows, k // GROUP_SIZE)).astype(np.float16)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    ref = x.astype(np.float64) @ dequantize_packed(words, scales).astype(np.float64).T
+    with np.errstate(invalid="ignore", over="ignore"):  # stale rows and columns, discarded
+        got = Emulation(words, scales, x, n, epi, mt, s, ncl).run()
+    np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
