@@ -432,7 +432,8 @@ def test_inspect_json_verify(files, cli, model, capsys):
 def test_inspect_verify_fails_on_corruption(files, cli, model, capsys):
     offset, header = files.read_header(model.read_bytes())
     entry = _entry(header, "layers.1.down_proj.qweight")
-    patch(model, entry["offset"] + entry["nbytes"] - 1, b"\x5a")
+    last = entry["offset"] + entry["nbytes"] - 1
+    patch(model, last, bytes([model.read_bytes()[last] ^ 0x5A]))  # always a different byte
     assert cli.main(["inspect", str(model)]) == 0  # the header is fine
     assert cli.main(["inspect", str(model), "--verify"]) == 2
     assert "tensor layers.1.down_proj.qweight (stored" in capsys.readouterr().err
