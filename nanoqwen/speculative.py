@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .cuda.registry import MAX_ROWS
 from .errors import NanoqwenError
 from .sampling import SamplingParams, probabilities, sample
 
@@ -67,9 +68,10 @@ if TYPE_CHECKING:
     import torch
 
 METHODS = ("ngram",)
-# The verify step runs 1 + K rows, so at most 16: up to M = 16 activation rows an INT4 GEMM
-# stays memory-bound, one read of the weights serving every row (Marlin, Frantar et al. 2024).
-MAX_DRAFT_TOKENS = 15
+# The verify step runs 1 + K rows, at most the multi-token step's MAX_ROWS: up to 16 activation
+# rows an INT4 GEMM stays memory-bound, one read of the weights serving every row (Marlin,
+# Frantar et al. 2024).
+MAX_DRAFT_TOKENS = MAX_ROWS - 1
 
 
 class SpeculativeError(NanoqwenError, ValueError):

@@ -28,13 +28,20 @@ _MAX_KEPT_MAPS = 4096  # gemv_rows' weight descriptors kept (four a layer of the
 
 @dataclass(frozen=True)
 class AttentionScratch:
-    """Decode attention's split scratch (DeviceArrays): part_ml fp32 [n_heads, S, 2] and
-    part_acc fp32 [n_heads, S, D] (S = geometry.attn_splits, the kernel's stride), counters
-    int32 [n_kv] (zeroed once; every launch leaves them zero, so a captured graph replays)."""
+    """An attention kernel's split scratch (DeviceArrays): the splits' partial (max, sum)
+    part_ml and outputs part_acc, fp32, and the last-CTA counters, int32 (zeroed once; every
+    launch leaves them zero, so a captured graph replays). Shapes: attention_scratch_buffers
+    (attn_decode) and rows_attention_scratch_buffers (attention_rows)."""
 
     part_ml: object
     part_acc: object
     counters: object
+
+    @classmethod
+    def allocate(cls, gpu: Gpu, sizes: dict[str, int], what: str) -> AttentionScratch:
+        bufs = {k: gpu.alloc(n, f"{what} {k}") for k, n in sizes.items()}
+        gpu.memset(bufs["counters"].ptr, 0, sizes["counters"])  # the last-CTA semaphores
+        return cls(**bufs)
 
     def free(self) -> None:
         for buf in (self.part_ml, self.part_acc, self.counters):
@@ -42,7 +49,8 @@ class AttentionScratch:
 
 
 def attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
-    """Bytes of AttentionScratch's buffers (S = g.attn_splits)."""
+    """Bytes of attn_decode's scratch (S = g.attn_splits, the kernel's stride): part_ml fp32
+    [n_heads, S, 2], part_acc fp32 [n_heads, S, D], counters int32 [n_kv]."""
     c, splits = config, g.attn_splits
     return {
         "part_ml": c.num_heads * splits * 2 * 4,
@@ -248,9 +256,7 @@ class DecodeKernels(Launcher):
     def attention_scratch(self) -> AttentionScratch:
         """The scratch `attention` needs for this geometry, allocated on the Gpu."""
         sizes = attention_scratch_buffers(self.config, self.geometry)
-        bufs = {k: self.gpu.alloc(n, f"attention {k}") for k, n in sizes.items()}
-        self.gpu.memset(bufs["counters"].ptr, 0, sizes["counters"])  # the last-CTA semaphores
-        return AttentionScratch(**bufs)
+        return AttentionScratch.allocate(self.gpu, sizes, "attention")
 
     def lm_head(self, x, norm_w, w, logits, key, stream=None, rows: int | None = None) -> None:
         """x fp16 [H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H]; logits fp32 [V];
@@ -276,24 +282,10 @@ class DecodeKernels(Launcher):
                     nbytes=self.config.vocab_size * 4)  # fmt: skip
 
 
-@dataclass(frozen=True)
-class RowsAttentionScratch:
-    """attention_rows' split scratch (DeviceArrays), R = verify_rows x group ratio rows a kv
-    head, S = mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster: part_ml fp32
-    [n_kv, C, R, S, 2], part_acc fp32 [n_kv, R, S, D], counters int32 [n_kv, C] (zeroed once;
-    every launch leaves them zero, so a captured graph replays)."""
-
-    part_ml: object
-    part_acc: object
-    counters: object
-
-    def free(self) -> None:
-        for buf in (self.part_ml, self.part_acc, self.counters):
-            buf.free()
-
-
 def rows_attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
-    """Bytes of RowsAttentionScratch's buffers."""
+    """Bytes of attention_rows' scratch (R = verify_rows x group ratio rows a kv head, S =
+    mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster): part_ml fp32 [n_kv, C,
+    R, S, 2], part_acc fp32 [n_kv, R, S, D], counters int32 [n_kv, C]."""
     c, cl = config, g.mattn_cluster
     rows, clusters = g.verify_rows * c.group_ratio, g.mattn_splits // cl
     return {
@@ -340,7 +332,7 @@ class VerifyKernels(Launcher):
             )
         return m
 
-    def attention_rows(self, q, kc, vc, pages, start, m: int, scratch: RowsAttentionScratch,
+    def attention_rows(self, q, kc, vc, pages, start, m: int, scratch: AttentionScratch,
                        out, stream=None) -> None:  # fmt: skip
         """Attention of M query rows at positions *start .. *start + M - 1 (row t over keys 0 ..
         *start + t), split along the sequence in `attn_splits` CTAs a kv head with the
@@ -357,12 +349,10 @@ class VerifyKernels(Launcher):
                     scratch.counters.ptr, out, stream=stream,
                     per_token=c.kv_size * 2 * 2)  # fmt: skip
 
-    def attention_scratch(self) -> RowsAttentionScratch:
+    def attention_scratch(self) -> AttentionScratch:
         """The scratch attention_rows needs for this geometry, allocated on the Gpu."""
         sizes = rows_attention_scratch_buffers(self.config, self.geometry)
-        bufs = {k: self.gpu.alloc(n, f"attention_rows {k}") for k, n in sizes.items()}
-        self.gpu.memset(bufs["counters"].ptr, 0, sizes["counters"])  # the last-CTA semaphores
-        return RowsAttentionScratch(**bufs)
+        return AttentionScratch.allocate(self.gpu, sizes, "attention_rows")
 
     def lm_head_rows(self, x, norm_w, w, logits, keys, m: int, stream=None,
                      rows: int | None = None) -> None:  # fmt: skip

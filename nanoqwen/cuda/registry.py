@@ -65,6 +65,13 @@ def c_name(field: str) -> str:
     return "k" + "".join(part.capitalize() for part in field.split("_"))
 
 
+# The multi-token step (speculative decoding's verify, batching): token rows 1..MAX_ROWS; the
+# M-row GEMV (gemv_rows.cu) is compiled in buckets of n8 tiles. Up to 16 rows an INT4 GEMV over
+# the rows stays memory-bound (one read of the weights serves every row).
+ROW_BUCKETS = (8, 16)
+MAX_ROWS = ROW_BUCKETS[-1]
+
+
 @dataclass(frozen=True)
 class Geometry:
     """Launch geometry and tunables of every kernel. Each field reaches the kernels as
@@ -113,13 +120,13 @@ class Geometry:
     attn_min_pages: int = 16
     attn_merge_loads: int = 16
     attn_ctas: int = 128  # host only
-    # The multi-row step (speculative decoding: the current token and its drafts): the most
-    # rows; decode_attention_rows.cu's consumer warps (one producer more; a power of two), most
-    # splits along the sequence, ring pages, CTAs a cluster merges, fewest pages a cluster rank
-    # owns and the final merge's independent loads a thread; lm_head_rows.cu's consumer warps
+    # The multi-row step (speculative decoding: the current token and its drafts; its most rows
+    # are MAX_ROWS, kVerifyRows in the header): decode_attention_rows.cu's consumer warps (one
+    # producer more; a power of two), most splits along the sequence, ring pages, CTAs a
+    # cluster merges, fewest pages a cluster rank owns and the final merge's independent loads
+    # a thread; lm_head_rows.cu's consumer warps
     # (one producer more), vocab rows a block (TMA box rows), columns a k-tile (TMA box
     # columns: 128 bytes), ring stages at most, and the shared memory it asks for.
-    verify_rows: int = 16
     mattn_consumers: int = 8
     mattn_splits: int = 64
     mattn_stages: int = 16
@@ -169,10 +176,16 @@ class Geometry:
     def lmr_threads(self) -> int:
         return (self.lmr_consumers + 1) * 32
 
+    @property
+    def verify_rows(self) -> int:
+        """The multi-row step's most rows: MAX_ROWS (the M-row GEMV's largest bucket)."""
+        return MAX_ROWS
+
     def constants(self) -> dict[str, int]:
         """Every value the header declares, by its C name (fields, then derived sizes)."""
         out = {c_name(f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
-        for derived in ("gv_threads", "norm_rows", "attn_threads", "mattn_threads", "lmr_threads"):
+        for derived in ("gv_threads", "norm_rows", "attn_threads", "mattn_threads", "lmr_threads",
+                        "verify_rows"):  # fmt: skip
             out[c_name(derived)] = getattr(self, derived)
         return out
 
@@ -412,11 +425,6 @@ def gemv_pairs(n: int, epi: Epilogue) -> int:
     """Pairs of output rows a GEMV takes (gemv_int4.cu: rows two at a time; SwiGLU: gate row
     p with up row p)."""
     return n if epi == Epilogue.SWIGLU else -(-n // 2)
-
-
-# The M-row GEMV (gemv_rows.cu): token rows 1..MAX_ROWS, compiled in buckets of n8 tiles.
-ROW_BUCKETS = (8, 16)
-MAX_ROWS = ROW_BUCKETS[-1]
 
 
 def row_bucket(m: int) -> int:

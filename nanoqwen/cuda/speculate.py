@@ -58,11 +58,6 @@ class SpeculateKernels(Launcher):
         *,
         pdl: bool = True,
     ) -> None:
-        rows = geometry.verify_rows
-        if spec.k + 1 > rows:
-            raise SpeculativeError(
-                f"k={spec.k} drafts need {spec.k + 1} verify rows, the step has {rows}"
-            )
         super().__init__(gpu, config, registry.speculate_specs(geometry), geometry, pdl=pdl)
         self.spec, self.capacity = spec, check_capacity(capacity)
         for kernel in self.kernels.values():  # the decode step's one carveout (DecodeKernels)
