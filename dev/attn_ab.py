@@ -50,6 +50,7 @@ from nanoqwen.config import ModelConfig, preset
 from nanoqwen.cuda import jit, registry
 from nanoqwen.cuda.device import Gpu
 from nanoqwen.cuda.prefill import PrefillKernels
+from nanoqwen.harness.gpu_script import gpu_session, run_part
 from nanoqwen.harness.prefill_checks import check_attention, paged_kv, wait_or_die
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,21 +178,6 @@ def time_case(gpu, kernels: dict, cfg: ModelConfig, T: int, reps: int, gen) -> d
             for n, r in runs.items()}  # fmt: skip
 
 
-def part(status: dict, name: str, log, fn, *args):
-    """Run one part; an exception is logged and marks it FAIL without stopping the others."""
-    t0 = time.time()
-    try:
-        result = fn(*args)
-        status[name] = "PASS" if result is not False else "FAIL"
-        return result
-    except Exception:  # noqa: BLE001 - every later part should still run
-        log(f"{name}: ERROR\n{traceback.format_exc()}")
-        status[name] = "ERROR"
-        return None
-    finally:
-        log(f"[{name}: {status.get(name, 'ERROR')}, {time.time() - t0:.1f} s]")
-
-
 def build(gpu, args, log) -> dict:
     """This tree's kernels ("new"), and "old" / "contig" where their sources can be had, for
     the 7B and the 32B shapes: {kind: {model name: launcher}}."""
@@ -260,14 +246,17 @@ def run(args, gpu: Gpu, log) -> int:
     seed = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; logged to replay
     gen.manual_seed(seed)
     log(f"seed {seed}")
-    status, rows = {}, []
-    built = part(status, "build", log, build, gpu, args, log)
+    results, rows = {}, []
+    built = run_part("build", results, log, lambda: build(gpu, args, log))
     if built is not None:
-        part(status, "validate", log, validate, built, gen, log)
+        run_part("validate", results, log, lambda: validate(built, gen, log))
         if built["old"]:
             pairs = [(preset(n), built["old"][n], built["new"][n]) for n in built["old"]]
-            part(status, "same-bits", log, same_bits, pairs, gen, log)
-        part(status, "time", log, time_all, gpu, built, args, gen, rows, log)
+            run_part("same-bits", results, log, lambda: same_bits(pairs, gen, log))
+        run_part("time", results, log, lambda: time_all(gpu, built, args, gen, rows, log))
+    # a part that raised is an ERROR, one that returned False a FAIL
+    status = {k: "ERROR" if v is None else "FAIL" if v is False else "PASS"
+              for k, v in results.items()}  # fmt: skip
     summary = {"status": status, "seed": seed, "rows": rows}
     (Path(args.out) / "attn_ab.json").write_text(json.dumps(summary, indent=1))
     log("\nRESULT " + " ".join(f"{k} {v}" for k, v in status.items()))
@@ -287,20 +276,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="log/JSON directory")
     args = ap.parse_args()
     args.timed_t = tuple(int(t) for t in args.timed_t.split(","))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "attn_ab.log", "w") as fh:
-
-        def log(msg: str) -> None:
-            print(msg, flush=True)
-            fh.write(msg + "\n")
-            fh.flush()
-
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.cuda.init()
-        gpu = Gpu(torch.cuda.current_device())
-        with torch.cuda.stream(torch.cuda.ExternalStream(int(gpu.stream.handle))):
-            return run(args, gpu, log)
+    with gpu_session(args.out, "attn_ab.log") as (gpu, log):
+        return run(args, gpu, log)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from nanoqwen.config import PAGE_TOKENS, preset
 from nanoqwen.cuda.decode import DecodeKernels, VerifyKernels
 from nanoqwen.cuda.device import Gpu
 from nanoqwen.harness.bench import time_graph
+from nanoqwen.harness.gpu_script import gpu_session, run_part
 from nanoqwen.harness.prefill_checks import wait_or_die
 
 ATTN_MS = (1, 2, 3, 5, 8, 16)
@@ -252,17 +252,6 @@ def time_lm_head(gpu, dk, vk, cfg, lm: LmHead, log) -> list[tuple]:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def part(name: str, results: dict, log, fn):
-    """Run one part; a failure is logged with its traceback and recorded, not raised."""
-    t0 = time.time()
-    try:
-        results[name] = fn()
-    except Exception:
-        log(f"{name}: FAILED\n{traceback.format_exc()}")
-        results[name] = None
-    log(f"[{name}: {time.time() - t0:.1f} s]")
-
-
 def run(parts: set[str], gpu: Gpu, log) -> int:
     seed = int.from_bytes(os.urandom(4), "little")
     log(f"device {gpu.name} SMs {gpu.num_sms} torch {torch.__version__} seed {seed} "
@@ -280,12 +269,12 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
         kernels["lm"] = LmHead(cfg7, kernels["vk"].geometry.verify_rows, gen)
         return True
 
-    part("setup", results, log, lm_setup)
+    run_part("setup", results, log, lm_setup)
     if "lm_head" in parts and "lm" in kernels:
-        part("lm_head", results, log,
+        run_part("lm_head", results, log,
              lambda: check_lm_head(gpu, kernels["vk"], cfg7, kernels["lm"], log))  # fmt: skip
     if "attention" in parts:
-        part("attention", results, log, lambda: check_attention(gpu, gen, log))
+        run_part("attention", results, log, lambda: check_attention(gpu, gen, log))
     table = []
     if "timing" in parts:
         if "lm" in kernels:
@@ -294,11 +283,11 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
                 dk = DecodeKernels(gpu, cfg7)
                 return time_lm_head(gpu, dk, kernels["vk"], cfg7, kernels["lm"], log)
 
-            part("lm_head timing", results, log, lm_time)
+            run_part("lm_head timing", results, log, lm_time)
             table += results["lm_head timing"] or []
         kernels.pop("lm", None)  # its 3.3 GB before the attention caches
         torch.cuda.empty_cache()
-        part("attention timing", results, log, lambda: time_attention(gpu, gen, log))
+        run_part("attention timing", results, log, lambda: time_attention(gpu, gen, log))
         table += results["attention timing"] or []
     if table:
         log(f"\n{'kernel':10s} {'ctx/H':>6s} {'M':>3s} {'us':>9s} {'x M=1':>6s} {'TB/s':>6s}"
@@ -318,19 +307,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="log directory")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "attn_rows.log"), "w") as fh:
-
-        def log(msg: str) -> None:
-            print(msg, flush=True)
-            fh.write(msg + "\n")
-            fh.flush()
-
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.cuda.init()
-        gpu = Gpu(torch.cuda.current_device())
-        with torch.cuda.stream(torch.cuda.ExternalStream(int(gpu.stream.handle))):
-            return run(parts, gpu, log)
+    with gpu_session(args.out, "attn_rows.log") as (gpu, log):
+        return run(parts, gpu, log)
 
 
 if __name__ == "__main__":

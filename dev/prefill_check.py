@@ -39,6 +39,7 @@ from nanoqwen.config import ModelConfig, preset
 from nanoqwen.cuda.device import Gpu
 from nanoqwen.cuda.prefill import PrefillKernels
 from nanoqwen.cuda.registry import GEMM_TILES, GemmTile
+from nanoqwen.harness.gpu_script import gpu_session
 from nanoqwen.harness.prefill_checks import (
     check_attention,
     check_gemm,
@@ -201,20 +202,8 @@ def main() -> int:
             kind = "SwiGLU" if swiglu else "plain"
             raise SystemExit(f"--only {args.only!r} leaves no {kind} GEMM tile")
     parts = set(args.parts.split(","))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / f"prefill_check_{'_'.join(sorted(parts))}.log", "w") as fh:
-
-        def log(msg: str) -> None:
-            print(msg, flush=True)
-            fh.write(msg + "\n")
-            fh.flush()
-
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.cuda.init()
-        gpu = Gpu(torch.cuda.current_device())
-        with torch.cuda.stream(torch.cuda.ExternalStream(int(gpu.stream.handle))):
-            return run(args, gpu, tiles, parts, log)
+    with gpu_session(args.out, f"prefill_check_{'_'.join(sorted(parts))}.log") as (gpu, log):
+        return run(args, gpu, tiles, parts, log)
 
 
 if __name__ == "__main__":

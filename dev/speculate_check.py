@@ -34,7 +34,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 import torch
@@ -45,6 +44,7 @@ from nanoqwen.cuda.registry import STATE_WORDS
 from nanoqwen.cuda.speculate import SpeculateKernels
 from nanoqwen.engine.decode_loop import DecodeState, HostRing
 from nanoqwen.harness.bench import time_graph
+from nanoqwen.harness.gpu_script import gpu_session, run_part
 from nanoqwen.harness.prefill_checks import wait_or_die
 from nanoqwen.sampling import SamplingParams
 from nanoqwen.speculative import SpeculativeConfig, accept, cut, draft, step_limit
@@ -364,17 +364,6 @@ def time_kernels(gpu, rng, log) -> list[tuple]:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def part(name: str, results: dict, log, fn):
-    """Run one part; a failure is logged with its traceback and recorded, not raised."""
-    t0 = time.time()
-    try:
-        results[name] = fn()
-    except Exception:
-        log(f"{name}: FAILED\n{traceback.format_exc()}")
-        results[name] = None
-    log(f"[{name}: {time.time() - t0:.1f} s]")
-
-
 def run(parts: set[str], gpu: Gpu, log) -> int:
     seed = int.from_bytes(os.urandom(4), "little")
     log(f"device {gpu.name} SMs {gpu.num_sms} torch {torch.__version__} seed {seed} "
@@ -383,16 +372,16 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
     results: dict = {}
     verdict: dict = {}
     if parts & {"draft", "accept"}:
-        part("draft+accept", results, log, lambda: check_draft_accept(gpu, rng, log, parts))
+        run_part("draft+accept", results, log, lambda: check_draft_accept(gpu, rng, log, parts))
         for name in ("draft", "accept"):
             if name in parts:
                 verdict[name] = bool((results["draft+accept"] or {}).get(name))
     if "loop" in parts:
-        part("loop", results, log, lambda: check_loop(gpu, rng, log))
+        run_part("loop", results, log, lambda: check_loop(gpu, rng, log))
         verdict["loop"] = bool(results["loop"])
     table = []
     if "timing" in parts:
-        part("timing", results, log, lambda: time_kernels(gpu, rng, log))
+        run_part("timing", results, log, lambda: time_kernels(gpu, rng, log))
         table = results["timing"] or []
     words = [f"{k} {'PASS' if v else 'FAIL'}" for k, v in verdict.items()]
     log("RESULT " + (", ".join(words) or "timing only"))
@@ -413,18 +402,8 @@ def main() -> int:
     parts = set(args.parts.split(","))
     if "accept" in parts:
         parts.add("draft")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "speculate_check.log"), "w") as fh:
-
-        def log(msg: str) -> None:
-            print(msg, flush=True)
-            fh.write(msg + "\n")
-            fh.flush()
-
-        torch.cuda.init()
-        gpu = Gpu(torch.cuda.current_device())
-        with torch.cuda.stream(torch.cuda.ExternalStream(int(gpu.stream.handle))):
-            return run(parts, gpu, log)
+    with gpu_session(args.out, "speculate_check.log") as (gpu, log):
+        return run(parts, gpu, log)
 
 
 if __name__ == "__main__":

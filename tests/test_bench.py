@@ -257,3 +257,15 @@ def test_bench_kernels_on_tiny(tiny_model, tmp_path, capsys):
     assert sum(r["count"] for r in k["rows"]) == k["sum_of_kernels"]["count"]
     assert k["whole_step"]["us"] > 0
     assert any("attention" in r["label"] and r["bytes"] for r in k["rows"])
+
+
+def test_run_part_keeps_going_after_a_failure():
+    from nanoqwen.harness.gpu_script import run_part
+
+    logs, results = [], {}
+    assert run_part("first", results, logs.append, lambda: 3) == 3
+    assert run_part("second", results, logs.append, lambda: 1 / 0) is None
+    assert run_part("third", results, logs.append, lambda: False) is False
+    assert results == {"first": 3, "second": None, "third": False}
+    assert any("second: FAILED" in m and "ZeroDivisionError" in m for m in logs)
+    assert sum(m.startswith("[") and m.endswith(" s]") for m in logs) == 3
