@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 
 import numpy as np
 
@@ -37,6 +36,7 @@ from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.bench import time_graph
+from nanoqwen.harness.gpu_script import run_part
 
 TIE = 0.05  # logit stds: a top-2 margin under this is a near-tie (fp16 noise can flip it)
 MAX_DLOGIT = 0.05  # max |dlogit| / std between the two paths (the ladder's graph-tier bound)
@@ -167,14 +167,9 @@ def main() -> int:
     e = CudaBackend(NanoqwenFile(args.file), max_context=args.context + 64)
     vs = VerifyStep(e)
     prefill_context(e, rng.integers(0, e.config.vocab_size, args.context).astype(np.int32))
-    results, ok = {}, True
-    for name, part in (("check", lambda: check(e, vs, ms, args.context, rng)),
-                       ("time", lambda: timing(e, vs, ms, args.context))):  # fmt: skip
-        try:
-            results[name] = part()
-        except Exception:
-            traceback.print_exc()
-            results[name] = None
+    results: dict = {}
+    run_part("check", results, print, lambda: check(e, vs, ms, args.context, rng))
+    run_part("time", results, print, lambda: timing(e, vs, ms, args.context))
     ok = results["check"] is True
     if results["time"]:
         print(f"\nverify step, {e.config.name}, context {args.context} (us a step, graph of 20)")
