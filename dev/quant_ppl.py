@@ -12,15 +12,19 @@ tensor rounded to float16. Printed per quantizer: NLL per predicted token, perpl
 perplexity gap to the source in %, top-1 agreement with the source's argmax, quantize seconds.
 
 Variants: gptq-noact (columns in natural order), gptq-damp0.1 (damping 0.1). Use --threads 1 on
-a shared machine.
+a shared machine. Every score is saved under --results; --reuse takes saved ones instead of
+computing them, so parallel runs (one per quantizer, one for the source) merge into one table:
+run them with --reuse, then once more with --reuse and the same arguments to print the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -127,33 +131,62 @@ def score(model: Qwen2Reference, windows: np.ndarray) -> tuple[float, np.ndarray
     return nll / (count * (t - 1)), np.stack(top)
 
 
+def run_quantizer(quantizer, config, tokenizer, get, windows, args):
+    """(NLL, argmax, quantize seconds) of one quantizer's model."""
+    started = time.perf_counter()
+    packed = quantized_projections(quantizer, config, tokenizer, get, args.calib_tokens)
+    seconds = time.perf_counter() - started
+    return (*score(build_model(config, get, packed, windows.shape[1]), windows), seconds)
+
+
+def run_source(config, get, windows):
+    """(NLL, argmax, 0) of the float32 source."""
+    return (*score(build_model(config, get, None, windows.shape[1]), windows), 0.0)
+
+
+def cached_score(path: Path, reuse: bool, compute) -> tuple[float, np.ndarray, float]:
+    """(NLL, argmax, seconds) from `path` when `reuse` and it exists, else computed and saved."""
+    if reuse and path.is_file():
+        with np.load(path) as f:
+            return float(f["nll"]), f["top"], float(f["seconds"])
+    nll, top, seconds = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, nll=nll, top=top, seconds=seconds)
+    return nll, top, seconds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", nargs="+", default=["0.5b", "1.5b"])
-    ap.add_argument("--quantizer", nargs="+", default=["rtn", "gptq"])
+    ap.add_argument("--quantizer", nargs="*", default=["rtn", "gptq"])
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens")
     ap.add_argument("--calib-tokens", type=int, default=calibrate.DEFAULT_CALIBRATION_TOKENS)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--results", type=Path, default=Path("/tmp/quant_ppl"), help="score files")
+    ap.add_argument(
+        "--reuse", action="store_true", help="take scores already in --results (e.g. the "
+        "source's, from a parallel run) instead of computing them; the source is scored last"
+    )  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.model:
         config, tokenizer, get = source(name)
         windows = calibrate.stdlib_windows(tokenizer, EVAL_FILES, args.windows)
-        started = time.perf_counter()
-        base_nll, base_top = score(build_model(config, get, None, windows.shape[1]), windows)
-        print(f"{name} source: NLL {base_nll:.4f} ({time.perf_counter() - started:.0f} s)")
-        rows.append((name, "source f32", base_nll, 0.0, 1.0, 0.0))
+        tag = f"{name}-w{args.windows}"
+        scores = {}
         for quantizer in args.quantizer:
-            started = time.perf_counter()
-            packed = quantized_projections(quantizer, config, tokenizer, get, args.calib_tokens)
-            seconds = time.perf_counter() - started
-            nll, top = score(build_model(config, get, packed, windows.shape[1]), windows)
-            del packed
+            path = args.results / f"{tag}-{quantizer}-c{args.calib_tokens}.npz"
+            job = functools.partial(run_quantizer, quantizer, config, tokenizer, get, windows, args)
+            scores[quantizer] = cached_score(path, args.reuse, job)
+            print(f"{name} {quantizer}: NLL {scores[quantizer][0]:.4f}", flush=True)
+        job = functools.partial(run_source, config, get, windows)
+        base_nll, base_top, _ = cached_score(args.results / f"{tag}-source.npz", args.reuse, job)
+        print(f"{name} source: NLL {base_nll:.4f}", flush=True)
+        rows.append((name, "source f32", base_nll, 0.0, 1.0, 0.0))
+        for quantizer, (nll, top, seconds) in scores.items():
             gap = math.exp(nll - base_nll) - 1
             rows.append((name, quantizer, nll, gap, float((top == base_top).mean()), seconds))
-            print(f"{name} {quantizer}: NLL {nll:.4f} gap {100 * gap:+.1f}% ({seconds:.0f} s)")
-            sys.stdout.flush()
     tokens = args.windows * 511
     print(f"\n{tokens} predicted tokens per model, {args.calib_tokens} calibration tokens")
     print(

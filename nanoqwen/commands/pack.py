@@ -56,11 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantizer",
         choices=QUANTIZERS,
         default=DEFAULT_QUANTIZER,
-        help="how a SOURCE's projections are rounded onto the INT4 grid (same file format): "
-        "rtn = round to nearest, fast (the 7B in minutes); gptq = GPTQ error feedback "
-        "calibrated on 4096 tokens of Python stdlib source through a float32 forward pass "
-        "(closes about half of rtn's perplexity gap to a GGUF source; ~1 h for the 7B on 2 "
-        "cores). --synthetic weights are always rtn",
+        help="how a SOURCE's projections are rounded onto the INT4 grid (the file format is "
+        "the same): rtn = round to nearest, fast (the 7B in minutes); gptq = GPTQ error "
+        "feedback calibrated on 4096 tokens of Python stdlib source through a float32 forward "
+        "pass, opt-in: slow (0.5B ~10 min on one core, 7B estimated 3-4 h) and so far only a "
+        "small perplexity gain (docs/EXPERIMENTS.md). --synthetic weights are always rtn",
     )
     p.add_argument(
         "--no-progress", action="store_true", default=False, help="hide the progress bar"
