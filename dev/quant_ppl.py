@@ -11,7 +11,7 @@ dequantized back (quant.dequantize_packed, what the reference reads from a file)
 tensor rounded to float16. Printed per quantizer: NLL per predicted token, perplexity, the
 perplexity gap to the source in %, top-1 agreement with the source's argmax, quantize seconds.
 
-Variants: gptq-noact (columns in natural order), gptq-damp0.1 (damping 0.1). Use --threads 1 on
+Variants: gptq-noact (columns in natural order), gptq-damp0.01 (damping 0.01). Use --threads 1 on
 a shared machine. Every score is saved under --results; --reuse takes saved ones instead of
 computing them, so parallel runs (one per quantizer, one for the source) merge into one table:
 run them with --reuse, then once more with --reuse and the same arguments to print the table.
@@ -58,7 +58,7 @@ EVAL_FILES = (
 GPTQ_VARIANTS = {
     "gptq": {},
     "gptq-noact": {"act_order": False},
-    "gptq-damp0.1": {"damp": 0.1},
+    "gptq-damp0.01": {"damp": 0.01},
 }
 assert not set(EVAL_FILES) & set(calibrate.CALIBRATION_FILES)
 
