@@ -1,6 +1,6 @@
 """Converters: HF checkpoint directories, GGUF files and synthetic presets -> .nanoqwen.
 
-    pack_source(source, out, progress=True, with_tokenizer=True) -> PackSummary
+    pack_source(source, out, progress=True, with_tokenizer=True, quantizer="rtn") -> PackSummary
     pack_synthetic(preset, out, seed=0, tokenizer_from=None, progress=True, layers=None)
         -> PackSummary
 
@@ -47,9 +47,10 @@ def _write(out, config, tensors, tokenizer, metadata, progress, started) -> Pack
 
 def pack_source(
     source: str | os.PathLike[str], out: str | os.PathLike[str], progress: bool = True,
-    with_tokenizer: bool = True,
+    with_tokenizer: bool = True, quantizer: str = "rtn",
 ) -> PackSummary:  # fmt: skip
-    """Pack an HF checkpoint directory or a .gguf file into `out`.
+    """Pack an HF checkpoint directory or a .gguf file into `out`, its projections quantized
+    by `quantizer` (nanoqwen.quantizers.QUANTIZERS; recorded in the metadata as "quantizer").
 
     with_tokenizer=False packs an HF directory without its tokenizer; a GGUF file without
     tokenizer metadata packs without one.
@@ -59,18 +60,18 @@ def pack_source(
     if src.is_dir():
         from .hf import read_hf
 
-        config, tokenizer, tensors = read_hf(src, with_tokenizer)
+        config, tokenizer, tensors = read_hf(src, with_tokenizer, quantizer)
         kind = "hf"
     elif src.is_file() and src.suffix.lower() == ".gguf":
         from .gguf import read_gguf
 
-        config, tokenizer, tensors = read_gguf(src)
+        config, tokenizer, tensors = read_gguf(src, quantizer)
         kind = "gguf"
     elif src.exists():
         raise ConvertError(f"{src}: not a Hugging Face checkpoint directory or a .gguf file")
     else:
         raise ConvertError(f"{src}: no such file or directory")
-    metadata = {"source": str(src.resolve()), "source_format": kind}
+    metadata = {"source": str(src.resolve()), "source_format": kind, "quantizer": quantizer}
     return _write(out, config, tensors, tokenizer, metadata, progress, started)
 
 

@@ -124,17 +124,25 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
-def read_gguf(path: Path):
-    """(config, tokenizer spec or None, stored-tensor iterator) for one GGUF file."""
+def read_gguf(path: Path, quantizer: str = "rtn"):
+    """(config, tokenizer spec or None, stored-tensor iterator) for one GGUF file; projections
+    quantized by `quantizer` (a name of nanoqwen.quantizers.QUANTIZERS)."""
+    from ..quantizers import projection_quantizer
+
     reader = open_gguf(path)
     config = config_from_gguf(reader, path.stem)
     tokenizer = tokenizer_from_gguf(reader, str(path))
     tensors = {t.name: t for t in reader.tensors}
     order = check_names(config, list(tensors), "gguf", str(path))
     logical = source_names(config, "gguf")
+    by_logical = {logical[name]: name for name in order}
 
     def items():
         for name in order:
             yield name, logical[name], dequantize_tensor(tensors[name])
 
-    return config, tokenizer, convert_stream(config, items(), str(path))
+    def get(name: str) -> np.ndarray:
+        return dequantize_tensor(tensors[by_logical[name]])
+
+    quantize = projection_quantizer(quantizer, config, tokenizer, get, str(path))
+    return config, tokenizer, convert_stream(config, items(), str(path), quantize)

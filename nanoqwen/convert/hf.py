@@ -95,8 +95,11 @@ def config_from_dir(directory: Path) -> ModelConfig:
         raise ConvertError(f"{path}: {exc}") from None
 
 
-def read_hf(directory: Path, with_tokenizer: bool = True):
-    """(config, tokenizer spec or None, stored-tensor iterator) for one HF directory."""
+def read_hf(directory: Path, with_tokenizer: bool = True, quantizer: str = "rtn"):
+    """(config, tokenizer spec or None, stored-tensor iterator) for one HF directory;
+    projections quantized by `quantizer` (a name of nanoqwen.quantizers.QUANTIZERS)."""
+    from ..quantizers import projection_quantizer
+
     if not directory.is_dir():
         raise ConvertError(f"{directory}: no such checkpoint directory")
     config = config_from_dir(directory)
@@ -110,9 +113,14 @@ def read_hf(directory: Path, with_tokenizer: bool = True):
             located[name] = (shard, start, entry)
     order = check_names(config, list(located), "hf", str(directory))
     logical = source_names(config, "hf")
+    by_logical = {logical[name]: name for name in order}
 
     def items():
         for name in order:
             yield name, logical[name], read_tensor(*located[name])
 
-    return config, tokenizer, convert_stream(config, items(), str(directory))
+    def get(name: str) -> np.ndarray:
+        return read_tensor(*located[by_logical[name]])
+
+    quantize = projection_quantizer(quantizer, config, tokenizer, get, str(directory))
+    return config, tokenizer, convert_stream(config, items(), str(directory), quantize)

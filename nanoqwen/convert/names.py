@@ -4,7 +4,8 @@ A converter yields *logical* tensors: `(our_name, float array)` in Hugging Face 
 (rows = output features). Logical names are the stored names of `ModelConfig.tensor_shapes()`,
 except that a projection weight is `layers.{i}.{proj}` (float [N, K]); `to_stored` turns it
 into `layers.{i}.{proj}.qweight` (uint32 [N, K/8], ValueShuffle) and `.scales` (float16
-[N, K/128]) through `quant.quantize_pack`. Everything else is stored as float16, refusing
+[N, K/128]) through a projection quantizer (`quant.quantize_pack`, round to nearest, unless the
+converter passes another of nanoqwen.quantizers). Everything else is stored as float16, refusing
 NaN/Inf and values beyond the fp16 range.
 
 A source `lm_head` of a tied model (`tie_word_embeddings`) is accepted only when it equals the
@@ -126,13 +127,23 @@ def _to_fp16(array: np.ndarray, label: str) -> np.ndarray:
     return a32.astype(np.float16)
 
 
-def to_stored(logical: str, array: np.ndarray, source_name: str) -> list[tuple[str, np.ndarray]]:
-    """One logical float tensor -> the stored (name, array) pairs of the .nanoqwen file."""
+def rtn(logical: str, array: np.ndarray, label: str) -> tuple[np.ndarray, np.ndarray]:
+    """The default projection quantizer: round to nearest (quant.quantize_pack)."""
+    return quantize_pack(array, label)
+
+
+def to_stored(
+    logical: str, array: np.ndarray, source_name: str, quantize=rtn
+) -> list[tuple[str, np.ndarray]]:
+    """One logical float tensor -> the stored (name, array) pairs of the .nanoqwen file.
+
+    quantize(logical, float [N, K], label) -> (qweight uint32 [N, K/8], scales float16
+    [N, K/128]) stores a projection."""
     label = f"{source_name} ({logical})" if source_name != logical else logical
     base = logical.rsplit(".", 1)[-1]
     if base in PROJECTIONS:
         try:
-            qweight, scales = quantize_pack(array, label)
+            qweight, scales = quantize(logical, array, label)
         except QuantError as exc:
             raise ConvertError(f"tensor {exc}") from None
         return [(logical + ".qweight", qweight), (logical + ".scales", scales)]
@@ -160,8 +171,9 @@ class TieCheck:
             )
 
 
-def convert_stream(config: ModelConfig, items, where: str):
-    """Logical (source_name, logical, float array) items -> stored (name, array) pairs.
+def convert_stream(config: ModelConfig, items, where: str, quantize=rtn):
+    """Logical (source_name, logical, float array) items -> stored (name, array) pairs;
+    projections through `quantize` (see to_stored).
 
     Shapes are checked against `config`; a tied model's lm_head is dropped after TieCheck.
     """
@@ -173,7 +185,7 @@ def convert_stream(config: ModelConfig, items, where: str):
             tie.add(logical, array)
             if logical == LM_HEAD:
                 continue
-        yield from to_stored(logical, array, source_name)
+        yield from to_stored(logical, array, source_name, quantize)
         del array  # release the source tensor before the next one is read
     if tie is not None:
         tie.finish()

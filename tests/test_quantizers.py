@@ -1,0 +1,122 @@
+"""The INT4 quantizers (nanoqwen.quantizers) and the GPTQ calibration pass (nanoqwen.calibrate):
+GPTQ's activation-weighted error never above round-to-nearest's, RTN's scales and format kept,
+codes in [-8, 7], deterministic; `pack --quantizer gptq` end to end on a small HF checkpoint."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_convert import CFG, grid_weights, write_hf
+
+from nanoqwen.calibrate import WINDOW, quantize_model
+from nanoqwen.config import PROJECTIONS
+from nanoqwen.convert.hf import read_hf
+from nanoqwen.errors import ConvertError
+from nanoqwen.quant import QMAX, QMIN, QuantError, dequantize, quantize, unpack_value_shuffle
+from nanoqwen.quantizers import (
+    _inverse_cholesky,
+    gptq_quantize,
+    projection_quantizer,
+    weighted_error,
+)
+
+
+def correlated_inputs(rng, tokens: int, k: int) -> np.ndarray:
+    """Activations with correlated features and a few outlier channels, like an LLM's."""
+    x = rng.standard_normal((tokens, k)) @ rng.standard_normal((k, k)) * 0.2
+    x += rng.standard_normal((tokens, k))
+    x[:, rng.choice(k, 4, replace=False)] *= 8
+    return x
+
+
+@pytest.mark.parametrize("n, k, act_order", [(16, 128, True), (33, 384, True), (8, 256, False)])
+def test_gptq_beats_rtn_and_keeps_the_format(n, k, act_order):
+    rng = np.random.default_rng(n * k)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 1.0, (n, 1))).astype(np.float32)
+    x = correlated_inputs(rng, 4 * k, k)
+    h = x.T @ x
+    q_rtn, s_rtn = quantize(w)
+    q, s = gptq_quantize(w, h, act_order=act_order)
+    assert q.dtype == np.int8 and q.shape == (n, k)
+    assert s.dtype == np.float16 and s.shape == (n, k // 128)
+    assert QMIN <= q.min() and q.max() <= QMAX
+    np.testing.assert_array_equal(s, s_rtn)  # RTN's scales: only the codes change
+    rtn_err = weighted_error(w, dequantize(q_rtn, s_rtn), h)
+    assert weighted_error(w, dequantize(q, s), h) <= 0.8 * rtn_err
+    q2, s2 = gptq_quantize(w, h, act_order=act_order)
+    np.testing.assert_array_equal(q2, q)  # deterministic
+    np.testing.assert_array_equal(s2, s)
+
+
+def test_gptq_identity_hessian_is_rtn():
+    # With uncorrelated unit inputs no column's error can be compensated: GPTQ rounds as RTN.
+    w = np.random.default_rng(5).standard_normal((8, 256)).astype(np.float32)
+    q, s = gptq_quantize(w, np.eye(256), damp=0.0)
+    np.testing.assert_array_equal(q, quantize(w)[0])
+
+
+def test_gptq_dead_inputs_and_zero_groups():
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((4, 256)).astype(np.float32)
+    w[1, :128] = 0.0  # an all-zero group: scale 0, codes 0
+    x = correlated_inputs(rng, 512, 256)
+    x[:, 10:20] = 0.0  # inputs the calibration text never excites
+    q, s = gptq_quantize(w, x.T @ x)
+    assert s[1, 0] == 0 and not q[1, :128].any()
+    assert np.isfinite(dequantize(q, s)).all()
+
+
+def test_gptq_rejects_bad_input():
+    with pytest.raises(QuantError, match="Hessian shape"):
+        gptq_quantize(np.zeros((2, 128), np.float32), np.eye(64))
+    with pytest.raises(QuantError, match="multiple of the group size"):
+        gptq_quantize(np.zeros((2, 100), np.float32), np.eye(100))
+
+
+def test_inverse_cholesky():
+    rng = np.random.default_rng(7)
+    a = torch.from_numpy(rng.standard_normal((700, 700)))
+    h = a @ a.T + torch.eye(700, dtype=a.dtype)
+    want = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    torch.testing.assert_close(_inverse_cholesky(h), want)
+
+
+def test_quantize_model_shapes_and_determinism():
+    weights = grid_weights(CFG, seed=2)
+    windows = np.random.default_rng(8).integers(0, CFG.vocab_size, (2, 64))
+    first = quantize_model(CFG, weights.__getitem__, windows, progress=False)
+    again = quantize_model(CFG, weights.__getitem__, windows, progress=False)
+    names = {f"layers.{i}.{p}" for i in range(CFG.num_layers) for p in PROJECTIONS}
+    assert set(first) == names
+    for name, (q, s) in first.items():
+        n, k = CFG.projection_shape(name.rsplit(".", 1)[1])
+        assert q.shape == (n, k) and q.dtype == np.int8 and s.shape == (n, k // 128)
+        assert QMIN <= q.min() and q.max() <= QMAX
+        np.testing.assert_array_equal(again[name][0], q)
+
+
+def test_projection_quantizer_choices():
+    with pytest.raises(ConvertError, match="unknown quantizer 'awq'"):
+        projection_quantizer("awq", CFG, None, None, "x")
+    with pytest.raises(ConvertError, match="needs the source's tokenizer"):
+        projection_quantizer("gptq", CFG, None, None, "x")
+
+
+def test_read_hf_gptq(tmp_path):
+    """`pack --quantizer gptq` through the HF reader: same stored names, dtypes and scales as
+    rtn; the codes differ from rtn's somewhere; calibration windows of real stdlib text."""
+    weights = grid_weights(CFG, seed=3)
+    directory = write_hf(tmp_path / "hf", CFG, weights, tokenizer=True)
+    rtn = dict(read_hf(directory)[2])
+    gptq = dict(read_hf(directory, quantizer="gptq")[2])
+    assert sorted(rtn) == sorted(gptq)
+    differ = 0
+    for name, array in rtn.items():
+        assert gptq[name].dtype == array.dtype and gptq[name].shape == array.shape
+        if name.endswith(".scales"):
+            np.testing.assert_array_equal(gptq[name], array)
+        elif name.endswith(".qweight"):
+            differ += int((unpack_value_shuffle(gptq[name]) != unpack_value_shuffle(array)).any())
+    assert differ > 0
+    assert WINDOW % 16 == 0
