@@ -1,8 +1,9 @@
 """gemv_rows.cu's index math emulated in numpy (no GPU): the producer's copies (bulk copies,
 TMA boxes, the scales' cp.async) into a stage's bytes, the swizzled x, each lane's A / B
 fragments of mma.m16n8k16, the scales' offsets, the groups' rotation over the warps, the stage
-reduction, the cluster's K slices and the epilogue's items, on small awkward shapes; the
-result must be the dequantized weights' product.
+reduction, the K slices a CTA takes in turn (x double-buffered, sums added slice after slice)
+and the epilogue's items, on small awkward shapes; the result must be the dequantized weights'
+product.
 
 The emulation follows the kernel statement by statement (names as there); it checks the
 layout arithmetic, not the hardware: a mismatch here is an indexing bug in one of the two.
@@ -49,7 +50,7 @@ def xr_unit(r, u):
 
 class Emulation:
     """gemv_rows<K, MT, *, EPI, S> over words uint32 [R, K/8], scales fp16 [R, G], x fp16
-    [M, K] (already normalized), N features, in `ncl` clusters. run() -> [M, R] float64: each
+    [M, K] (already normalized), N features, on `ncl` CTAs. run() -> [M, R] float64: each
     row's epilogue sums (kRope's rows a and b written raw)."""
 
     def __init__(self, words, scales, x, n, epi, mt, s, ncl):
@@ -73,38 +74,44 @@ class Emulation:
 
     def run(self):
         out = np.full((self.m, self.rows_total), np.nan)
-        for cl in range(self.ncl):
-            p0, p1 = cl * self.pairs // self.ncl, (cl + 1) * self.pairs // self.ncl
-            sums = [self.rank_sums(rank, p0, p1) for rank in range(self.s)]
-            self.epilogue(out, sums, p0, p1 - p0)
+        for cta in range(self.ncl):
+            p0, p1 = cta * self.pairs // self.ncl, (cta + 1) * self.pairs // self.ncl
+            self.epilogue(out, self.cta_sums(p0, p1), p0, p1 - p0)
         return out
 
-    def rank_sums(self, rank, p0, p1):
-        """One rank's [npairs][2][MT] sums: x of its slice staged, then the stages."""
-        sh, s = self.sh, self.s
-        g0 = rank * sh["G"] // s
-        gs = (rank + 1) * sh["G"] // s - g0
-        xs = self.rng.integers(0, 255, (self.mt * sh["GS"] * 16, 16)).astype(np.uint8)
-        for r in range(self.m):
-            for u in range(gs * 16):
-                e = g0 * GROUP_SIZE + u * 8
-                xs[r * sh["GS"] * 16 + xr_unit(r, u)] = self.x[r, e : e + 8].view(np.uint8)
-        xh = xs.view(np.float16).astype(np.float64)  # [units, 8]
-        sm = np.zeros((p1 - p0, 2, self.mt))
-        p, i = p0, 0
-        while p < p1:
-            np_ = min(P, p1 - p)
-            if self.epi == ROPE:
-                np_ = min(np_, HEAD_DIM // 2 - p % (HEAD_DIM // 2))
-            st = self.stage(p, np_, g0, gs)
-            red = np.stack([self.warp_sums(st, xh, p, i, warp, g0, gs) for warp in range(C)])
-            for tid in range(16 * self.mt):  # one thread per (row, token), warps in order
-                row, r = tid // self.mt, tid % self.mt
-                v = red.reshape(C, -1)[:, tid].sum()
-                if row % 8 < np_ and r < self.m:
-                    sm[p - p0 + row % 8, row // 8, r] = v
-            p += np_
-            i += 1
+    def cta_sums(self, p0, p1):
+        """One CTA's [npairs][2][MT] sums: slice after slice, x of the slice staged into buffer
+        s % 2, then the slice's stages over the CTA's pairs (i counts on across slices)."""
+        sh, s_ = self.sh, self.s
+        xbufs = [self.rng.integers(0, 255, (self.mt * sh["GS"] * 16, 16)).astype(np.uint8)
+                 for _ in range(1 if s_ == 1 else 2)]  # fmt: skip
+        sm = np.full((p1 - p0, 2, self.mt), np.nan)  # stale until slice 0 writes it
+        i = 0
+        for s in range(s_):
+            g0 = s * sh["G"] // s_
+            gs = (s + 1) * sh["G"] // s_ - g0
+            assert 1 <= gs <= sh["GS"] and (s_ == 1 or sh["GS"] <= registry.ROWS_SLICE_GROUPS)
+            xs = xbufs[s % 2]
+            for r in range(self.m):
+                for u in range(gs * 16):
+                    e = g0 * GROUP_SIZE + u * 8
+                    xs[r * sh["GS"] * 16 + xr_unit(r, u)] = self.x[r, e : e + 8].view(np.uint8)
+            xh = xs.view(np.float16).astype(np.float64)  # [units, 8]
+            p = p0
+            while p < p1:
+                np_ = min(P, p1 - p)
+                if self.epi == ROPE:
+                    np_ = min(np_, HEAD_DIM // 2 - p % (HEAD_DIM // 2))
+                st = self.stage(p, np_, g0, gs)
+                red = np.stack([self.warp_sums(st, xh, p, i, warp, g0, gs) for warp in range(C)])
+                for tid in range(16 * self.mt):  # one thread per (row, token), warps in order
+                    row, r = tid // self.mt, tid % self.mt
+                    v = red.reshape(C, -1)[:, tid].sum()
+                    if row % 8 < np_ and r < self.m:
+                        idx = p - p0 + row % 8, row // 8, r
+                        sm[idx] = v if s == 0 else sm[idx] + v
+                p += np_
+                i += 1
         return sm
 
     def stage(self, p, np_, g0, gs):
@@ -125,11 +132,10 @@ class Emulation:
             assert src % 16 == 0 and dst % 16 == 0 and nb % 16 == 0
             assert dst + nb <= sh["kStage"] and src + nb <= from_.size
             st[dst : dst + nb] = from_[src : src + nb]
-        if self.s > 1:  # two TMA boxes [8 rows][GS groups][64 bytes], zeros past the matrix
-            words3 = self.words.reshape(self.rows_total, sh["G"], 16)
-            for run, r0 in enumerate((self.row_a(p), self.row_b(p))):
-                box = np.zeros((8, sh["GS"], 16), np.uint32)
-                part = words3[r0 : r0 + 8, g0 : g0 + sh["GS"]]
+        if self.s > 1:  # two TMA boxes [8 rows][GS x 16 words] at word g0 x 16, zeros past
+            for run, r0 in enumerate((self.row_a(p), self.row_b(p))):  # the matrix
+                box = np.zeros((8, sh["GS"] * 16), np.uint32)
+                part = self.words[r0 : r0 + 8, g0 * 16 : (g0 + sh["GS"]) * 16]
                 box[: part.shape[0], : part.shape[1]] = part
                 st[run * sh["kRun"] : (run + 1) * sh["kRun"]] = box.reshape(-1).view(np.uint8)
             for rr in range(16):  # the scales' 4-byte cp.async, row by row
@@ -185,17 +191,16 @@ class Emulation:
         return red
 
     def epilogue(self, out, sums, p0, npairs):
-        """Item e (token e % M of pair p0 + e / M) on rank e % S, the ranks' sums in order."""
-        s, m = self.s, self.m
-        for rank in range(s):
-            for tid in range(C * 32):
-                for e in range(rank + s * tid, npairs * m, s * C * 32):
-                    i, r = e // m, e % m
-                    p = p0 + i
-                    assert np.isnan(out[r, self.row_a(p)])  # each item once
-                    out[r, self.row_a(p)] = sum(sums[q][i, 0, r] for q in range(s))
-                    if self.row_b(p) < self.rows_total:
-                        out[r, self.row_b(p)] = sum(sums[q][i, 1, r] for q in range(s))
+        """Item e (token e % M of pair p0 + e / M) on consumer thread e % (C x 32)."""
+        m = self.m
+        for tid in range(C * 32):
+            for e in range(tid, npairs * m, C * 32):
+                i, r = e // m, e % m
+                p = p0 + i
+                assert np.isnan(out[r, self.row_a(p)])  # each item once
+                out[r, self.row_a(p)] = sums[i, 0, r]
+                if self.row_b(p) < self.rows_total:
+                    out[r, self.row_b(p)] = sums[i, 1, r]
 
 
 @pytest.mark.parametrize(
@@ -203,9 +208,10 @@ class Emulation:
     [
         (7, 38, RESIDUAL, 3, 8, 1, 3),  # G < C warps; pairs not a multiple of 8
         (21, 22, SWIGLU, 8, 8, 1, 2),  # SwiGLU: gate p / up p
-        (37, 30, RESIDUAL, 11, 16, 4, 2),  # uneven K slices, two token tiles
-        (37, 20, SWIGLU, 16, 16, 8, 1),  # boxes past the last slice's end (zeros)
+        (37, 30, RESIDUAL, 11, 16, 3, 2),  # uneven K slices (12, 12, 13), two token tiles
+        (37, 20, SWIGLU, 16, 16, 5, 1),  # boxes past a shorter slice's end (the matrix's)
         (18, 3 * HEAD_DIM, ROPE, 5, 8, 2, 5),  # RoPE partners; stages end at head boundaries
+        (148, 26, RESIDUAL, 8, 8, 10, 2),  # the 7B's down_proj K: 10 slices, x buffers reused
     ],
 )
 def test_gemv_rows_emulated(k_groups, n, epi, m, mt, s, ncl):

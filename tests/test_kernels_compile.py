@@ -232,21 +232,21 @@ def test_gemv_rows_bad_rows_raise():
 @pytest.mark.parametrize("name", ["0.5b", "1.5b", "3b", "7b", "14b", "32b"])
 @pytest.mark.parametrize("num_sms", [132, 114])
 def test_gemv_rows_split_fits(name, num_sms):
-    """Every shape and bucket: the K split (a power of two, at most ROWS_MAX_SPLIT) leaves at
-    least two ring stages on the H200/H100 SXM (132 SMs) and the H100 PCIe (114); the grid is
-    whole clusters, at most one per pair; the x slice covers K; the 7B's hidden size needs
-    no split and its down_proj does."""
+    """Every shape and bucket: the K slices (whole K, or slices of at most ROWS_SLICE_GROUPS
+    groups: one TMA box row) leave at least two ring stages on the H200/H100 SXM (132 SMs) and
+    the H100 PCIe (114); the grid is one CTA an SM, at most one per pair; the slices cover K,
+    none empty; the 7B's hidden size needs no slices and its down_proj does."""
     for kind, (k, n, _, epi) in registry.gemv_shapes(preset(name)).items():
         for mt in registry.ROW_BUCKETS:
             s = registry.rows_split(k, n, epi, mt)
-            assert s in (1, 2, 4, 8) and s <= registry.ROWS_MAX_SPLIT
-            grid = registry.rows_grid(n, epi, s, num_sms)
-            assert grid % s == 0 and s <= grid <= num_sms
-            pairs = registry.gemv_pairs(n, epi)
-            assert grid // s <= pairs
-            npairs = -(-pairs // (grid // s))
-            assert registry.rows_stages(k, mt, s, npairs) >= 2, (kind, mt)
             groups = k // 128
-            assert sum((r + 1) * groups // s - r * groups // s for r in range(s)) == groups
+            assert s == 1 or -(-groups // s) <= registry.ROWS_SLICE_GROUPS, (kind, mt, s)
+            grid = registry.rows_grid(n, epi, num_sms)
+            pairs = registry.gemv_pairs(n, epi)
+            assert 1 <= grid <= min(num_sms, pairs)
+            npairs = -(-pairs // grid)
+            assert registry.rows_stages(k, mt, s, npairs) >= 2, (kind, mt)
+            widths = [(r + 1) * groups // s - r * groups // s for r in range(s)]
+            assert sum(widths) == groups and min(widths) >= 1
             if name == "7b":
                 assert (s == 1) == (kind != "down"), (kind, mt, s)

@@ -167,8 +167,8 @@ class DecodeKernels(Launcher):
                  [max_pos, D/2, 2] (cos, sin); pages int32 page tables, row r's at pages +
                  r * page_stride (0: every row of one sequence); kc, vc the layer's K/V caches
         n        output features (default: the model's for `kind`)
-        The launch grid (whole clusters when K is split: registry.rows_split) is checked once
-        per (kernel, n); qweight's TMA descriptor is made on first use and kept.
+        The launch grid (one CTA an SM: registry.rows_grid) is checked once per (kernel, n);
+        qweight's TMA descriptor (K slices: registry.rows_split) is made on first use and kept.
         """
         if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
             raise NanoqwenError(
@@ -192,32 +192,28 @@ class DecodeKernels(Launcher):
                     nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
 
     def _rows_map(self, qweight: int, rows: int, k: int, s: int):
-        """gemv_rows' TMA descriptor of qweight uint32 [rows, K/8] as [rows][G][16 words], box
-        8 rows x ceil(G / s) groups (kept per address: the weights stay put). S = 1 kernels
-        ignore theirs: they get the plain 2-D form, boxes of 8 x 8 words."""
-        groups, words = k // GROUP_SIZE, GROUP_SIZE // 8
+        """gemv_rows' TMA descriptor of qweight uint32 [rows, K/8], box 8 rows x one K slice's
+        ceil(G / s) groups of 16 words (kept per address: the weights stay put). S = 1 kernels
+        ignore theirs: they get boxes of 8 x 8 words."""
         key = (qweight, rows, k, s)
         w_map = self._rows_maps.get(key)
         if w_map is None:
             if len(self._rows_maps) >= _MAX_KEPT_MAPS:
                 self._rows_maps.clear()
-            pairs = registry.ROWS_STAGE_PAIRS
-            if s == 1:
-                w_map = self.gpu.tensor_map_2d(qweight, rows, k // 8, pairs, 8, fp16=False)
-            else:
-                w_map = self.gpu.tensor_map_u32(qweight, (rows, groups, words),
-                                                (pairs, -(-groups // s), words))  # fmt: skip
+            words = 8 if s == 1 else -(-(k // GROUP_SIZE) // s) * (GROUP_SIZE // 8)
+            w_map = self.gpu.tensor_map_2d(qweight, rows, k // 8, registry.ROWS_STAGE_PAIRS,
+                                           words, fp16=False)  # fmt: skip
             self._rows_maps[key] = w_map
         return w_map
 
     def _rows_grid(self, key: str, n: int) -> int:
         """gemv_rows' grid of kernel `key` over n features on this GPU (cached); raises when a
-        cluster's ring would hold fewer than two stages (the kernel would trap)."""
+        CTA's ring would hold fewer than two stages (the kernel would trap)."""
         spec = self.specs[key]
         k, mt, epi = spec.targs[0], spec.targs[1], registry.Epilogue(spec.targs[3])
         s = spec.targs[4]
-        grid = registry.rows_grid(n, epi, s, self.gpu.num_sms)
-        npairs = -(-registry.gemv_pairs(n, epi) // (grid // s))
+        grid = registry.rows_grid(n, epi, self.gpu.num_sms)
+        npairs = -(-registry.gemv_pairs(n, epi) // grid)
         stages = registry.rows_stages(k, mt, s, npairs, self.geometry)
         if stages < 2:
             raise NanoqwenError(

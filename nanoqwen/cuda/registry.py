@@ -96,10 +96,11 @@ class Geometry:
     gv_balance: int = 1
     gv_smem: int = 110 * 1024  # host only: dynamic shared memory a GEMV CTA gets (its ring)
     # gemv_rows.cu (the M-row GEMV): consumer warps (one producer warp more; one CTA an SM),
-    # ring depth at most, the dynamic shared memory a CTA asks for, and the fewest SMs its
-    # split of K plans for (rows_split: a cluster's pairs, and so its sums, grow as SMs go).
+    # ring depth at most (K slices: 16 KB stages, 8 of them ~128 KB in flight an SM), the
+    # dynamic shared memory a CTA asks for, and the fewest SMs its K slices plan for
+    # (rows_split: a CTA's pairs, and so its sums, grow as SMs go).
     mr_consumers: int = 16
-    mr_max_stages: int = 4
+    mr_max_stages: int = 8
     mr_smem: int = 224 * 1024  # host only
     mr_min_sms: int = 112  # host only
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
@@ -434,21 +435,26 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= m)
 
 
-# gemv_rows.cu's constants: pairs a stage (16 weight rows, one mma's A), the largest cluster
-# that splits K (the portable cluster size), the ring's alignment (kMrAlign).
+# gemv_rows.cu's constants: pairs a stage (16 weight rows, one mma's A), a K slice's most
+# groups (kMrSliceGroups: a TMA box row of 256 words), the ring's alignment (kMrAlign).
 ROWS_STAGE_PAIRS = 8
-ROWS_MAX_SPLIT = 8
+ROWS_SLICE_GROUPS = 16
 ROWS_ALIGN = 128
 
 
 def rows_split(k: int, n: int, epi: Epilogue, mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
-    """S, the CTAs of a cluster that split K (gemv_rows.cu's template argument): the smallest
-    power of two that leaves two stages of the ring beside x of MT tokens over the slice, the
-    stage reduction and the sums, on a GPU of mr_min_sms SMs."""
-    s = 1
-    while rows_stages(k, mt, s, _rows_npairs(n, epi, s, g.mr_min_sms), g) < 2:
-        s *= 2
-        if s > ROWS_MAX_SPLIT:
+    """S, the K slices each CTA takes in turn (gemv_rows.cu's template argument): 1 when x of
+    MT tokens over all K leaves two stages of the ring beside it, the stage reduction and the
+    sums on a GPU of mr_min_sms SMs; else the fewest slices of at most ROWS_SLICE_GROUPS groups
+    whose double-buffered x leaves two."""
+    groups = k // GROUP_SIZE
+    npairs = _rows_npairs(n, epi, g.mr_min_sms)
+    if rows_stages(k, mt, 1, npairs, g) >= 2:
+        return 1
+    s = max(2, -(-groups // ROWS_SLICE_GROUPS))
+    while rows_stages(k, mt, s, npairs, g) < 2:
+        s += 1
+        if s > groups:
             raise ValueError(f"gemv_rows: K={k}, N={n} at MT={mt} fits no split")
     return s
 
@@ -468,27 +474,25 @@ def rows_stage_bytes(k: int, s: int) -> int:
 
 
 def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
-    """The ring stages of gemv_rows<K, MT, *, *, S> in a cluster that owns `npairs` pairs: what
-    mr_smem leaves beside x, the stage reduction and the sums, at most mr_max_stages (the
-    kernel traps below two). gemv_rows.cu's `stages`, in Python."""
-    x = mt * -(-(k // GROUP_SIZE) // s) * GROUP_SIZE * 2
+    """The ring stages of gemv_rows<K, MT, *, *, S> in a CTA that owns `npairs` pairs: what
+    mr_smem leaves beside x (two slices' buffers at S > 1), the stage reduction and the sums, at
+    most mr_max_stages (the kernel traps below two). gemv_rows.cu's `stages`, in Python."""
+    x = (1 if s == 1 else 2) * mt * -(-(k // GROUP_SIZE) // s) * GROUP_SIZE * 2
     red = 2 * g.mr_consumers * 16 * mt * 4
     sums = npairs * 2 * mt * 4
     free = g.mr_smem - ROWS_ALIGN - x - red - sums
     return min(g.mr_max_stages, free // rows_stage_bytes(k, s))
 
 
-def _rows_npairs(n: int, epi: Epilogue, s: int, num_sms: int) -> int:
-    """The most pairs a cluster of gemv_rows owns (rows_grid's grid)."""
-    return -(-gemv_pairs(n, epi) // (rows_grid(n, epi, s, num_sms) // s))
+def _rows_npairs(n: int, epi: Epilogue, num_sms: int) -> int:
+    """The most pairs a CTA of gemv_rows owns (rows_grid's grid)."""
+    return -(-gemv_pairs(n, epi) // rows_grid(n, epi, num_sms))
 
 
-def rows_grid(n: int, epi: Epilogue, s: int, num_sms: int) -> int:
-    """gemv_rows' persistent grid: one CTA an SM, in clusters of S; clusters of 2 or more keep
-    to a multiple of 8 SMs (a cluster lives inside one GPC: 132 SMs hold 16 clusters of 8, not
-    16.5), at most one cluster per pair."""
-    ctas = num_sms if s == 1 else max(s, num_sms // 8 * 8)
-    return min(ctas // s, gemv_pairs(n, epi)) * s
+def rows_grid(n: int, epi: Epilogue, num_sms: int) -> int:
+    """gemv_rows' persistent grid: one CTA an SM, at most one per pair (no clusters: each CTA
+    owns its pairs over all K)."""
+    return min(num_sms, gemv_pairs(n, epi))
 
 
 def rows_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:

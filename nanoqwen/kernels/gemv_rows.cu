@@ -14,17 +14,30 @@
 // ~12 us against gemv_int4's ~3 (docs/EXPERIMENTS.md, Decode GEMV); streaming whole rows keeps
 // gemv_int4's cost model (fixed cost + bytes at 4.5 TB/s) as long as the consumers keep up.
 //
-// x of all M tokens stays in shared memory for the whole K (MT x K fp16, RMSNorm-ed once per
-// token after the PDL wait): 57 KB at K = 3584 and MT = 8, 115 KB at MT = 16. So one CTA an
-// SM (kMrConsumers + 1 warps: the SM keeps gemv_int4's warp count), the ring beside x. Every
-// CTA reads all of x from L2 (M x 7 KB a CTA at the 7B's hidden size), under the first stage.
-// When MT x K does not fit (registry.rows_split: down_proj, K = 18944 on the 7B; the 14B/32B
-// hidden 5120 at MT = 16), K is cut in S slices over the CTAs of a thread-block cluster: rank
-// s stages x of its slice and streams its slice of the cluster's rows (a TMA box of 8 rows x
-// the slice per run: the copy engine pays per copy, so not a bulk copy per row), and the
-// ranks' per-pair sums are added through distributed shared memory in rank order
-// (deterministic) by the rank that owns the output. RMSNorm with S > 1: each rank's
-// sums of squares of its slice are exchanged the same way before x is normalized.
+// x of all M tokens stays in shared memory for the whole K when it fits (S = 1: MT x K fp16,
+// RMSNorm-ed once per token after the PDL wait): 57 KB at K = 3584 and MT = 8, 115 KB at
+// MT = 16. So one CTA an SM (kMrConsumers + 1 warps: the SM keeps gemv_int4's warp count),
+// the ring beside x. Every CTA reads all of x from L2 (M x 7 KB a CTA at the 7B's hidden
+// size), under the first stage.
+//
+// When it does not (registry.rows_split: down_proj, K = 8960..27648; the 14B/32B hidden 5120
+// at MT = 16), each CTA takes K in S slices of at most kMrSliceGroups groups, one after the
+// other, over its own pairs: x of slice s + 1 is copied (cp.async, from L2) into the other
+// half of a double buffer while the stages of slice s run, the stages hold 8 rows x the
+// slice a run (one 2-D TMA box each: 8 rows of GS x 64 contiguous bytes, up to 1 KB), and each
+// (pair, token) sum is added slice after slice in shared memory by the one thread that owns
+// it (deterministic, no other CTA involved). RMSNorm with S > 1: the tokens' sums of squares
+// are read from global x (under slice 0's copies), each slice is normalized as it lands.
+// Why not a split of K over the CTAs of a cluster (x of a slice resident, sums added through
+// DSMEM): one 224 KB CTA an SM and clusters placed inside a GPC (an H200's 132 SMs are
+// GPCs of unequal sizes) leave clusters of 4 or 8 without a full wave, a rank's 8-row
+// box of 37-74 groups is hundreds of 64-byte strided pieces, the ring beside a resident
+// slice of x holds 2-3 stages, and each CTA ran 7 stages behind a 76-150 KB x load: ~0.65
+// TB/s on the 7B's down_proj. The cost here is L2 traffic for x: every CTA reads all of it,
+// M x K x 2 bytes (7B down: 303 KB at M = 8 beside its 265 KB of weights; 1.5B: 143 KB beside
+// 52 KB), so the L2 carries the weights plus ~1.1x (7B) to 2.8x (1.5B) more at M = 8, twice
+// that at M = 16; x per slice is reused by every pair of the CTA, so the ratio is set by the
+// CTA's rows (N / SMs), not by the stage. A cluster of 2 multicasting x slices would halve it.
 //
 // One mma: A = 16 weight rows (rows 0..7 row a of the stage's pairs 0..7, rows 8..15 row b)
 // x k16, B = x of 8 tokens x k16, D = 16 rows x 8 tokens (MT = 16: two n8 tiles). Thread t4 =
@@ -54,16 +67,21 @@
 //   kGvEarlyStages  stages in flight before x has landed (gemv_int4.cu's reason)
 constexpr int kMrPairs = 8;                       // pairs a stage: A's 16 rows
 constexpr int kMrGroupBytes = kGroupSize / 2;     // 64 bytes of weights a row and group
+constexpr int kMrSliceGroups = 16;                // a slice's most groups: a TMA box row of
+                                                  // 256 words (the box's largest dimension)
 constexpr int kMrThreads = (kMrConsumers + 1) * kWarp;
 constexpr int kMrAlign = 128;  // TMA boxes land 128-byte aligned: the ring's base is rounded up
 static_assert(kMrConsumers * kWarp >= 16 * 16, "one consumer thread per (row, token) sum");
 static_assert(kMrConsumers >= 16, "NORM: a warp per token's sum of squares");
+static_assert(kMrSliceGroups * 16 <= kMrConsumers * kWarp, "NORM: a slice's unit a thread");
 
 // The shape of gemv_rows<K, MT, S> (the host's twin: registry.rows_stage_bytes, rows_stages).
 template <int K, int MT, int S>
 struct MrShape {
   static constexpr int G = K / kGroupSize;         // groups a row
   static constexpr int GS = (G + S - 1) / S;       // groups a slice, at most
+  static_assert(S == 1 || GS <= kMrSliceGroups, "a slice's row must fit one TMA box row");
+  static_assert(S <= G, "every slice holds a group");
   // A stage row's bytes: whole rows (one bulk copy a run) at S = 1, else the slice's GS
   // groups (one TMA box a run: 8 rows x GS groups x 64 bytes).
   static constexpr int kRow = S == 1 ? K / 2 : GS * kMrGroupBytes;
@@ -75,8 +93,9 @@ struct MrShape {
   static constexpr int kScales =
       S == 1 ? (kMrPairs * G * 2 + 28 + 15) / 16 * 16 : kMrPairs * kScRow;
   static constexpr int kStage = (2 * kRun + 2 * kScales + 127) / 128 * 128;
-  static constexpr int kX = MT * GS * kGroupSize * 2;                    // x [MT][GS groups]
-  static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;            // [2][C][16][MT] f32
+  static constexpr int kXBuf = MT * GS * kGroupSize * 2;           // x [MT][GS groups]
+  static constexpr int kX = (S == 1 ? 1 : 2) * kXBuf;              // S > 1: double-buffered
+  static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;      // [2][C][16][MT] f32
 };
 
 // What an epilogue item reads from global memory, loaded before the stage loop for a thread's
@@ -107,20 +126,6 @@ __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// A float of cluster rank `rank`'s shared memory at this CTA's address `addr`.
-__device__ __forceinline__ float ld_rank(uint32_t addr, int rank) {
-  uint32_t a;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-  return v;
-}
 
 template <int C>
 __device__ __forceinline__ void consumer_sync() {
@@ -129,7 +134,7 @@ __device__ __forceinline__ void consumer_sync() {
 
 // One group (slice-local j) of a stage against the lane's two rows (g: row a, g + 8: row b of
 // pair g) and MT / 8 token tiles, scaled into acc[tt] (c0, c1: row a, tokens 8 tt + 2 t4, + 1;
-// c2, c3: row b).
+// c2, c3: row b). xs4: the slice's x [MT][GS groups].
 template <int K, int MT, int S>
 __device__ __forceinline__ void group_mma(const unsigned char* st, const half* sa, const half* sb,
                                           const uint4* xs4, int j, int g, int t4,
@@ -163,8 +168,8 @@ __device__ __forceinline__ void group_mma(const unsigned char* st, const half* s
   }
 }
 
-// w_map    TMA descriptor of qweight as uint32 [R][G][16] (word, group, row innermost first),
-//          box [8 rows][GS groups][16 words], no swizzle (S > 1 only; S = 1 ignores it)
+// w_map    TMA descriptor of qweight as uint32 [R][K/8] (row-major), box [8 rows][GS * 16
+//          words], no swizzle (S > 1 only; S = 1 ignores it)
 // x        fp16   [M, K]         activations, row-major, 16-byte aligned
 // norm_w   fp16   [K]            RMSNorm weight (NORM only; else ignored)
 // qweight  uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
@@ -177,12 +182,12 @@ __device__ __forceinline__ void group_mma(const unsigned char* st, const half* s
 // kRope only: pos int32 [M] (device; each row's position), rope float2 [max_pos, kHeadDim/2]
 //   (cos, sin), pages int32 page tables (row r's at pages + r * page_stride; page_stride 0:
 //   one sequence), kc/vc this layer's caches (kv_cache.cuh). Other epilogues ignore them.
-// Grid: a multiple of S (clusters of S along x), at most one cluster per pair; block
-// kMrThreads. Dynamic shared memory: the ring, x [MT][GS groups] (swizzled), the stage
+// Grid: at most one CTA per pair (registry.rows_grid: one an SM); block kMrThreads. Dynamic
+// shared memory: the ring, x [MT][GS groups] (swizzled; two of them at S > 1), the stage
 // reduction [2][C][16][MT] fp32 and the per-pair sums; at least two stages must fit (the host
 // checks: registry.rows_stages).
 template <int K, int MT, bool NORM, int EPI, int S>
-__global__ void __launch_bounds__(kMrThreads, 1) __cluster_dims__(S, 1, 1)
+__global__ void __launch_bounds__(kMrThreads, 1)
 gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
           const half* __restrict__ norm_w, const unsigned char* __restrict__ qweight,
           const half* __restrict__ scales, const half* __restrict__ bias, half* out, int N,
@@ -196,16 +201,13 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
-  __shared__ float ss_own[MT], rstd_s[MT];           // NORM: this slice's x^2 sums, 1 / rms
+  __shared__ float rstd_s[MT];                       // NORM: 1 / rms of each token
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
-  const int rank = S == 1 ? 0 : (int)(blockIdx.x % S), ncl = gridDim.x / S;
-  const int cl = blockIdx.x / S;
-  const int g0 = rank * G / S, gs = (rank + 1) * G / S - g0;  // this rank's slice of K
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
   const int half_n = (N + 1) / 2;  // kResidual: row b(p) = p + half_n
-  const int p0 = (int)((long long)cl * pairs / ncl);
-  const int p1 = (int)((long long)(cl + 1) * pairs / ncl);
+  const int p0 = (int)((long long)blockIdx.x * pairs / gridDim.x);
+  const int p1 = (int)((long long)(blockIdx.x + 1) * pairs / gridDim.x);
   const int npairs = p1 - p0;
 
   unsigned dyn;
@@ -215,9 +217,9 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
                                            Sh::kStage);
   if (stages < 2) __trap();  // a launch the host must not make
   unsigned char* base = smem + ((kMrAlign - smem_addr(smem) % kMrAlign) % kMrAlign);
-  uint4* xs4 = reinterpret_cast<uint4*>(base + stages * Sh::kStage);
+  uint4* xs4 = reinterpret_cast<uint4*>(base + stages * Sh::kStage);  // slice s: xs4 + (s & 1) ..
   float* red = reinterpret_cast<float*>(base + stages * Sh::kStage + Sh::kX);  // [2][C][16][MT]
-  float* sums = red + Sh::kRed / 4;  // [npairs][2 (row a, b)][MT] this rank's sums
+  float* sums = red + Sh::kRed / 4;  // [npairs][2 (row a, b)][MT], added slice after slice
   const uint32_t ring = smem_addr(base);
 
   auto row_a = [&](int p) -> int {
@@ -232,6 +234,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     const int n = min(kMrPairs, p1 - p);
     return EPI == kRope ? min(n, kHeadDim / 2 - p % (kHeadDim / 2)) : n;
   };
+  auto slice0 = [](int s) { return s * G / S; };  // slice s: groups slice0(s) .. slice0(s + 1)
   // What epilogue item e (token e % M of pair p0 + e / M) reads from global memory.
   auto epi_load = [&](int e) -> EpiIn {
     const int r = e % M, p = p0 + e / M;
@@ -249,8 +252,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     }
     return in;
   };
-  const int e_first = rank + S * tid;  // a consumer thread's first epilogue item
-  EpiIn epi_first{};
+  EpiIn epi_first{};  // a consumer thread's first epilogue item, e = tid
 
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -265,190 +267,193 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   pdl_trigger();  // the whole grid is resident: the next kernel may launch (and wait)
 
   if (warp == C) {
-    // ---- producer warp. S = 1: lanes 0, 1 copy run a and run b whole, lanes 2, 3 their
-    // scales (the 16-byte units around them: a stage row keeps its scales at an offset of
-    // 0..7 halves, and a copy may read up to 14 bytes past the tensor's end, inside the slack
-    // every Gpu.alloc leaves). S > 1: lanes 0, 1 copy run a's and run b's slice as one TMA box
-    // each (w_map; a row's slice is 1-3.5 KB, and one 1-D bulk copy per row would make the
-    // copy engine, which pays per copy, the bound); the box reads GS groups, one past a
-    // shorter slice (unused) and zeros past the matrix. A row's scales of the slice (2-byte
-    // aligned, 40-110 bytes: no bulk copy) go by 4-byte cp.async, the warp's lanes along one
-    // row, whose completion each lane then counts on "full" (cp.async.mbarrier.arrive.noinc).
-    if (NORM && S > 1) cluster_arrive();  // the consumers' x^2 exchange (waited below)
-    int slot = 0, phase = 0;
+    // ---- producer warp: the slices in turn, each over the CTA's pairs. S = 1: lanes 0, 1
+    // copy run a and run b whole, lanes 2, 3 their scales (the 16-byte units around them: a
+    // stage row keeps its scales at an offset of 0..7 halves, and a copy may read up to 14
+    // bytes past the tensor's end, inside the slack every Gpu.alloc leaves). S > 1: lanes 0, 1
+    // copy run a's and run b's slice as one TMA box each (w_map: 8 rows of up to 1 KB; one
+    // 1-D bulk copy per row would make the copy engine, which pays per copy, the bound); the
+    // box reads GS groups, one past a shorter slice (unused) and zeros past the matrix. A
+    // row's scales of the slice (2-byte aligned, up to 36 bytes: no bulk copy) go by 4-byte
+    // cp.async, the warp's lanes along one row, whose completion each lane then counts on
+    // "full" (cp.async.mbarrier.arrive.noinc).
+    int slot = 0, phase = 0, i = 0;
     bool x_in = false;
-    for (int p = p0, i = 0; p < p1; ++i) {
-      const int np = stage_len(p);
-      const int run = lane & 1;  // S = 1: lanes 0, 2 take run a, lanes 1, 3 run b
-      const int r0 = run ? row_b(p) : row_a(p);
-      const int rows = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - r0));  // copied rows
-      const uint32_t st = ring + slot * Sh::kStage;
-      const void* src = nullptr;
-      uint32_t dst = 0, bytes = 0;
-      if (S == 1 && lane < 2) {
-        src = qweight + (size_t)r0 * (K / 2);
-        dst = st + run * Sh::kRun;
-        bytes = rows * (K / 2);
-      } else if (S == 1 && lane < 4) {
-        const size_t e0 = ((size_t)r0 * G) & ~(size_t)7;  // 16-byte units
-        src = scales + e0;
-        dst = st + 2 * Sh::kRun + run * Sh::kScales;
-        bytes = rows ? (uint32_t)((((size_t)(r0 + rows) * G + 7) & ~(size_t)7) - e0) * 2 : 0;
-      }
-      const uint32_t total = S == 1 ? __reduce_add_sync(0xffffffffu, bytes) : 2 * Sh::kRun;
-      if (!x_in && i >= kGvEarlyStages) {  // until x is in: stage i - kGvEarlyStages landed
-        const int j = i - kGvEarlyStages;
-        const uint32_t jb = smem_addr(&full_bar[j % stages]), jp = (j / stages) & 1;
-        while (!(x_in = mbar_test(smem_addr(&x_bar), 0)) && !mbar_test(jb, jp)) {
+    for (int s = 0; s < S; ++s) {
+      const int g0 = slice0(s), gs = slice0(s + 1) - g0;
+      for (int p = p0; p < p1; ++i) {
+        const int np = stage_len(p);
+        const int run = lane & 1;  // S = 1: lanes 0, 2 take run a, lanes 1, 3 run b
+        const int r0 = run ? row_b(p) : row_a(p);
+        const int rows = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - r0));  // copied rows
+        const uint32_t st = ring + slot * Sh::kStage;
+        const void* src = nullptr;
+        uint32_t dst = 0, bytes = 0;
+        if (S == 1 && lane < 2) {
+          src = qweight + (size_t)r0 * (K / 2);
+          dst = st + run * Sh::kRun;
+          bytes = rows * (K / 2);
+        } else if (S == 1 && lane < 4) {
+          const size_t e0 = ((size_t)r0 * G) & ~(size_t)7;  // 16-byte units
+          src = scales + e0;
+          dst = st + 2 * Sh::kRun + run * Sh::kScales;
+          bytes = rows ? (uint32_t)((((size_t)(r0 + rows) * G + 7) & ~(size_t)7) - e0) * 2 : 0;
         }
-      }
-      if (i >= stages) mbar_wait(smem_addr(&empty_bar[slot]), phase ^ 1);
-      const uint32_t full = smem_addr(&full_bar[slot]);
-      if (lane == 0) mbar_arrive_expect_tx(full, total);
-      __syncwarp();
-      if (bytes) bulk_g2s(dst, src, bytes, full);
-      if constexpr (S > 1) {
-        if (lane < 2) tma_load_3d(st + run * Sh::kRun, w_map, 0, g0, r0, full);
-        for (int rr = 0; rr < 2 * kMrPairs; ++rr) {  // stage row rr: run rr / 8, row rr % 8
-          const int ra = rr < kMrPairs ? row_a(p) : row_b(p);
-          const int n_ok = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - ra));
-          if (rr % kMrPairs >= n_ok) continue;
-          const size_t first = (size_t)(ra + rr % kMrPairs) * G + g0;  // in halves
-          const size_t e0 = first & ~(size_t)1;
-          const int units = (int)((first + gs + 1 - e0) / 2);
-          for (int u = lane; u < units; u += kWarp)
-            cp_async4(base + slot * Sh::kStage + 2 * Sh::kRun + rr * Sh::kScRow + 4 * u,
-                      scales + e0 + 2 * u);
+        const uint32_t total = S == 1 ? __reduce_add_sync(0xffffffffu, bytes) : 2 * Sh::kRun;
+        if (!x_in && i >= kGvEarlyStages) {  // until x is in: stage i - kGvEarlyStages landed
+          const int j = i - kGvEarlyStages;
+          const uint32_t jb = smem_addr(&full_bar[j % stages]), jp = (j / stages) & 1;
+          while (!(x_in = mbar_test(smem_addr(&x_bar), 0)) && !mbar_test(jb, jp)) {
+          }
         }
-        cp_async_arrive_noinc(full);
+        if (i >= stages) mbar_wait(smem_addr(&empty_bar[slot]), phase ^ 1);
+        const uint32_t full = smem_addr(&full_bar[slot]);
+        if (lane == 0) mbar_arrive_expect_tx(full, total);
+        __syncwarp();
+        if (bytes) bulk_g2s(dst, src, bytes, full);
+        if constexpr (S > 1) {
+          if (lane < 2) tma_load_2d(st + run * Sh::kRun, w_map, g0 * (kMrGroupBytes / 4), r0, full);
+          for (int rr = 0; rr < 2 * kMrPairs; ++rr) {  // stage row rr: run rr / 8, row rr % 8
+            const int ra = rr < kMrPairs ? row_a(p) : row_b(p);
+            const int n_ok = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - ra));
+            if (rr % kMrPairs >= n_ok) continue;
+            const size_t first = (size_t)(ra + rr % kMrPairs) * G + g0;  // in halves
+            const size_t e0 = first & ~(size_t)1;
+            const int units = (int)((first + gs + 1 - e0) / 2);
+            for (int u = lane; u < units; u += kWarp)
+              cp_async4(base + slot * Sh::kStage + 2 * Sh::kRun + rr * Sh::kScRow + 4 * u,
+                        scales + e0 + 2 * u);
+          }
+          cp_async_arrive_noinc(full);
+        }
+        if (++slot == stages) {
+          slot = 0;
+          phase ^= 1;
+        }
+        p += np;
       }
-      if (++slot == stages) {
-        slot = 0;
-        phase ^= 1;
-      }
-      p += np;
     }
-    if (NORM && S > 1) cluster_wait();
   } else {
-    // ---- consumer warps: x of this slice -> shared memory, RMSNorm-ed in place if NORM.
+    // ---- consumer warps. x of slice s -> xs4 + (s & 1) slice buffers (cp.async, swizzled).
+    auto stage_x = [&](int s) {
+      const int g0 = slice0(s), gs = slice0(s + 1) - g0;
+      uint4* xb = xs4 + (s & 1) * (Sh::kXBuf / 16);
+      for (int v = tid; v < M * gs * 16; v += C * kWarp) {
+        const int r = v / (gs * 16), u = v % (gs * 16);
+        cp_async16(xb + r * GS * 16 + xr_unit(r, u), x + (size_t)r * K + g0 * kGroupSize + u * 8);
+      }
+    };
+    // NORM: warp r's token r, 1 / rms over K from src [M][K / 8] 16-byte units (any order).
+    auto token_rstd = [&](const uint4* src) {
+      if (warp < M) {
+        float ss = 0.f;
+        for (int u = lane; u < K / 8; u += kWarp) add_squares(ss, src[(size_t)warp * (K / 8) + u]);
+        ss = warp_sum(ss);
+        if (lane == 0) rstd_s[warp] = rsqrtf(ss / K + kRmsEps);
+      }
+    };
     constexpr int kNV = (GS * 16 + C * kWarp - 1) / (C * kWarp);  // x units a thread (NORM)
-    uint4 nw[kNV];  // NORM: this thread's norm weights, loaded before the wait (constant)
-    if (NORM) {
+    uint4 nw[kNV];  // NORM: this thread's norm weights of the next slice to normalize
+    auto load_nw = [&](int s) {
+      const int g0 = slice0(s), gs = slice0(s + 1) - g0;
 #pragma unroll
       for (int k = 0; k < kNV; ++k) {
         const int u = tid + k * C * kWarp;
         if (u < gs * 16) nw[k] = reinterpret_cast<const uint4*>(norm_w + g0 * kGroupSize)[u];
       }
-    }
+    };
+    if (NORM) load_nw(0);  // constant: before the wait
     pdl_wait();
-    if (e_first < npairs * M) epi_first = epi_load(e_first);
-    for (int v = tid; v < M * gs * 16; v += C * kWarp) {
-      const int r = v / (gs * 16), u = v % (gs * 16);
-      cp_async16(xs4 + r * GS * 16 + xr_unit(r, u),
-                 x + (size_t)r * K + g0 * kGroupSize + u * 8);
-    }
+    if (tid < npairs * M) epi_first = epi_load(tid);
+    stage_x(0);
+    if (NORM && S > 1) token_rstd(reinterpret_cast<const uint4*>(x));  // under the copies
     cp_async_wait_all();
     consumer_sync<C>();
     if (tid == 0) mbar_arrive(smem_addr(&x_bar));
-    if (NORM) {
-      if (warp < M) {  // warp r: token r's sum of squares over the slice
-        float ss = 0.f;
-        for (int u = lane; u < gs * 16; u += kWarp) add_squares(ss, xs4[warp * GS * 16 + u]);
-        ss = warp_sum(ss);
-        if (lane == 0) ss_own[warp] = ss;
-      }
-      if constexpr (S > 1) {
-        cluster_arrive();  // ss_own of every rank is written
-        cluster_wait();
-      } else {
+    if (NORM && S == 1) token_rstd(xs4);
+
+    // ---- the slices, each over the stages of this CTA's pairs: warp takes groups
+    // (warp - i) mod C, + C, ... of stage i (i counts on across slices).
+    const int g = lane / 4, t4 = lane % 4;
+    int slot = 0, phase = 0, i = 0;
+    for (int s = 0; s < S; ++s) {
+      const int g0 = slice0(s), gs = slice0(s + 1) - g0;
+      uint4* xb = xs4 + (s & 1) * (Sh::kXBuf / 16);
+      if (s > 0) {  // slice s landed (copied under slice s - 1's stages), for every thread
+        cp_async_wait_all();
         consumer_sync<C>();
       }
-      if (tid < M) {
-        float total = 0.f;
-        for (int s = 0; s < S; ++s)  // the ranks' slices in rank order
-          total += S == 1 ? ss_own[tid] : ld_rank(smem_addr(&ss_own[tid]), s);
-        rstd_s[tid] = rsqrtf(total / K + kRmsEps);
-      }
-      consumer_sync<C>();
+      if (NORM) {
+        if (s == 0) consumer_sync<C>();  // rstd_s
 #pragma unroll
-      for (int k = 0; k < kNV; ++k) {
-        const int u = tid + k * C * kWarp;
-        if (u < gs * 16) {
-          for (int r = 0; r < M; ++r) {
-            uint4& xv = xs4[r * GS * 16 + xr_unit(r, u)];
-            xv = rmsnorm_vec(xv, nw[k], rstd_s[r]);
+        for (int k = 0; k < kNV; ++k) {
+          const int u = tid + k * C * kWarp;
+          if (u < gs * 16) {
+            for (int r = 0; r < M; ++r) {
+              uint4& xv = xb[r * GS * 16 + xr_unit(r, u)];
+              xv = rmsnorm_vec(xv, nw[k], rstd_s[r]);
+            }
           }
         }
+        consumer_sync<C>();
       }
-      consumer_sync<C>();
-    }
-
-    // ---- the stages: warp takes groups (warp - i) mod C, + C, ... of stage i.
-    const int g = lane / 4, t4 = lane % 4;
-    int slot = 0, phase = 0;
-    for (int p = p0, i = 0; p < p1; ++i) {
-      const int np = stage_len(p);
-      mbar_wait(smem_addr(&full_bar[slot]), phase);
-      const unsigned char* st = base + slot * Sh::kStage;
-      // The scales of the lane's rows a(p + g), b(p + g) at the slice's first group.
-      const half* sc = reinterpret_cast<const half*>(st + 2 * Sh::kRun);
-      const half* sa = S == 1 ? sc + (((size_t)row_a(p) * G) & 7) + g * G
-                              : sc + g * Sh::kScRow / 2 + (((size_t)(row_a(p) + g) * G + g0) & 1);
-      const half* sb = S == 1 ? sc + Sh::kScales / 2 + (((size_t)row_b(p) * G) & 7) + g * G
-                              : sc + (8 + g) * Sh::kScRow / 2 +
-                                    (((size_t)(row_b(p) + g) * G + g0) & 1);
-      float acc[TT][4] = {};
-      for (int j = (warp + C - i % C) % C; j < gs; j += C)
-        group_mma<K, MT, S>(st, sa, sb, xs4, j, g, t4, acc);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
-      // The warps' sums, [C][16 rows][MT] in buffer i % 2, then one thread per (row, token).
-      float* rb = red + (i & 1) * (C * 16 * MT);
+      // The other buffer held slice s - 1, whose last stage ended on a consumer barrier.
+      if (s + 1 < S) {
+        if (NORM) load_nw(s + 1);
+        stage_x(s + 1);
+      }
+      for (int p = p0; p < p1; ++i) {
+        const int np = stage_len(p);
+        mbar_wait(smem_addr(&full_bar[slot]), phase);
+        const unsigned char* st = base + slot * Sh::kStage;
+        // The scales of the lane's rows a(p + g), b(p + g) at the slice's first group.
+        const half* sc = reinterpret_cast<const half*>(st + 2 * Sh::kRun);
+        const half* sa = S == 1 ? sc + (((size_t)row_a(p) * G) & 7) + g * G
+                                : sc + g * Sh::kScRow / 2 + (((size_t)(row_a(p) + g) * G + g0) & 1);
+        const half* sb = S == 1 ? sc + Sh::kScales / 2 + (((size_t)row_b(p) * G) & 7) + g * G
+                                : sc + (8 + g) * Sh::kScRow / 2 +
+                                      (((size_t)(row_b(p) + g) * G + g0) & 1);
+        float acc[TT][4] = {};
+        for (int j = (warp + C - i % C) % C; j < gs; j += C)
+          group_mma<K, MT, S>(st, sa, sb, xb, j, g, t4, acc);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
+        // The warps' sums, [C][16 rows][MT] in buffer i % 2, then one thread per (row, token),
+        // which adds them to the slices before (the same thread at every slice).
+        float* rb = red + (i & 1) * (C * 16 * MT);
 #pragma unroll
-      for (int tt = 0; tt < TT; ++tt) {
-        float* w = rb + warp * 16 * MT + g * MT + tt * 8 + 2 * t4;
-        *reinterpret_cast<float2*>(w) = make_float2(acc[tt][0], acc[tt][1]);
-        *reinterpret_cast<float2*>(w + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
-      }
-      consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
-      if (tid < 16 * MT) {
-        const int row = tid / MT, r = tid % MT;
-        float s = 0.f;
+        for (int tt = 0; tt < TT; ++tt) {
+          float* w = rb + warp * 16 * MT + g * MT + tt * 8 + 2 * t4;
+          *reinterpret_cast<float2*>(w) = make_float2(acc[tt][0], acc[tt][1]);
+          *reinterpret_cast<float2*>(w + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
+        }
+        consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
+        if (tid < 16 * MT) {
+          const int row = tid / MT, r = tid % MT;
+          float v = 0.f;
 #pragma unroll
-        for (int w = 0; w < C; ++w) s += rb[w * 16 * MT + tid];
-        if (row % 8 < np && r < M) sums[((p - p0 + row % 8) * 2 + row / 8) * MT + r] = s;
+          for (int w = 0; w < C; ++w) v += rb[w * 16 * MT + tid];
+          if (row % 8 < np && r < M) {
+            float& sum = sums[((p - p0 + row % 8) * 2 + row / 8) * MT + r];
+            sum = s == 0 ? v : sum + v;
+          }
+        }
+        if (++slot == stages) {
+          slot = 0;
+          phase ^= 1;
+        }
+        p += np;
       }
-      if (++slot == stages) {
-        slot = 0;
-        phase ^= 1;
-      }
-      p += np;
     }
   }
   __syncthreads();
-  if constexpr (S > 1) {
-    cluster_arrive();  // every rank's sums are complete
-    cluster_wait();
-  }
 
   // ---- epilogue, on the consumer threads (they waited for the previous kernel): (pair,
-  // token) items, item e on rank e % S, the ranks' sums added in rank order. A thread's first
-  // item has its inputs loaded before the stages.
-  for (int e = e_first; warp < C && e < npairs * M; e += S * C * kWarp) {
+  // token) items. A thread's first item has its inputs loaded before the stages.
+  for (int e = tid; warp < C && e < npairs * M; e += C * kWarp) {
     const int i = e / M, r = e % M, p = p0 + i;
-    const EpiIn in = e == e_first ? epi_first : epi_load(e);
-    float da = 0.f, db = 0.f;
-    const float* sp = sums + (i * 2) * MT + r;
-    if constexpr (S == 1) {
-      da = sp[0];
-      db = sp[MT];
-    } else {
-#pragma unroll
-      for (int s = 0; s < S; ++s) {
-        da += ld_rank(smem_addr(sp), s);
-        db += ld_rank(smem_addr(sp + MT), s);
-      }
-    }
+    const EpiIn in = e == tid ? epi_first : epi_load(e);
+    const float da = sums[(i * 2) * MT + r], db = sums[(i * 2 + 1) * MT + r];
     if (EPI == kRope) {
       const int ra = row_a(p), rb = row_b(p);
       half ha = __float2half_rn(da + in.a);
@@ -475,9 +480,5 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       o[p] = __float2half_rn(in.a + da);
       if (p + half_n < N) o[p + half_n] = __float2half_rn(in.b + db);
     }
-  }
-  if constexpr (S > 1) {  // no rank leaves while another may still read its sums
-    cluster_arrive();
-    cluster_wait();
   }
 }
