@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 dev/gemv_rows.py [--presets 7b,1.5b,14b:5:16,32b:1:8:16@down]
         [--time-presets 7b,1.5b] [--kinds qkv,o,gate_up,down] [--parts check,time]
     quick (down_proj alone, under 2 minutes):
-    PYTHONPATH=. python3 dev/gemv_rows.py --kinds down --presets 7b,1.5b,14b:1:8:16,32b:8
+    PYTHONPATH=. python3 dev/gemv_rows.py --kinds down --presets 7b,1.5b,32b:1:8:16
 
 check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16 (the 14B's at
   M = 5 and 16: its hidden size takes K slices with RMSNorm at MT = 16; the 32B's down_proj,

@@ -361,13 +361,6 @@ class Gpu:
         and the row pitch must be multiples of 16 bytes."""
         return self._tensor_map(ptr, (rows, cols), (box_rows, box_cols), fp16)
 
-    def tensor_map_u32(self, ptr: int, shape: tuple[int, ...], box: tuple[int, ...]):
-        """The TMA descriptor of the row-major uint32 array `shape` (outermost dimension first,
-        any rank up to 5) at device address `ptr`: boxes `box` (same order) stored plain, box
-        after box; elements outside the array load as zeros. ptr and every stride but the
-        innermost must be multiples of 16 bytes."""
-        return self._tensor_map(ptr, shape, box, False)
-
     def _tensor_map(self, ptr: int, shape: tuple, box: tuple, fp16: bool):
         from cuda.core._tensor_map import TensorMapL2Promotion, TensorMapSwizzle
         from cuda.core.utils import StridedMemoryView

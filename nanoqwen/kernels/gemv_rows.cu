@@ -28,16 +28,20 @@
 // (pair, token) sum is added slice after slice in shared memory by the one thread that owns
 // it (deterministic, no other CTA involved). RMSNorm with S > 1: the tokens' sums of squares
 // are read from global x (under slice 0's copies), each slice is normalized as it lands.
-// Why not a split of K over the CTAs of a cluster (x of a slice resident, sums added through
-// DSMEM): one 224 KB CTA an SM and clusters placed inside a GPC (an H200's 132 SMs are
-// GPCs of unequal sizes) leave clusters of 4 or 8 without a full wave, a rank's 8-row
-// box of 37-74 groups is hundreds of 64-byte strided pieces, the ring beside a resident
-// slice of x holds 2-3 stages, and each CTA ran 7 stages behind a 76-150 KB x load: ~0.65
-// TB/s on the 7B's down_proj. The cost here is L2 traffic for x: every CTA reads all of it,
-// M x K x 2 bytes (7B down: 303 KB at M = 8 beside its 265 KB of weights; 1.5B: 143 KB beside
-// 52 KB), so the L2 carries the weights plus ~1.1x (7B) to 2.8x (1.5B) more at M = 8, twice
-// that at M = 16; x per slice is reused by every pair of the CTA, so the ratio is set by the
-// CTA's rows (N / SMs), not by the stage. A cluster of 2 multicasting x slices would halve it.
+// The alternatives weighed, 7B down_proj (K = 18944, N = 3584) at M = 8:
+//  - K split over the CTAs of a cluster, x of a rank's slice resident, sums added through
+//    DSMEM: one 224 KB CTA an SM and clusters placed inside a GPC (an H200's 132 SMs are GPCs
+//    of unequal sizes) leave clusters of 4 or 8 short of a full wave of 128 CTAs, a rank's
+//    box of 8 rows x 37 groups is ~300 strided 64-byte pieces, the ring beside a resident
+//    slice of x holds 3 stages, and each CTA has 7 stages to run behind a 76 KB x load.
+//  - x streamed through the ring beside each stage's weights: a stage of 16 rows x Kc takes
+//    8 Kc bytes of weights and M x 2 Kc of x, so L2 would carry 2x (M = 8) to 4x (M = 16) the
+//    weights' bytes on top of them.
+//  - here x of a slice is reused by every pair of the CTA, so each CTA reads x once, M x K x 2
+//    bytes: 303 KB beside its 265 KB of weights (1.5B down: 143 KB beside 52 KB); L2 carries
+//    the weights plus ~1.1x (7B) to 2.8x (1.5B) more at M = 8, twice that at M = 16. The ratio
+//    is set by the CTA's rows (N / SMs); a cluster of 2 multicasting x slices would halve it.
+//  - a split of K over CTAs reduced through global memory: the fixed cost above (~12 us).
 //
 // One mma: A = 16 weight rows (rows 0..7 row a of the stage's pairs 0..7, rows 8..15 row b)
 // x k16, B = x of 8 tokens x k16, D = 16 rows x 8 tokens (MT = 16: two n8 tiles). Thread t4 =
