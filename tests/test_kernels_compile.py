@@ -234,8 +234,9 @@ def test_gemv_rows_bad_rows_raise():
 def test_gemv_rows_split_fits(name, num_sms):
     """Every shape and bucket: the K slices (whole K, or slices of at most ROWS_SLICE_GROUPS
     groups: one TMA box row) leave at least two ring stages on the H200/H100 SXM (132 SMs) and
-    the H100 PCIe (114); the grid is one CTA an SM, at most one per pair; the slices cover K,
-    none empty; the 7B's hidden size needs no slices and its down_proj does."""
+    the H100 PCIe (114); the grid is one CTA an SM at most, each a whole stage's pairs (when
+    there are that many); the slices cover K, none empty; the 7B's hidden size needs no slices
+    and its down_proj does."""
     for kind, (k, n, _, epi) in registry.gemv_shapes(preset(name)).items():
         for mt in registry.ROW_BUCKETS:
             s = registry.rows_split(k, n, epi, mt)
@@ -243,7 +244,8 @@ def test_gemv_rows_split_fits(name, num_sms):
             assert s == 1 or -(-groups // s) <= registry.ROWS_SLICE_GROUPS, (kind, mt, s)
             grid = registry.rows_grid(n, epi, num_sms)
             pairs = registry.gemv_pairs(n, epi)
-            assert 1 <= grid <= min(num_sms, pairs)
+            assert 1 <= grid <= num_sms
+            assert pairs // grid >= min(pairs, registry.DEFAULT_GEOMETRY.mr_min_pairs)
             npairs = -(-pairs // grid)
             assert registry.rows_stages(k, mt, s, npairs) >= 2, (kind, mt)
             widths = [(r + 1) * groups // s - r * groups // s for r in range(s)]

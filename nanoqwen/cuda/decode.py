@@ -167,8 +167,9 @@ class DecodeKernels(Launcher):
                  [max_pos, D/2, 2] (cos, sin); pages int32 page tables, row r's at pages +
                  r * page_stride (0: every row of one sequence); kc, vc the layer's K/V caches
         n        output features (default: the model's for `kind`)
-        The launch grid (one CTA an SM: registry.rows_grid) is checked once per (kernel, n);
-        qweight's TMA descriptor (K slices: registry.rows_split) is made on first use and kept.
+        The launch grid (one CTA an SM at most: registry.rows_grid) is checked once per
+        (kernel, n); qweight's TMA descriptor (K slices: registry.rows_split) is made on first
+        use and kept.
         """
         if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
             raise NanoqwenError(
@@ -212,7 +213,7 @@ class DecodeKernels(Launcher):
         spec = self.specs[key]
         k, mt, epi = spec.targs[0], spec.targs[1], registry.Epilogue(spec.targs[3])
         s = spec.targs[4]
-        grid = registry.rows_grid(n, epi, self.gpu.num_sms)
+        grid = registry.rows_grid(n, epi, self.gpu.num_sms, self.geometry)
         npairs = -(-registry.gemv_pairs(n, epi) // grid)
         stages = registry.rows_stages(k, mt, s, npairs, self.geometry)
         if stages < 2:

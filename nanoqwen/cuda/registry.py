@@ -97,12 +97,15 @@ class Geometry:
     gv_smem: int = 110 * 1024  # host only: dynamic shared memory a GEMV CTA gets (its ring)
     # gemv_rows.cu (the M-row GEMV): consumer warps (one producer warp more; one CTA an SM),
     # ring depth at most (K slices: 16 KB stages, 8 of them ~128 KB in flight an SM), the
-    # dynamic shared memory a CTA asks for, and the fewest SMs its K slices plan for
-    # (rows_split: a CTA's pairs, and so its sums, grow as SMs go).
+    # dynamic shared memory a CTA asks for, the fewest SMs its K slices plan for
+    # (rows_split: a CTA's pairs, and so its sums, grow as SMs go), and the fewest pairs a CTA
+    # takes (rows_grid: a whole stage's; below it a CTA's 8-row TMA boxes read its
+    # neighbour's rows, and every CTA's read of x from L2 outweighs its weights more).
     mr_consumers: int = 16
     mr_max_stages: int = 8
     mr_smem: int = 224 * 1024  # host only
     mr_min_sms: int = 112  # host only
+    mr_min_pairs: int = 8  # host only
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
     # flight a warp, the sampler's block and bisection steps.
     misc_threads: int = 256
@@ -448,7 +451,7 @@ def rows_split(k: int, n: int, epi: Epilogue, mt: int, g: Geometry = DEFAULT_GEO
     sums on a GPU of mr_min_sms SMs; else the fewest slices of at most ROWS_SLICE_GROUPS groups
     whose double-buffered x leaves two."""
     groups = k // GROUP_SIZE
-    npairs = _rows_npairs(n, epi, g.mr_min_sms)
+    npairs = _rows_npairs(n, epi, g.mr_min_sms, g)
     if rows_stages(k, mt, 1, npairs, g) >= 2:
         return 1
     s = max(2, -(-groups // ROWS_SLICE_GROUPS))
@@ -484,15 +487,15 @@ def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOM
     return min(g.mr_max_stages, free // rows_stage_bytes(k, s))
 
 
-def _rows_npairs(n: int, epi: Epilogue, num_sms: int) -> int:
+def _rows_npairs(n: int, epi: Epilogue, num_sms: int, g: Geometry) -> int:
     """The most pairs a CTA of gemv_rows owns (rows_grid's grid)."""
-    return -(-gemv_pairs(n, epi) // rows_grid(n, epi, num_sms))
+    return -(-gemv_pairs(n, epi) // rows_grid(n, epi, num_sms, g))
 
 
-def rows_grid(n: int, epi: Epilogue, num_sms: int) -> int:
-    """gemv_rows' persistent grid: one CTA an SM, at most one per pair (no clusters: each CTA
-    owns its pairs over all K)."""
-    return min(num_sms, gemv_pairs(n, epi))
+def rows_grid(n: int, epi: Epilogue, num_sms: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """gemv_rows' persistent grid: one CTA an SM (no clusters: each CTA owns its pairs over
+    all K), fewer where the pairs would leave a CTA fewer than mr_min_pairs."""
+    return max(1, min(num_sms, gemv_pairs(n, epi) // g.mr_min_pairs))
 
 
 def rows_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:

@@ -186,7 +186,8 @@ __device__ __forceinline__ void group_mma(const unsigned char* st, const half* s
 // kRope only: pos int32 [M] (device; each row's position), rope float2 [max_pos, kHeadDim/2]
 //   (cos, sin), pages int32 page tables (row r's at pages + r * page_stride; page_stride 0:
 //   one sequence), kc/vc this layer's caches (kv_cache.cuh). Other epilogues ignore them.
-// Grid: at most one CTA per pair (registry.rows_grid: one an SM); block kMrThreads. Dynamic
+// Grid: at most one CTA per pair (registry.rows_grid: one an SM, fewer where a CTA would
+// get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic
 // shared memory: the ring, x [MT][GS groups] (swizzled; two of them at S > 1), the stage
 // reduction [2][C][16][MT] fp32 and the per-pair sums; at least two stages must fit (the host
 // checks: registry.rows_stages).
