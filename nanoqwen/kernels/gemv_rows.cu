@@ -38,9 +38,10 @@
 //    8 Kc bytes of weights and M x 2 Kc of x, so L2 would carry 2x (M = 8) to 4x (M = 16) the
 //    weights' bytes on top of them.
 //  - here x of a slice is reused by every pair of the CTA, so each CTA reads x once, M x K x 2
-//    bytes: 303 KB beside its 265 KB of weights (1.5B down: 143 KB beside 52 KB); L2 carries
-//    the weights plus ~1.1x (7B) to 2.8x (1.5B) more at M = 8, twice that at M = 16. The ratio
-//    is set by the CTA's rows (N / SMs); a cluster of 2 multicasting x slices would halve it.
+//    bytes: 303 KB beside its 265 KB of weights (1.5B down, 96 CTAs: 143 KB beside 72 KB); L2
+//    carries the weights plus ~1.1x (7B) to 2x (1.5B) more at M = 8, twice that at M = 16.
+//    The ratio is set by the CTA's rows (N / CTAs, hence at least 8 pairs a CTA); a cluster of
+//    2 multicasting x slices would halve it.
 //  - a split of K over CTAs reduced through global memory: the fixed cost above (~12 us).
 //
 // One mma: A = 16 weight rows (rows 0..7 row a of the stage's pairs 0..7, rows 8..15 row b)
