@@ -25,6 +25,11 @@ _I32 = np.int32
 HISTORY_ALIGN = 16  # bytes: draft_ngram reads the history as 16-byte vectors
 
 
+def _cond_arg(cond):
+    """A graph condition as a kernel argument: the GraphCondition itself, or a null handle."""
+    return cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
+
+
 def require_greedy(params: SamplingParams) -> None:
     """Raise unless `params` decode greedily: the device accepts drafts by argmax only (the
     sampled rule, speculative.accept's, runs on the reference backend)."""
@@ -64,7 +69,7 @@ class SpeculateKernels(Launcher):
             gpu.set_smem_carveout(kernel, self.geometry.smem_carveout)
 
     def draft(self, h: int, state: int, tokens: int, positions: int, ndraft: int,
-              stream=None) -> None:  # fmt: skip
+              branch=0, stream=None) -> None:  # fmt: skip
         """The step's input rows from an n-gram lookup in the history (speculative.draft with
         speculative.step_limit's cap, from the state words).
 
@@ -74,13 +79,15 @@ class SpeculateKernels(Launcher):
         tokens     int32 [1 + K] out: h[len - 1], the d drafts, h[len - 1] in the other rows
         positions  int32 [1 + K] out: state[POS] + r for row r
         ndraft     int32 [1]     out: d
+        branch     a GraphCondition (or 0) set to d > 0: the engine's loop body picks the
+                   verify step (drafts) or the decode step (none) with it
         """
         if h % HISTORY_ALIGN:
             raise NanoqwenError(f"draft_ngram: history address {h:#x} is not 16-byte aligned")
         s = self.spec
         self.launch("draft_ngram", (1, 1, 1), h, state, tokens, positions, ndraft, _I32(s.k),
-                    _I32(s.n_min), _I32(s.n_max), _I32(self.capacity), stream=stream,
-                    nbytes=4 * self.capacity)  # fmt: skip
+                    _I32(s.n_min), _I32(s.n_max), _I32(self.capacity), _cond_arg(branch),
+                    stream=stream, nbytes=4 * self.capacity)  # fmt: skip
 
     def accept(self, keys: int, tokens: int, ndraft: int, state: int, h: int, host_ring: int,
                cancel: int, stats: int, cond, stream=None) -> None:  # fmt: skip
@@ -97,6 +104,5 @@ class SpeculateKernels(Launcher):
         stats      int32 [3] (or 0): += steps 1, drafted d, accepted (before the cuts)
         cond       the generation while loop's GraphCondition (or 0): set to "not done"
         """
-        cond_arg = cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
         self.launch("accept_greedy", (1, 1, 1), keys, tokens, ndraft, state, h, host_ring,
-                    cancel, stats, cond_arg, _I32(self.spec.k), stream=stream)  # fmt: skip
+                    cancel, stats, _cond_arg(cond), _I32(self.spec.k), stream=stream)  # fmt: skip
