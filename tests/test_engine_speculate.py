@@ -196,3 +196,13 @@ def test_emulated_loop_reservation_and_commit(prompt_len, max_new, eos):
     committed = prompt + out[:-1]
     for p, tok in enumerate(committed):
         assert kv[p] == (tok, tuple(committed[:p])), p
+
+
+def test_cuda_backend_takes_the_reference_backends_argument():
+    import inspect
+
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.reference import ReferenceBackend
+
+    for cls in (CudaBackend, ReferenceBackend):
+        assert inspect.signature(cls.__init__).parameters["speculative"].default is None

@@ -5,8 +5,8 @@ the device (no host round trip a step; nanoqwen.speculative states the rules).
 SpeculativeConfig (K, n_min, n_max are launch arguments, fixed when a graph captures them) and
 one history capacity. Every pointer is a device address (int); every method takes `stream` (a
 cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). Greedy only: the
-kernels accept drafts by the rows' argmax, so `require_greedy` refuses sampled parameters and
-the engine calls it for every generation it runs speculatively.
+kernels accept drafts by the rows' argmax, so the engine runs sampled generations through the
+plain loop (engine/speculate.py, `speculates`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import NanoqwenError
-from ..sampling import SamplingParams
-from ..speculative import SpeculativeConfig, SpeculativeError
+from ..speculative import SpeculativeConfig
 from . import registry
 from .device import Gpu
 from .launcher import Launcher
@@ -28,17 +27,6 @@ HISTORY_ALIGN = 16  # bytes: draft_ngram reads the history as 16-byte vectors
 def _cond_arg(cond):
     """A graph condition as a kernel argument: the GraphCondition itself, or a null handle."""
     return cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
-
-
-def require_greedy(params: SamplingParams) -> None:
-    """Raise unless `params` decode greedily: the device accepts drafts by argmax only (the
-    sampled rule, speculative.accept's, runs on the reference backend)."""
-    if not params.greedy:
-        raise SpeculativeError(
-            "speculative decoding on the cuda backend is greedy only (temperature 0 or "
-            f"top_k 1), got temperature={params.temperature}, top_k={params.top_k}; "
-            "sample without speculation, or use the reference backend"
-        )
 
 
 def check_capacity(capacity: int) -> int:

@@ -14,11 +14,14 @@ appended by accept_greedy. The generation graph is one while loop whose body is
 
 Why a conditional node and a fixed M = 1 + K. gemv_rows, attention_rows and lm_head_rows take
 M as a launch argument (gemv_rows compiled in buckets of 8 and 16 rows, its grid checked per
-M), so a captured verify step has one M. Every M up to 8 reads the weights once in the same
-bucket, so verifying 1 + K rows when d < K costs the padding rows' attention and logits only;
-a switch over d would capture the layers K times. With no draft (most steps on text that does
-not repeat) the if-else runs today's decode step, the tuned M = 1 path, instead of a verify
-step of 1 + K rows. The decode branch ends on accept_greedy with d = 0, which is the greedy
+M), so a captured verify step has one M; making them read M from a device word would change
+three kernels for the sake of the no-draft step, which the decode step serves better. Every M
+up to 8 reads the weights once in the same bucket, so verifying 1 + K rows when d < K costs
+the padding rows' attention and logits only (7B, context 512: M = 2 3043 us, 4 3101, 8 3208,
+`dev/verify_step.py`, docs/PERFORMANCE.md); a switch over d would capture the layers K times.
+The verify step costs about 2.1x the decode step at any M <= 8 on that record, so a step
+without a draft (most steps on text that does not repeat) must not pay it: the if-else runs
+the decode step there, the tuned M = 1 path. The decode branch ends on accept_greedy with d = 0, which is the greedy
 sampler (row 0's argmax, lowest id on ties) plus the history append, so one kernel advances
 the state in both branches.
 
