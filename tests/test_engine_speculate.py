@@ -206,3 +206,39 @@ def test_cuda_backend_takes_the_reference_backends_argument():
 
     for cls in (CudaBackend, ReferenceBackend):
         assert inspect.signature(cls.__init__).parameters["speculative"].default is None
+
+
+class FakeGpu:
+    """Host memory in place of the device: alloc_mapped gives a ctypes buffer's address."""
+
+    def __init__(self) -> None:
+        self.keep, self.copies = [], []
+
+    def alloc_mapped(self, nbytes: int):
+        import ctypes
+
+        buf = (ctypes.c_int32 * (nbytes // 4))()
+        self.keep.append(buf)
+        return ctypes.addressof(buf), 0
+
+    def alloc(self, nbytes: int, what: str):
+        return type("Buf", (), {"ptr": 0x10000 * (len(self.keep) + 1)})()
+
+    def upload_async(self, dst: int, src: int, nbytes: int) -> None:
+        self.copies.append((dst, nbytes))
+
+
+@pytest.mark.parametrize("max_context,k", [(17, 15), (4096, 4), (4095, 1), (32768, 15)])
+def test_page_table_staging_covers_the_speculative_reservation(max_context, k):
+    from nanoqwen.config import PAGE_TOKENS
+    from nanoqwen.engine.decode_loop import DecodeLoop
+
+    spec = SpeculativeConfig(k=k)
+    positions = sp.kv_positions(max_context, spec)
+    loop = DecodeLoop(FakeGpu(), None, max_context, positions)
+    prompt, max_new = max_context // 2, max_context - max_context // 2  # the longest that fits
+    pages = -(-sp.reserved_tokens(prompt, max_new, spec) // PAGE_TOKENS)
+    assert pages <= -(-positions // PAGE_TOKENS)  # the pool has them
+    loop.stage_pages(list(range(pages)), 0x100)  # and the staging area takes the table
+    assert loop.gpu.copies[-1] == (0x100, 4 * pages)
+    assert loop.host.staging[loop._pages_at + pages - 1] == pages - 1

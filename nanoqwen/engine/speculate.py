@@ -21,9 +21,9 @@ the padding rows' attention and logits only (7B, context 512: M = 2 3043 us, 4 3
 `dev/verify_step.py`, docs/PERFORMANCE.md); a switch over d would capture the layers K times.
 The verify step costs about 2.1x the decode step at any M <= 8 on that record, so a step
 without a draft (most steps on text that does not repeat) must not pay it: the if-else runs
-the decode step there, the tuned M = 1 path. The decode branch ends on accept_greedy with d = 0, which is the greedy
-sampler (row 0's argmax, lowest id on ties) plus the history append, so one kernel advances
-the state in both branches.
+the decode step there, the tuned M = 1 path. That branch ends on accept_greedy with d = 0,
+which is the greedy sampler (row 0's argmax, lowest id on ties) plus the history append, so
+one kernel advances the state in both branches.
 
 Positions. Each verify step writes K/V at POS .. POS + K for every row, padding included, so
 the KV pool, the page table and the RoPE table cover `kv_positions` = max_context + K, and a
