@@ -75,7 +75,9 @@ class CudaBackend:
         kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels;
         prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full pages;
         speculative: greedy generations verify n-gram drafts (speculate.py; None: one token
-        a step). `spec_stats` holds the last generation's SpecStats."""
+        a step). `spec_stats` holds the last generation's SpecStats. `speculative` may be set
+        to None between generations, which then run the plain loop on the same engine
+        (dev/speculate_e2e.py); otherwise the speculative graph built at load runs."""
         cfg = file.config
         self.config, self.file = cfg, file
         self.max_context = check_max_context(max_context, cfg)
