@@ -3,12 +3,10 @@ decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
 
-The verify step feeds M tokens at the consecutive positions start .. start + M - 1 of one
-sequence (speculative decoding: the token of the step and M - 1 drafts) through one pass over
-the weights: embed the M tokens; per layer gemv_rows q/k/v (RMSNorm, bias, RoPE, K/V into the
-pages at each row's position), attention_rows (causal inside the block), gemv_rows o (+
-residual), gate/up (RMSNorm, SwiGLU), down (+ residual); then lm_head_rows (final RMSNorm,
-logits, each row's argmax key).
+The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
+tokens at the consecutive positions start .. start + M - 1 of one sequence (the token of the
+step and M - 1 drafts) through one pass over the weights: gemv_rows, attention_rows and
+lm_head_rows.
 
 Check: the engine's own prefill writes the K/V of `context` random tokens; then at each M, the
 verify step over M random tokens at positions context .. context + M - 1 against M decode steps
@@ -31,9 +29,10 @@ import sys
 
 import numpy as np
 
-from nanoqwen.cuda.decode import DecodeKernels, VerifyKernels
+from nanoqwen.cuda.decode import DecodeKernels
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
+from nanoqwen.engine.verify import Verify
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.gpu_script import run_part
@@ -43,53 +42,34 @@ MAX_DLOGIT = 0.05  # max |dlogit| / std between the two paths (the ladder's grap
 
 
 class VerifyStep:
-    """The composed verify step over an engine's weights, KV cache and RoPE table, with its own
-    buffers for up to 16 rows: tokens int32 [16], pos int32 [16], start int32, x fp16 [16, H],
-    q and attn fp16 [16, q], mlp fp16 [16, I], logits fp32 [16, V], keys u64 [16]."""
+    """The engine's verify step (engine.verify.Verify) for up to 16 rows, with its own start
+    word (the engine passes the decode state's POS)."""
 
     ROWS = 16
 
     def __init__(self, engine: CudaBackend) -> None:
-        self.e, c, gpu = engine, engine.config, engine.gpu
-        self.rows = DecodeKernels(gpu, c, engine.kernels.geometry, rows=True)
-        self.verify = VerifyKernels(gpu, c, engine.kernels.geometry)
-        self.attn_scratch = self.verify.attention_scratch()
-        n = self.ROWS
-        sizes = {"tokens": n * 4, "pos": n * 4, "start": 4, "x": n * c.hidden_size * 2,
-                 "q": n * c.q_size * 2, "attn": n * c.q_size * 2,
-                 "mlp": n * c.intermediate_size * 2, "logits": n * c.vocab_size * 4,
-                 "keys": n * 8}  # fmt: skip
-        self.buf = {k: gpu.alloc(b, f"verify {k}").ptr for k, b in sizes.items()}
+        self.e, gpu = engine, engine.gpu
+        kernels = DecodeKernels(gpu, engine.config, engine.kernels.geometry, rows=True)
+        self.v = Verify(gpu, engine.config, kernels, engine.weights, engine.kv,
+                        engine.forward.rope, self.ROWS)  # fmt: skip
+        self.start = gpu.alloc(4, "verify start").ptr
 
     def set_rows(self, tokens: np.ndarray, start: int) -> None:
         """The step's input: tokens at positions start .. start + len(tokens) - 1 (synchronous)."""
-        m, gpu = len(tokens), self.e.gpu
-        gpu.upload(self.buf["tokens"], tokens.astype(np.int32))
-        gpu.upload(self.buf["pos"], np.arange(start, start + m, dtype=np.int32))
-        gpu.upload(self.buf["start"], np.array([start], np.int32))
-        gpu.memset(self.buf["keys"], 0, self.ROWS * 8)
+        m, gpu, b = len(tokens), self.e.gpu, self.v.buf
+        gpu.upload(b["tokens"], tokens.astype(np.int32))
+        gpu.upload(b["pos"], np.arange(start, start + m, dtype=np.int32))
+        gpu.upload(self.start, np.array([start], np.int32))
+        gpu.memset(b["keys"], 0, self.ROWS * 8)
         gpu.sync("verify rows")
 
     def step(self, m: int, stream=None) -> None:
-        """The verify step over the first m rows (module docstring)."""
-        e, b, k, v = self.e, self.buf, self.rows, self.verify
-        f, w, kv = e.forward, e.weights, e.kv
-        e.kernels.embed(b["tokens"], w.embed, b["x"], m, stream=stream)
-        for i, L in enumerate(w.layers):
-            k.gemv_rows("qkv", m, b["x"], L.input_norm, L.qkv_w, L.qkv_s, b["q"], bias=L.qkv_b,
-                        pos=b["pos"], rope=f.rope, pages=kv.page_table, page_stride=0,
-                        kc=kv.k[i], vc=kv.v[i], stream=stream)  # fmt: skip
-            v.attention_rows(b["q"], kv.k[i], kv.v[i], kv.page_table, b["start"], m,
-                             self.attn_scratch, b["attn"], stream=stream)  # fmt: skip
-            k.gemv_rows("o", m, b["attn"], 0, L.o_w, L.o_s, b["x"], stream=stream)
-            k.gemv_rows("gate_up", m, b["x"], L.post_norm, L.gate_up_w, L.gate_up_s, b["mlp"],
-                        stream=stream)  # fmt: skip
-            k.gemv_rows("down", m, b["mlp"], 0, L.down_w, L.down_s, b["x"], stream=stream)
-        v.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m, stream=stream)
+        """The verify step over the first m rows (engine/verify.py)."""
+        self.v.step(m, self.start, stream)
 
     def logits(self, m: int) -> np.ndarray:
         out = np.empty((m, self.e.config.vocab_size), np.float32)
-        return self.e.gpu.download(self.buf["logits"], out)
+        return self.e.gpu.download(self.v.buf["logits"], out)
 
 
 def prefill_context(e: CudaBackend, ids: np.ndarray) -> None:

@@ -46,10 +46,10 @@ predicts the token after feeding h[-1] and drafts[:i]):
   - with no drafts it is exactly sample() on row 0: a step without a match consumes the
     generator as the plain step does.
 
-Not exposed yet: no CLI or server flag selects speculation, because the cuda backend lacks the
-multi-row verify step and a flag that works on one backend only would mislead. Until both
-backends verify drafts, `ReferenceBackend(speculative=SpeculativeConfig(...))` is the way in;
-then `nanoqwen generate` / `serve` get the flags, and the server reports the SpecStats.
+Backends: `ReferenceBackend(speculative=SpeculativeConfig(...))` runs both rules as they are
+here; `engine.CudaBackend(speculative=...)` runs greedy generations speculatively inside its
+one-graph loop (engine/speculate.py; sampled ones run its plain loop). Both keep the last
+generation's SpecStats in `spec_stats`.
 """
 
 from __future__ import annotations

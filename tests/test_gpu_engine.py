@@ -1,7 +1,8 @@
 """GPU (sm_90): the decode kernels' unit tier (the 7B's shapes, the 3B's GQA 8 and the 32B's
 GQA 5 and wide down GEMV) and the engine on a tiny synthetic model (layer + graph tiers, pages
 freed, PDL off and geometry variants giving the same tokens, the memory plan being the load's
-allocations). Skipped cleanly without an sm_90 device."""
+allocations; speculative greedy decoding against the plain loop). Skipped cleanly without an
+sm_90 device."""
 
 import pytest
 
@@ -265,5 +266,80 @@ def test_memory_plan_is_the_load(tiny_model):
             e.forward.scratch(e.max_context)
             assert e.gpu.live_bytes() == at_load + plan["prefill_scratch"]
             assert e.memory()["planned"] == plan
+        finally:
+            e.close()
+
+
+@pytest.fixture(scope="module")
+def spec_tiny(tiny_model):
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.speculative import SpeculativeConfig
+
+    f = NanoqwenFile(tiny_model)
+    e = CudaBackend(f, max_context=1024, prefix_caching=False,
+                    speculative=SpeculativeConfig(k=4))  # fmt: skip
+    yield e
+    e.close()
+    f.close()
+
+
+def _greedy(e, ids, max_tokens, speculate=True):
+    from nanoqwen.sampling import SamplingParams
+
+    saved, e.speculative = e.speculative, e.speculative if speculate else None
+    try:
+        return list(e.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), {}))
+    finally:
+        e.speculative = saved
+
+
+@pytest.mark.parametrize("kind", ["repeat", "random", "short"])
+def test_speculative_greedy_is_the_plain_loop(spec_tiny, kind):
+    """Token-identical to the plain loop on the same engine, or a near-tie where they part
+    (the verify step rounds differently from the decode step: dev/verify_step.py)."""
+    import numpy as np
+
+    e, rng = spec_tiny, np.random.default_rng()
+    ids = {"repeat": [11, 12, 13, 14, 15] * 30, "random": rng.integers(0, 1000, 77).tolist(),
+           "short": [3]}[kind]  # fmt: skip
+    max_tokens = int(rng.integers(2, 200))
+    plain, spec = _greedy(e, ids, max_tokens, False), _greedy(e, ids, max_tokens)
+    st = e.spec_stats
+    assert e.kv_pages_in_use == 0
+    assert st.steps >= 1 and st.accepted <= st.drafted
+    assert len(spec) == max_tokens  # no stop ids: max_tokens exactly
+    if spec != plain:
+        i = next(j for j, (a, b) in enumerate(zip(plain, spec, strict=True)) if a != b)
+        row = e.logits(ids + plain[:i])[-1]
+        top2 = np.sort(row)[-2:]
+        assert (top2[1] - top2[0]) / row.std() < 0.05, (i, plain[i], spec[i])
+
+
+def test_speculative_fallback_and_cancel(spec_tiny):
+    from nanoqwen.sampling import SamplingParams
+
+    e, ids = spec_tiny, [21, 22, 23, 24] * 20
+    out = list(e.generate(ids, SamplingParams(temperature=0.9, max_tokens=40, seed=3), {}))
+    assert len(out) == 40 and e.spec_stats.drafted == 0 and e.spec_stats.steps == 0
+    it = e.generate(ids, SamplingParams(temperature=0.0, max_tokens=300), {})
+    head = [next(it) for _ in range(7)]
+    it.close()  # the graph stops after its current step
+    assert e.kv_pages_in_use == 0 and len(head) == 7
+    assert len(_greedy(e, ids, 50)) == 50 and e.kv_pages_in_use == 0  # and the next one runs
+
+
+def test_speculative_memory_plan_is_the_load(tiny_model):
+    """The speculation part of the plan (history, verify rows, attention_rows scratch) and
+    the K extra KV and RoPE positions are what the load allocates, to the byte."""
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.speculative import SpeculativeConfig
+
+    with NanoqwenFile(tiny_model) as f:
+        e = CudaBackend(f, max_context=1000, speculative=SpeculativeConfig(k=7))
+        try:
+            plan = e.plan.parts
+            assert e.gpu.live_bytes() == e.plan.needed - plan["margin"] - plan["prefill_scratch"]
         finally:
             e.close()

@@ -5,8 +5,8 @@ the device (no host round trip a step; nanoqwen.speculative states the rules).
 SpeculativeConfig (K, n_min, n_max are launch arguments, fixed when a graph captures them) and
 one history capacity. Every pointer is a device address (int); every method takes `stream` (a
 cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). Greedy only: the
-kernels accept drafts by the rows' argmax, so `require_greedy` refuses sampled parameters and
-the engine calls it for every generation it runs speculatively.
+kernels accept drafts by the rows' argmax, so the engine runs sampled generations through the
+plain loop (engine/speculate.py, `speculates`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import NanoqwenError
-from ..sampling import SamplingParams
-from ..speculative import SpeculativeConfig, SpeculativeError
+from ..speculative import SpeculativeConfig
 from . import registry
 from .device import Gpu
 from .launcher import Launcher
@@ -25,15 +24,9 @@ _I32 = np.int32
 HISTORY_ALIGN = 16  # bytes: draft_ngram reads the history as 16-byte vectors
 
 
-def require_greedy(params: SamplingParams) -> None:
-    """Raise unless `params` decode greedily: the device accepts drafts by argmax only (the
-    sampled rule, speculative.accept's, runs on the reference backend)."""
-    if not params.greedy:
-        raise SpeculativeError(
-            "speculative decoding on the cuda backend is greedy only (temperature 0 or "
-            f"top_k 1), got temperature={params.temperature}, top_k={params.top_k}; "
-            "sample without speculation, or use the reference backend"
-        )
+def _cond_arg(cond):
+    """A graph condition as a kernel argument: the GraphCondition itself, or a null handle."""
+    return cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
 
 
 def check_capacity(capacity: int) -> int:
@@ -64,7 +57,7 @@ class SpeculateKernels(Launcher):
             gpu.set_smem_carveout(kernel, self.geometry.smem_carveout)
 
     def draft(self, h: int, state: int, tokens: int, positions: int, ndraft: int,
-              stream=None) -> None:  # fmt: skip
+              branch=0, stream=None) -> None:  # fmt: skip
         """The step's input rows from an n-gram lookup in the history (speculative.draft with
         speculative.step_limit's cap, from the state words).
 
@@ -74,13 +67,15 @@ class SpeculateKernels(Launcher):
         tokens     int32 [1 + K] out: h[len - 1], the d drafts, h[len - 1] in the other rows
         positions  int32 [1 + K] out: state[POS] + r for row r
         ndraft     int32 [1]     out: d
+        branch     a GraphCondition (or 0) set to d > 0: the engine's loop body picks the
+                   verify step (drafts) or the decode step (none) with it
         """
         if h % HISTORY_ALIGN:
             raise NanoqwenError(f"draft_ngram: history address {h:#x} is not 16-byte aligned")
         s = self.spec
         self.launch("draft_ngram", (1, 1, 1), h, state, tokens, positions, ndraft, _I32(s.k),
-                    _I32(s.n_min), _I32(s.n_max), _I32(self.capacity), stream=stream,
-                    nbytes=4 * self.capacity)  # fmt: skip
+                    _I32(s.n_min), _I32(s.n_max), _I32(self.capacity), _cond_arg(branch),
+                    stream=stream, nbytes=4 * self.capacity)  # fmt: skip
 
     def accept(self, keys: int, tokens: int, ndraft: int, state: int, h: int, host_ring: int,
                cancel: int, stats: int, cond, stream=None) -> None:  # fmt: skip
@@ -97,6 +92,5 @@ class SpeculateKernels(Launcher):
         stats      int32 [3] (or 0): += steps 1, drafted d, accepted (before the cuts)
         cond       the generation while loop's GraphCondition (or 0): set to "not done"
         """
-        cond_arg = cond if cond is not None and not isinstance(cond, int) else np.uint64(cond or 0)
         self.launch("accept_greedy", (1, 1, 1), keys, tokens, ndraft, state, h, host_ring,
-                    cancel, stats, cond_arg, _I32(self.spec.k), stream=stream)  # fmt: skip
+                    cancel, stats, _cond_arg(cond), _I32(self.spec.k), stream=stream)  # fmt: skip

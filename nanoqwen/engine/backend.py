@@ -23,6 +23,11 @@ Life of a generation (batch 1):
               generated tokens whose K/V the graph wrote are committed to the prefix cache
               (ring tokens 0 .. count - 2: the last sampled token never runs through a decode
               step), so a chat's next turn, which resends the reply, reuses them too.
+    speculate with speculative=SpeculativeConfig(...), a greedy generation runs the
+              speculative graph instead (speculate.SpecLoop: n-gram drafts verified over
+              1 + K rows, several tokens a step, the same tokens as the plain loop); the ring,
+              cancellation, max_tokens, stop ids and the prefix-cache commit are the plain
+              loop's. Sampled parameters run the plain graph (spec_stats: 0 drafted).
 
 The seam: `forward` (decode_step, layer, prefill, the activations), `loop` (the state, the
 sampler, the graph), `kernels` / `prefill_kernels` (the launchers), `weights`, `kv`; and the
@@ -44,10 +49,12 @@ from ..cuda.prefill import PrefillKernels
 from ..cuda.registry import DEFAULT_GEOMETRY, Geometry
 from ..kv_pages import KVStats, PageTable
 from ..sampling import SamplingParams
+from ..speculative import SpecStats, SpeculativeConfig
 from .decode_loop import DecodeLoop, DecodeState
 from .forward import Forward
 from .kv_cache import KVCache
 from .memory import check_memory
+from .speculate import SpecLoop, kv_positions, reserved_tokens, speculates
 from .weights import upload_weights
 
 
@@ -62,26 +69,36 @@ class CudaBackend:
         geometry: Geometry = DEFAULT_GEOMETRY,
         pdl: bool = True,
         prefix_caching: bool = True,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """file: an open NanoqwenFile; geometry: the kernels' (registry.Geometry; dev/
         kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels;
-        prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full pages."""
+        prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full pages;
+        speculative: greedy generations verify n-gram drafts (speculate.py; None: one token
+        a step). `spec_stats` holds the last generation's SpecStats. `speculative` may be set
+        to None between generations, which then run the plain loop on the same engine
+        (dev/speculate_e2e.py); otherwise the speculative graph built at load runs."""
         cfg = file.config
         self.config, self.file = cfg, file
         self.max_context = check_max_context(max_context, cfg)
+        self.speculative = speculative
+        self.spec_stats = SpecStats()
+        positions = kv_positions(self.max_context, speculative)
         self.gpu = Gpu()
         free, total = self.gpu.mem_info()  # the context exists; nothing of ours yet
         self._free_at_start = free
-        self.plan = check_memory(cfg, self.max_context, free, total, self.gpu.num_sms, geometry)
-        self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl)
+        self.plan = check_memory(cfg, self.max_context, free, total, self.gpu.num_sms, geometry,
+                                 speculative)  # fmt: skip
+        self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl, rows=bool(speculative))
         # Built here, not at the first prompt: on a cold kernel cache NVRTC takes seconds,
         # which a server's first request would otherwise wait for.
         self.prefill_kernels = PrefillKernels(self.gpu, cfg, geometry, pdl=pdl)
         self.weights = upload_weights(self.gpu, file)
-        self.kv = KVCache(self.gpu, cfg, max_context, prefix_caching)
-        self.loop = DecodeLoop(self.gpu, self.kernels, max_context)
+        self.kv = KVCache(self.gpu, cfg, positions, prefix_caching)
+        self.loop = DecodeLoop(self.gpu, self.kernels, max_context, positions)
         self.forward = Forward(self.gpu, cfg, self.kernels, self.prefill_kernels, self.weights,
-                               self.kv, self.loop, max_context)  # fmt: skip
+                               self.kv, self.loop, positions)  # fmt: skip
+        self.spec = SpecLoop(self, speculative) if speculative else None
         self.cached_tokens = 0  # of the running (or last) generation's prompt
         self.gpu.sync("load")
 
@@ -210,18 +227,27 @@ class CudaBackend:
 
     def _generate(self, ids: np.ndarray, params: SamplingParams, stop_ids) -> Iterator[int]:
         T, h, f, loop = len(ids), self.config.hidden_size, self.forward, self.loop
+        spec = self.spec if speculates(self.speculative, params) else None
         pages = self.kv.pages
         table = pages.admit(ids)  # holds the longest cached prefix (kv_pages' reuse rule)
         S = self.cached_tokens = table.cached_tokens
+        self.spec_stats = SpecStats()
         prefilled = graph_running = ended = False
         try:
-            self._map_pages(table, T + params.max_tokens)
+            self._map_pages(
+                table, reserved_tokens(T, params.max_tokens, spec.spec if spec else None)
+            )
             with self.gpu.guard("prefill"):
                 loop.begin(DecodeState.for_prompt(T, params, stop_ids))
-                loop.stage_ids(ids[S:], f.scratch(T - S)["ids"])
+                scratch_ids = f.scratch(T - S)["ids"]
+                if spec is None:
+                    loop.stage_ids(ids[S:], scratch_ids)
+                else:  # the staging area holds one prompt: stage it once, into the history
+                    spec.begin(ids)
+                    self.gpu.copy_d2d(scratch_ids, spec.h + 4 * S, 4 * (T - S))
                 x = f.prefill(T - S, start=S, last_only=True)
                 f.head(x + (T - S - 1) * h * 2)
-                loop.sample(f.logits, f.key)
+                loop.sample(f.logits, f.key, ring=spec.first_ring(T) if spec else 0)
                 self.gpu.sync("prefill")
             prefilled = True
             first = loop.host.token(0)
@@ -229,24 +255,29 @@ class CudaBackend:
             if first in stop_ids or params.max_tokens == 1:
                 return
             with self.gpu.guard("decode launch"):
-                loop.build(lambda s, cond: self.decode_step(s, cond))
-                loop.launch()
+                if spec is None:
+                    loop.build(lambda s, cond: self.decode_step(s, cond))
+                    loop.launch()
+                else:
+                    spec.launch()
             graph_running = True
             yield from loop.stream_tokens(params.max_tokens, stop_ids)
             graph_running = False
         finally:
             if graph_running:
-                loop.host.cancel()  # the sampler stops after the current step
+                loop.host.cancel()  # the loop stops after the current step
             try:
                 self.gpu.sync("generation end")
                 ended = True
             finally:
                 if prefilled and ended:
                     # Committed here, off the first token's path (hashing a 32k prompt's pages
-                    # takes milliseconds): the prompt, and every sampled token but the last,
-                    # whose K/V the graph wrote.
+                    # takes milliseconds): the prompt, and every generated token but the last,
+                    # whose K/V the graph wrote (speculate.py: the same with speculation).
                     generated = loop.host.tokens(max(loop.host.count - 1, 0))
                     pages.commit(table, [*ids[S:].tolist(), *generated])
+                    if spec is not None:
+                        self.spec_stats = spec.read_stats()
                 pages.release(table)
 
     def close(self) -> None:

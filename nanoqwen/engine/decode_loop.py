@@ -13,7 +13,7 @@ Mapped pinned host memory (HostRing), int32 words:
     [1]            count: tokens written so far (the kernel's host_ring[-1])
     [2 : 2 + C]    ring: token i at [2 + i]          (C = max_context)
     [2 + C : ...]  staging: the decode state words, then the prompt ids (C words), then the
-                   page table (C / 16 words, rounded up); copied to the device
+                   page table (KV positions / 16 words, rounded up); copied to the device
                    asynchronously, so a generation's inputs reach the GPU without a host sync
 
 The sampler writes the token before the count, with a system fence between them, so a count
@@ -115,9 +115,10 @@ class DecodeState:
 class HostRing:
     """The mapped pinned host memory of one engine (layout: the module docstring)."""
 
-    def __init__(self, gpu: Gpu, max_context: int) -> None:
+    def __init__(self, gpu: Gpu, max_context: int, kv_positions: int = 0) -> None:
         n = max_context + 2
-        total = n + STATE_WORDS + max_context + -(-max_context // PAGE_TOKENS)
+        pages = -(-max(kv_positions, max_context) // PAGE_TOKENS)
+        total = n + STATE_WORDS + max_context + pages
         host, dev = gpu.alloc_mapped(total * 4)  # freed with the Gpu
         words = np.ctypeslib.as_array((ctypes.c_int32 * total).from_address(host))
         self.view, self.staging = words[:n], words[n:]
@@ -153,12 +154,16 @@ class DecodeLoop:
     the generation graph. Every entry point of the engine ends on a stream sync, so no
     asynchronous copy out of the staging area is pending when the next one writes it."""
 
-    def __init__(self, gpu: Gpu, kernels: DecodeKernels, max_context: int) -> None:
+    def __init__(
+        self, gpu: Gpu, kernels: DecodeKernels, max_context: int, kv_positions: int = 0
+    ) -> None:
+        """kv_positions: the KV pool's positions when more than max_context (the page table
+        staging words cover them)."""
         self.gpu, self.kernels = gpu, kernels
         sizes = loop_buffers(max_context)
         self.state = gpu.alloc(sizes["state"], "decode state").ptr
         self.ring = gpu.alloc(sizes["ring"], "token ring").ptr
-        self.host = HostRing(gpu, max_context)
+        self.host = HostRing(gpu, max_context, kv_positions)
         self._pages_at = STATE_WORDS + max_context  # the page table's staging words
         self._graph = None
 
@@ -188,17 +193,17 @@ class DecodeLoop:
         self.host.staging[at : at + len(pages)] = pages
         self.gpu.upload_async(dst, self.host.staging_ptr + 4 * at, 4 * len(pages))
 
-    def sample(self, logits: int, key: int, stream=None, cond=0) -> None:
-        """The sampler over `logits` (and lm_head's argmax `key`), advancing the state."""
+    def sample(self, logits: int, key: int, stream=None, cond=0, ring: int = 0) -> None:
+        """The sampler over `logits` (and lm_head's argmax `key`), advancing the state; the
+        token goes to the device ring `ring` (default: the loop's) at [step]."""
         h = self.host
-        self.kernels.sample(logits, key, self.state, self.ring, h.ring_ptr, h.cancel_ptr, cond,
+        self.kernels.sample(logits, key, self.state, ring or self.ring, h.ring_ptr, h.cancel_ptr,
+                            cond,
                             stream=stream)  # fmt: skip
 
-    def build(self, body) -> None:
-        """Capture the generation graph once: a while loop whose body is body(stream, cond)
-        (the decode step and the sampler, which clears the condition when done)."""
-        if self._graph is not None:
-            return
+    def capture(self, body):
+        """A generation graph, uploaded: a while loop whose body is body(builder, cond) (the
+        step, ending on the kernel that clears the condition when done)."""
         with self.gpu.guard("build the generation graph"):
             gb = self.gpu.graph_builder()
             cond = gb.create_condition(default_value=1)
@@ -207,10 +212,16 @@ class DecodeLoop:
             loop.end_building()
             graph = gb.end_building().complete()
             graph.upload(self.gpu.stream)
-        self._graph = graph
+        return graph
+
+    def build(self, body) -> None:
+        """Capture the plain generation graph once (capture: the decode step and the sampler,
+        which clears the condition when done)."""
+        if self._graph is None:
+            self._graph = self.capture(body)
 
     def launch(self) -> None:
-        """Run the generation graph from the current state (queued)."""
+        """Run the plain generation graph from the current state (queued)."""
         self._graph.launch(self.gpu.stream)
 
     def stream_tokens(self, max_tokens: int, stop_ids) -> Iterator[int]:

@@ -124,17 +124,20 @@ class Forward:
                c.intermediate_size, stream=stream)  # fmt: skip
         k.gemv("down", self.mlp, 0, L.down_w, L.down_s, x, c.hidden_size, stream=stream)
 
-    def head(self, x: int, stream=None) -> None:
-        """logits = lm_head(final_norm(x)) and the argmax key; x fp16 [H]."""
+    def head(self, x: int, stream=None, key: int = 0) -> None:
+        """logits = lm_head(final_norm(x)) and the argmax key (into `key`, a zeroed u64, when
+        given, else self.key); x fp16 [H]."""
         w = self.weights
-        self.kernels.lm_head(x, w.final_norm, w.lm_head, self.logits, self.key, stream=stream)
+        self.kernels.lm_head(x, w.final_norm, w.lm_head, self.logits, key or self.key,
+                             stream=stream)  # fmt: skip
 
-    def decode_step(self, stream=None) -> None:
-        """Embedding, every layer and lm_head for the token at state[TOKEN], state[POS]."""
+    def decode_step(self, stream=None, key: int = 0) -> None:
+        """Embedding, every layer and lm_head for the token at state[TOKEN], state[POS]
+        (key: where lm_head's argmax key goes, default self.key)."""
         self.embed_token(stream)
         for i in range(self.config.num_layers):
             self.layer(i, stream)
-        self.head(self.x, stream)
+        self.head(self.x, stream, key)
 
     # -- prefill -----------------------------------------------------------------------------
     def scratch(self, T: int) -> dict[str, int]:

@@ -14,6 +14,9 @@ sizes, each as Gpu.alloc rounds it (device.alloc_size):
                        attention's key-split partials
     decode_buffers     forward.decode_buffers (RoPE table, x, q, attn, mlp, logits), decode
                        attention's split scratch, the decode state and token ring
+    speculation        with a SpeculativeConfig: speculate.spec_buffers (the history, the
+                       verify step's rows and attention scratch); the KV pool and the RoPE
+                       table then cover K positions more (speculate.kv_positions)
     margin             MEMORY_MARGIN: what the driver takes beside our buffers (kernel images,
                        graphs, the stream-ordered pool's slack)
 
@@ -33,9 +36,11 @@ from ..cuda.decode import attention_scratch_buffers
 from ..cuda.device import alloc_size
 from ..cuda.prefill import workspace_buffers
 from ..errors import DeviceError
+from ..speculative import SpeculativeConfig
 from .decode_loop import loop_buffers
 from .forward import decode_buffers, prefill_scratch_buffers
 from .kv_cache import kv_cache_buffers
+from .speculate import kv_positions, spec_buffers
 from .weights import weight_bytes
 
 MEMORY_MARGIN = 1 << 30
@@ -69,26 +74,30 @@ def plan_memory(
     max_context: int,
     num_sms: int = H200_SMS,
     geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+    speculative: SpeculativeConfig | None = None,
 ) -> MemoryPlan:
     """What CudaBackend allocates for `config` at `max_context` positions on a GPU of
-    `num_sms` SMs, by part."""
+    `num_sms` SMs, by part (speculative: CudaBackend's argument)."""
 
     def rounded(sizes) -> int:
         return sum(alloc_size(n) for n in sizes)
 
+    positions = kv_positions(max_context, speculative)
     decode = (
-        *decode_buffers(config, max_context).values(),
+        *decode_buffers(config, positions).values(),
         *attention_scratch_buffers(config, geometry).values(),
         *loop_buffers(max_context).values(),
     )
     parts = {
         "weights": weight_bytes(config),
-        "kv_cache": rounded(kv_cache_buffers(config, max_context)),
+        "kv_cache": rounded(kv_cache_buffers(config, positions)),
         "prefill_scratch": rounded(prefill_scratch_buffers(config, max_context).values()),
         "prefill_workspace": rounded(workspace_buffers(config, num_sms, geometry).values()),
         "decode_buffers": rounded(decode),
-        "margin": MEMORY_MARGIN,
     }
+    if speculative is not None:
+        parts["speculation"] = rounded(spec_buffers(config, max_context, speculative, geometry))
+    parts["margin"] = MEMORY_MARGIN
     return MemoryPlan(config.name, max_context, parts)
 
 
@@ -97,13 +106,14 @@ def largest_context(
     free: int,
     num_sms: int = H200_SMS,
     geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+    speculative: SpeculativeConfig | None = None,
 ) -> int:
     """The longest max_context (at most the model's max_position_embeddings) whose plan fits
     `free` bytes; 0 if not even one position does. The plan grows with the context."""
     lo, hi = 0, config.max_position_embeddings
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan_memory(config, mid, num_sms, geometry).needed <= free:
+        if plan_memory(config, mid, num_sms, geometry, speculative).needed <= free:
             lo = mid
         else:
             hi = mid - 1
@@ -117,13 +127,14 @@ def check_memory(
     total: int,
     num_sms: int = H200_SMS,
     geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
+    speculative: SpeculativeConfig | None = None,
 ) -> MemoryPlan:
     """The plan, checked against `free` of `total` bytes: DeviceError (needed against free,
     by part, and the longest context that fits) when it does not fit."""
-    plan = plan_memory(config, max_context, num_sms, geometry)
+    plan = plan_memory(config, max_context, num_sms, geometry, speculative)
     if plan.needed <= free:
         return plan
-    largest = largest_context(config, free, num_sms, geometry)
+    largest = largest_context(config, free, num_sms, geometry, speculative)
     fix = f"max_context {largest} would fit" if largest else "no context fits"
     raise DeviceError(
         f"the {plan.model} at max_context {max_context} needs {plan.needed} bytes of device "

@@ -66,11 +66,13 @@ __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
 //   positions int32 [1 + K]     out: POS + r for every row r (padding rows included)
 //   ndraft   int32 *            out: d, 0 .. limit
 //   K        int 1 .. kVerifyRows - 1; n_min, n_max int, 1 <= n_min <= n_max; capacity int
+//   branch   graph conditional handle (0 = none): set to d > 0, so the engine's loop body
+//            runs the verify step over 1 + K rows when there are drafts, else the decode step
 // Grid 1, block kDraftThreads.
 extern "C" __global__ void __launch_bounds__(kDraftThreads)
 draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __restrict__ tokens,
             int* __restrict__ positions, int* __restrict__ ndraft, int K, int n_min, int n_max,
-            int capacity) {
+            int capacity, unsigned long long branch) {
   __shared__ unsigned long long warp_best[kDraftThreads / kWarp];
   pdl_wait();
   const int pos = state[kPos], len = pos + 1, step = state[kStep];
@@ -120,6 +122,7 @@ draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __res
     d_s = d;
     src_s = n ? (int)(key % (unsigned)len) + n : 0;  // j + n: the first draft token
     *ndraft = d;
+    if (branch) cudaGraphSetConditional(branch, d > 0 ? 1u : 0u);
   }
   __syncthreads();
   if (threadIdx.x <= K) {

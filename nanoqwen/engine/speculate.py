@@ -1,0 +1,138 @@
+"""Speculative greedy decoding inside the one-graph generation loop (nanoqwen.speculative has
+the rules; speculate.cu mirrors them on the device).
+
+The device keeps the history h int32 [capacity]: the prompt ids staged into h[0 .. P - 1], the
+prefill's first token written at h[P] (its sampler's device ring is h + P), every later token
+appended by accept_greedy. The generation graph is one while loop whose body is
+
+    draft_ngram     h, state -> tokens [1 + K], positions [1 + K], d; branch = d > 0
+    if branch       the verify step over 1 + K rows at positions POS .. POS + K (verify.py;
+                    rows past d are padding: the fed token again, one position further each)
+    else            the decode step (M = 1, forward.py) with its argmax key into keys[0]
+    accept_greedy   keys, tokens, d -> h, host ring, TOKEN/POS/STEP/DONE, stats, keys zeroed,
+                    the while condition = !DONE
+
+Why a conditional node and a fixed M = 1 + K. gemv_rows, attention_rows and lm_head_rows take
+M as a launch argument (gemv_rows compiled in buckets of 8 and 16 rows, its grid checked per
+M), so a captured verify step has one M; making them read M from a device word would change
+three kernels for the sake of the no-draft step, which the decode step serves better. Every M
+up to 8 reads the weights once in the same bucket, so verifying 1 + K rows when d < K costs
+the padding rows' attention and logits only (7B, context 512: M = 2 3043 us, 4 3101, 8 3208,
+`dev/verify_step.py`, docs/PERFORMANCE.md); a switch over d would capture the layers K times.
+The verify step costs about 2.1x the decode step at any M <= 8 on that record, so a step
+without a draft (most steps on text that does not repeat) must not pay it: the if-else runs
+the decode step there, the tuned M = 1 path. That branch ends on accept_greedy with d = 0,
+which is the greedy sampler (row 0's argmax, lowest id on ties) plus the history append, so
+one kernel advances the state in both branches.
+
+Positions. Each verify step writes K/V at POS .. POS + K for every row, padding included, so
+the KV pool, the page table and the RoPE table cover `kv_positions` = max_context + K, and a
+speculative generation reserves prompt + max_tokens + K positions. The draft cap
+(speculative.step_limit) never binds on capacity: capacity >= max_context >= P + max_tokens
+makes capacity - len - 1 >= max_new - step - 1.
+
+Prefix cache. A position's K/V is right once the true token was fed at it from a true prefix:
+every position of the history but the last (the accepted drafts were fed in their step, the
+model's own token is fed by the next step, rejected and padding rows lie past the last
+position and are overwritten before the history reaches them). That is the plain loop's rule:
+commit the prompt and every generated token but the last.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..cuda.registry import Geometry, StateWord
+from ..cuda.speculate import SpeculateKernels
+from ..sampling import SamplingParams
+from ..speculative import SpecStats, SpeculativeConfig
+from .verify import Verify, verify_plan
+
+STATS_WORDS = 3  # accept_greedy's counters: steps, drafted, accepted
+
+
+def history_capacity(max_context: int) -> int:
+    """Words of the history: max_context rounded up to draft_ngram's 16-byte loads."""
+    return -(-max(max_context, 4) // 4) * 4
+
+
+def kv_positions(max_context: int, spec: SpeculativeConfig | None) -> int:
+    """Positions the KV pool, page table and RoPE table cover: K beyond max_context with
+    speculation (the verify step's rows past the last token write there)."""
+    return max_context + (spec.k if spec else 0)
+
+
+def reserved_tokens(prompt_len: int, max_tokens: int, spec: SpeculativeConfig | None) -> int:
+    """KV positions a generation reserves: prompt + max_tokens, + K when it speculates."""
+    return prompt_len + max_tokens + (spec.k if spec else 0)
+
+
+def speculates(spec: SpeculativeConfig | None, params: SamplingParams) -> bool:
+    """Whether a generation runs the speculative loop: greedy parameters only (the device
+    accepts drafts by argmax); sampled ones run the plain loop and report 0 drafted."""
+    return spec is not None and params.greedy
+
+
+def spec_buffers(
+    config: ModelConfig, max_context: int, spec: SpeculativeConfig, geometry: Geometry
+) -> list[int]:
+    """Bytes of SpecLoop's buffers: the history int32 [capacity], tokens and positions int32
+    [1 + K] (Verify's), d int32, stats int32 [3], then Verify's (verify.verify_plan)."""
+    return [history_capacity(max_context) * 4, 4, STATS_WORDS * 4,
+            *verify_plan(config, 1 + spec.k, geometry)]  # fmt: skip
+
+
+def stats_from_words(words: np.ndarray) -> SpecStats:
+    return SpecStats(steps=int(words[0]), drafted=int(words[1]), accepted=int(words[2]))
+
+
+class SpecLoop:
+    """The speculative generation graph of one engine (module docstring)."""
+
+    def __init__(self, engine, spec: SpeculativeConfig) -> None:
+        e, gpu = engine, engine.gpu
+        self.e, self.gpu, self.spec = e, gpu, spec
+        self.capacity = history_capacity(e.max_context)
+        self.kernels = SpeculateKernels(gpu, e.config, spec, self.capacity, e.kernels.geometry,
+                                        pdl=False)  # fmt: skip
+        self.verify = Verify(gpu, e.config, e.kernels, e.weights, e.kv, e.forward.rope, 1 + spec.k)
+        self.h = gpu.alloc(self.capacity * 4, "speculation history").ptr
+        self.ndraft = gpu.alloc(4, "speculation d").ptr
+        self.stats = gpu.alloc(STATS_WORDS * 4, "speculation stats").ptr
+        self._graph = None
+
+    def begin(self, ids: np.ndarray) -> None:
+        """Queue a generation's history (the prompt ids into h) and zeroed stats (no sync)."""
+        self.e.loop.stage_ids(ids, self.h)
+        self.gpu.memset(self.stats, 0, STATS_WORDS * 4)
+
+    def first_ring(self, prompt_len: int) -> int:
+        """The prefill sampler's device ring: h + P, so the first token lands at h[P]."""
+        return self.h + 4 * prompt_len
+
+    def body(self, s, cond) -> None:
+        """One loop iteration on builder `s` (cond: the while loop's condition)."""
+        e, v, sk = self.e, self.verify, self.kernels
+        loop, host, b = e.loop, e.loop.host, v.buf
+        branch = s.create_condition(default_value=0)
+        sk.draft(self.h, loop.state, b["tokens"], b["pos"], self.ndraft, branch, stream=s)
+        verify_s, decode_s = s.if_else(branch)
+        verify_s.begin_building()
+        v.step(1 + self.spec.k, loop.word(StateWord.POS), stream=verify_s)
+        verify_s.end_building()
+        decode_s.begin_building()
+        e.forward.decode_step(stream=decode_s, key=b["keys"])
+        decode_s.end_building()
+        sk.accept(b["keys"], b["tokens"], self.ndraft, loop.state, self.h, host.ring_ptr,
+                  host.cancel_ptr, self.stats, cond, stream=s)  # fmt: skip
+
+    def launch(self) -> None:
+        """Capture the graph once, then run it from the current state (queued)."""
+        if self._graph is None:
+            self._graph = self.e.loop.capture(self.body)
+        self._graph.launch(self.gpu.stream)
+
+    def read_stats(self) -> SpecStats:
+        """The last generation's counters (synchronous)."""
+        return stats_from_words(self.gpu.download(self.stats, np.zeros(STATS_WORDS, np.int32)))

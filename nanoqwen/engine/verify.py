@@ -1,0 +1,90 @@
+"""The multi-row verify step: M tokens of one sequence through one pass over the weights
+(speculative decoding feeds the step's token and its drafts; dev/verify_step.py checks each row
+against the decode step and times it by M).
+
+The M tokens sit at the consecutive positions *start .. *start + M - 1 (`start` a device word:
+the decode state's POS in the engine's loop). Per layer: gemv_rows q/k/v (RMSNorm, bias, RoPE,
+K/V into the pages at each row's position), attention_rows (causal inside the block: row t over
+keys 0 .. *start + t), gemv_rows o (+ residual), gate/up (RMSNorm, SwiGLU), down (+ residual);
+then lm_head_rows (final RMSNorm, logits, each row's argmax key).
+
+M is a launch argument, fixed when a graph captures the step: the engine captures it at
+M = 1 + K and lets draft_ngram pad the rows past the drafts (speculate.cu).
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..cuda.decode import DecodeKernels, VerifyKernels, rows_attention_scratch_buffers
+from ..cuda.registry import Geometry
+from .kv_cache import KVCache
+from .weights import Weights
+
+
+def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
+    """Bytes of Verify's own buffers for `rows` rows: tokens and pos int32 [rows], x fp16
+    [rows, H], q and attn fp16 [rows, q], mlp fp16 [rows, I], logits fp32 [rows, V], keys u64
+    [rows] (attention_rows' scratch: rows_attention_scratch_buffers)."""
+    c = config
+    return {
+        "tokens": rows * 4,
+        "pos": rows * 4,
+        "x": rows * c.hidden_size * 2,
+        "q": rows * c.q_size * 2,
+        "attn": rows * c.q_size * 2,
+        "mlp": rows * c.intermediate_size * 2,
+        "logits": rows * c.vocab_size * 4,
+        "keys": rows * 8,
+    }
+
+
+def verify_plan(config: ModelConfig, rows: int, geometry: Geometry) -> list[int]:
+    """Every buffer Verify allocates, in bytes (engine.memory)."""
+    scratch = rows_attention_scratch_buffers(config, geometry)
+    return [*verify_buffers(config, rows).values(), *scratch.values()]
+
+
+class Verify:
+    """The verify step over an engine's weights, KV cache and RoPE table, with its own buffers
+    for up to `rows` rows (verify_buffers; `buf` maps each name to its device address).
+    `kernels` must be built with rows=True (gemv_rows). The argmax keys must be zero before a
+    step (lm_head_rows takes an atomic max): the caller zeroes them after reading them."""
+
+    def __init__(
+        self,
+        gpu,
+        config: ModelConfig,
+        kernels: DecodeKernels,
+        weights: Weights,
+        kv: KVCache,
+        rope: int,
+        rows: int,
+    ) -> None:
+        self.gpu, self.config, self.kernels = gpu, config, kernels
+        self.weights, self.kv, self.rope, self.rows = weights, kv, rope, rows
+        self.verify = VerifyKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)
+        if not 1 <= rows <= self.verify.geometry.verify_rows:
+            raise ValueError(f"verify rows must be 1..{self.verify.geometry.verify_rows}")
+        self.attn_scratch = self.verify.attention_scratch()
+        sizes = verify_buffers(config, rows)
+        self.buf = {k: gpu.alloc(n, f"verify {k}").ptr for k, n in sizes.items()}
+        gpu.memset(self.buf["keys"], 0, sizes["keys"])
+
+    def step(self, m: int, start: int, stream=None) -> None:
+        """The verify step over the first m rows of buf["tokens"] at positions buf["pos"];
+        start: int32* the first row's position (the causal bound of attention_rows)."""
+        if not 1 <= m <= self.rows:
+            raise ValueError(f"verify step: m must be 1..{self.rows}, got {m}")
+        b, k, v, w, kv = self.buf, self.kernels, self.verify, self.weights, self.kv
+        k.embed(b["tokens"], w.embed, b["x"], m, stream=stream)
+        for i, L in enumerate(w.layers):
+            k.gemv_rows("qkv", m, b["x"], L.input_norm, L.qkv_w, L.qkv_s, b["q"], bias=L.qkv_b,
+                        pos=b["pos"], rope=self.rope, pages=kv.page_table, page_stride=0,
+                        kc=kv.k[i], vc=kv.v[i], stream=stream)  # fmt: skip
+            v.attention_rows(b["q"], kv.k[i], kv.v[i], kv.page_table, start, m,
+                             self.attn_scratch, b["attn"], stream=stream)  # fmt: skip
+            k.gemv_rows("o", m, b["attn"], 0, L.o_w, L.o_s, b["x"], stream=stream)
+            k.gemv_rows("gate_up", m, b["x"], L.post_norm, L.gate_up_w, L.gate_up_s, b["mlp"],
+                        stream=stream)  # fmt: skip
+            k.gemv_rows("down", m, b["mlp"], 0, L.down_w, L.down_s, b["x"], stream=stream)
+        v.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m, stream=stream)

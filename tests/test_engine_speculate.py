@@ -1,0 +1,244 @@
+"""The host side of the cuda backend's speculative loop (nanoqwen/engine/speculate.py), on the
+CPU: positions and page reservation, the sampled-parameters fallback, the memory plan, the
+graph body's branches (with fakes), and an emulation of the device loop's K/V writes that
+checks the reservation bound and the prefix-cache commit rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nanoqwen.config import preset
+from nanoqwen.cuda.registry import StateWord
+from nanoqwen.engine import speculate as sp
+from nanoqwen.engine.memory import plan_memory
+from nanoqwen.sampling import SamplingParams
+from nanoqwen.speculative import SpeculativeConfig, cut, draft, step_limit
+
+SPEC = SpeculativeConfig(k=4)
+
+
+def test_positions_and_reservation():
+    assert sp.kv_positions(1000, None) == 1000
+    assert sp.kv_positions(1000, SPEC) == 1004
+    assert sp.reserved_tokens(17, 111, None) == 128
+    assert sp.reserved_tokens(17, 111, SPEC) == 132
+    for n in (1, 3, 4, 17, 4097):
+        cap = sp.history_capacity(n)
+        assert cap % 4 == 0 and n <= cap < n + 4 and cap >= 4
+
+
+def test_sampled_params_fall_back_to_the_plain_loop():
+    assert sp.speculates(SPEC, SamplingParams(temperature=0.0))
+    assert sp.speculates(SPEC, SamplingParams(temperature=0.7, top_k=1))  # top_k 1 is greedy
+    assert not sp.speculates(SPEC, SamplingParams(temperature=0.7))
+    assert not sp.speculates(None, SamplingParams(temperature=0.0))
+
+
+def test_stats_words():
+    s = sp.stats_from_words(np.array([5, 12, 9], np.int32))
+    assert (s.steps, s.drafted, s.accepted) == (5, 12, 9)
+
+
+@pytest.mark.parametrize("model", ["0.5b", "7b"])
+def test_memory_plan_counts_speculation(model):
+    cfg = preset(model)
+    plain = plan_memory(cfg, 4096)
+    spec = plan_memory(cfg, 4096, speculative=SpeculativeConfig(k=15))
+    assert "speculation" not in plain.parts
+    assert spec.parts["speculation"] > 16 * cfg.vocab_size * 4  # the 16 rows' logits at least
+    assert spec.parts["kv_cache"] > plain.parts["kv_cache"]  # 15 positions more: one more page
+    assert spec.parts["decode_buffers"] > plain.parts["decode_buffers"]  # the RoPE rows
+    assert spec.needed > plain.needed
+
+
+def test_step_limit_never_binds_on_capacity():
+    """capacity >= max_context >= P + max_new: the max_new term is always the smaller."""
+    rng = np.random.default_rng()
+    for _ in range(2000):
+        max_context = int(rng.integers(2, 5000))
+        prompt = int(rng.integers(1, max_context))
+        max_new = int(rng.integers(1, max_context - prompt + 1))
+        cap = sp.history_capacity(max_context)
+        for step in (0, max_new // 2, max_new - 1):
+            length = prompt + step  # step tokens generated: a history of P + step
+            assert step_limit(max_new, step, length, cap) == max_new - step - 1
+
+
+# -- the graph body with fakes -------------------------------------------------------------------
+class FakeBuilder:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def create_condition(self, default_value=None):
+        self.log.append((self.name, "create_condition", default_value))
+        return f"cond@{self.name}"
+
+    def if_else(self, cond):
+        self.log.append((self.name, "if_else", cond))
+        return FakeBuilder(self.log, "then"), FakeBuilder(self.log, "else")
+
+    def begin_building(self):
+        self.log.append((self.name, "begin"))
+        return self
+
+    def end_building(self):
+        self.log.append((self.name, "end"))
+
+
+class Recorder:
+    def __init__(self, log: list, what: str) -> None:
+        self.log, self.what = log, what
+
+    def __getattr__(self, name):
+        def call(*args, stream=None, **kw):
+            self.log.append((stream.name, f"{self.what}.{name}", args, kw))
+
+        return call
+
+
+def fake_spec_loop(log: list) -> sp.SpecLoop:
+    """A SpecLoop over fake kernels and buffers (no Gpu)."""
+    s = object.__new__(sp.SpecLoop)
+    s.spec, s.h, s.ndraft, s.stats = SPEC, 0x1000, 0x2000, 0x3000
+    s.kernels = Recorder(log, "spec")
+    s.verify = Recorder(log, "verify")
+    s.verify.buf = {"tokens": 0x10, "pos": 0x20, "keys": 0x30}
+
+    class Loop:
+        state = 0x4000
+        host = type("H", (), {"ring_ptr": 0x5008, "cancel_ptr": 0x5000})()
+
+        def word(self, w):
+            return self.state + 4 * int(w)
+
+    s.e = type("E", (), {"loop": Loop(), "forward": Recorder(log, "forward")})()
+    return s
+
+
+def test_body_drafts_then_branches_then_accepts():
+    log: list = []
+    fake_spec_loop(log).body(FakeBuilder(log, "loop"), "while-cond")
+    calls = [(b, what) for b, what, *_ in log]
+    assert calls == [
+        ("loop", "create_condition"),
+        ("loop", "spec.draft"),
+        ("loop", "if_else"),
+        ("then", "begin"),
+        ("then", "verify.step"),
+        ("then", "end"),
+        ("else", "begin"),
+        ("else", "forward.decode_step"),
+        ("else", "end"),
+        ("loop", "spec.accept"),
+    ]
+    by = {what: rest for _, what, *rest in log}
+    assert log[0][2] == 0  # the branch condition defaults to the decode step
+    draft_args = by["spec.draft"][0]
+    assert draft_args[-1] == "cond@loop"  # draft_ngram sets the branch condition
+    assert draft_args[:5] == (0x1000, 0x4000, 0x10, 0x20, 0x2000)
+    assert by["verify.step"][0] == (1 + SPEC.k, 0x4000 + 4 * int(StateWord.POS))
+    assert by["forward.decode_step"][1] == {"key": 0x30}  # row 0's key, accept reads it
+    accept_args = by["spec.accept"][0]
+    assert accept_args[0] == 0x30 and accept_args[-1] == "while-cond"
+    assert accept_args[5:7] == (0x5008, 0x5000)  # the host ring and the cancel flag
+
+
+# -- an emulation of the device loop's K/V writes --------------------------------------------------
+def next_token(prefix: tuple[int, ...]) -> int:
+    """A deterministic toy model with repetition (drafts hit often, but not always)."""
+    if len(prefix) >= 7 and hash(prefix[-3:]) % 5:
+        return prefix[-7]
+    return (sum(prefix[-3:]) * 31 + len(prefix)) % 50
+
+
+def emulate(prompt: list[int], max_new: int, max_context: int, eos: int | None):
+    """The speculative loop as the graph runs it: (emitted tokens, kv {position: (token,
+    prefix)}, history). Rows past d write K/V too (the verify step runs 1 + K rows)."""
+    h, kv = list(prompt), {}
+    for p in range(len(h)):  # the prefill
+        kv[p] = (h[p], tuple(h[:p]))
+    out = [next_token(tuple(h))]
+    h.append(out[0])
+    cap = sp.history_capacity(max_context)
+    while len(out) < max_new and (eos is None or out[-1] != eos):
+        pos = len(h) - 1
+        drafts = draft(h, SPEC, step_limit(max_new, len(out), len(h), cap))
+        d = len(drafts)
+        rows = [h[-1], *drafts] + ([h[-1]] * (SPEC.k - d) if d else [])
+        for r, tok in enumerate(rows):
+            kv[pos + r] = (tok, tuple(h[:pos]) + tuple(rows[:r]))
+        targets = [next_token(tuple(h) + tuple(drafts[:r])) for r in range(d + 1)]
+        agree = 0
+        while agree < d and drafts[agree] == targets[agree]:
+            agree += 1
+        kept, _ = cut(targets[: agree + 1], max_new - len(out), {eos} if eos is not None else ())
+        out += kept
+        h += kept
+    return out, kv, h
+
+
+@pytest.mark.parametrize("prompt_len,max_new,eos", [(1, 1, None), (3, 17, None), (17, 111, 7),
+                                                    (40, 60, None), (5, 200, 3)])  # fmt: skip
+def test_emulated_loop_reservation_and_commit(prompt_len, max_new, eos):
+    rng = np.random.default_rng()
+    prompt = rng.integers(0, 50, prompt_len).tolist()
+    max_context = prompt_len + max_new + int(rng.integers(0, 3))
+    out, kv, h = emulate(prompt, max_new, max_context, eos)
+    plain = []  # greedy one token a step
+    while len(plain) < max_new and (not plain or plain[-1] != eos):
+        plain.append(next_token(tuple(prompt + plain)))
+    assert out == plain
+    reserved = sp.reserved_tokens(prompt_len, max_new, SPEC)
+    assert max(kv) < reserved  # every row's K/V lands in the reserved pages
+    assert max(kv) < sp.kv_positions(max_context, SPEC)  # and inside the pool
+    # The commit: the prompt and every generated token but the last; their K/V are right.
+    committed = prompt + out[:-1]
+    for p, tok in enumerate(committed):
+        assert kv[p] == (tok, tuple(committed[:p])), p
+
+
+def test_cuda_backend_takes_the_reference_backends_argument():
+    import inspect
+
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.reference import ReferenceBackend
+
+    for cls in (CudaBackend, ReferenceBackend):
+        assert inspect.signature(cls.__init__).parameters["speculative"].default is None
+
+
+class FakeGpu:
+    """Host memory in place of the device: alloc_mapped gives a ctypes buffer's address."""
+
+    def __init__(self) -> None:
+        self.keep, self.copies = [], []
+
+    def alloc_mapped(self, nbytes: int):
+        import ctypes
+
+        buf = (ctypes.c_int32 * (nbytes // 4))()
+        self.keep.append(buf)
+        return ctypes.addressof(buf), 0
+
+    def alloc(self, nbytes: int, what: str):
+        return type("Buf", (), {"ptr": 0x10000 * (len(self.keep) + 1)})()
+
+    def upload_async(self, dst: int, src: int, nbytes: int) -> None:
+        self.copies.append((dst, nbytes))
+
+
+@pytest.mark.parametrize("max_context,k", [(17, 15), (4096, 4), (4095, 1), (32768, 15)])
+def test_page_table_staging_covers_the_speculative_reservation(max_context, k):
+    from nanoqwen.config import PAGE_TOKENS
+    from nanoqwen.engine.decode_loop import DecodeLoop
+
+    spec = SpeculativeConfig(k=k)
+    positions = sp.kv_positions(max_context, spec)
+    loop = DecodeLoop(FakeGpu(), None, max_context, positions)
+    prompt, max_new = max_context // 2, max_context - max_context // 2  # the longest that fits
+    pages = -(-sp.reserved_tokens(prompt, max_new, spec) // PAGE_TOKENS)
+    assert pages <= -(-positions // PAGE_TOKENS)  # the pool has them
+    loop.stage_pages(list(range(pages)), 0x100)  # and the staging area takes the table
+    assert loop.gpu.copies[-1] == (0x100, 4 * pages)
+    assert loop.host.staging[loop._pages_at + pages - 1] == pages - 1
