@@ -6,7 +6,7 @@ Parts, each on its own (one that fails is logged and the others still run):
   real layer   harness.validate_real.real_layer_tier: layer 0 on a code window, decode path
   real graph   harness.validate_real.real_graph_tier: teacher-forced code windows (decode and
                prefill paths) and greedy generations, gates of ladder.*.real
-  planted      a synthetic model at REAL's widths and PLANTED_LAYERS layers with residual
+  planted      a synthetic model with REAL's config (so REAL's compiled kernels) and residual
                channels of 1e4..6e4 on sink tokens (harness.planted), packed here: the engine's
                logits (prefill and decode paths) finite and within the synthetic graph gates of
                the float32 reference, and its residual row after the last layer (decode path,
@@ -30,7 +30,6 @@ from nanoqwen.harness import validate_real as vr
 from nanoqwen.harness.gpu_script import run_part
 from nanoqwen.harness.validate import _reference
 
-PLANTED_LAYERS = 4
 PLANTED_PROMPTS = 8
 PLANTED_TOKENS = 40
 RESIDUAL_ACCESSES = 6  # decode: q/k/v, o (read + write), gate/up, down (read + write)
@@ -45,13 +44,13 @@ def real_tiers(engine, f, ladder, log) -> list:
 
 
 def planted_check(real_cfg, gates: dict, out_dir: str, log) -> dict:
-    """Pack the planted model at the real model's widths; compare the engine with the float32
+    """Pack the planted model with the real model's config; compare the engine with the float32
     reference on prompts that hold sink tokens."""
     from nanoqwen.engine import CudaBackend
     from nanoqwen.fileformat import NanoqwenFile
 
     path = os.path.join(out_dir, "planted.nanoqwen")
-    planted.pack_planted(preset_for(real_cfg), path, layers=PLANTED_LAYERS)
+    planted.pack_planted(real_cfg, path)  # the real config: its kernels, no compile
     with NanoqwenFile(path) as f:
         cfg = f.config
         ref = _reference(f, "cuda")
@@ -83,18 +82,6 @@ def planted_check(real_cfg, gates: dict, out_dir: str, log) -> dict:
         f"max|dlogit|/std {res['dlogit']:.4f}, sink row max |x| {res['sink_row_max']:.0f}"
     )
     return res
-
-
-def preset_for(cfg) -> str:
-    """The synthetic preset with the real model's widths."""
-    from nanoqwen.config import PRESETS
-
-    for name, p in PRESETS.items():
-        same = (p.hidden_size, p.intermediate_size, p.num_heads, p.num_kv_heads, p.head_dim)
-        if same == (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                    cfg.head_dim):  # fmt: skip
-            return name
-    return "0.5b"
 
 
 def time_step(engine, log) -> dict:
@@ -152,7 +139,7 @@ def main() -> int:
     if p is None:
         log("  FAIL  planted: raised (see the log above)")
     else:
-        log(f"  {'PASS' if p['ok'] else 'FAIL'}  planted {PLANTED_LAYERS}-layer model: finite "
+        log(f"  {'PASS' if p['ok'] else 'FAIL'}  planted {cfg.num_layers}-layer model: finite "
             f"{p['finite']}, top1 {p['agree']}/{p['total']}, max|dlogit|/std {p['dlogit']:.4f}, "
             f"sink residual max {p['sink_row_max']:.0f}")  # fmt: skip
     t = results["time"]

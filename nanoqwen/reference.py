@@ -212,6 +212,8 @@ def _round_fp16(x: torch.Tensor) -> torch.Tensor:
 class Qwen2Reference:
     """The decoder: weights on `device` in `dtype`, and the arithmetic of one forward pass."""
 
+    fp16_storage: Fp16Storage | None = None  # None: no rounding beyond `dtype`
+
     def __init__(
         self, file: NanoqwenFile, max_positions: int, dtype: torch.dtype, device, progress=False
     ):
@@ -233,7 +235,6 @@ class Qwen2Reference:
         else:
             self.lm_head = _fp16(file, "lm_head", dtype, device)  # [V, H]
         self.cos, self.sin = rope_table(cfg, max_positions, dtype, device)
-        self.fp16_storage: Fp16Storage | None = None  # None: no rounding beyond `dtype`
 
     def forward(
         self, tokens: torch.Tensor, start: int, page_table: list[int], cache: PagedKVCache

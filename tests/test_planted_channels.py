@@ -17,7 +17,7 @@ from nanoqwen.reference import Fp16Storage, ReferenceBackend
 @pytest.fixture(scope="module")
 def planted_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("planted") / "tiny-planted.nanoqwen"
-    planted.pack_planted("tiny", path)
+    planted.pack_planted(preset("tiny"), path)
     with NanoqwenFile(path) as f:
         yield f
 

@@ -55,19 +55,12 @@ def planted_tensors(config: ModelConfig, seed: int):
         yield name, t
 
 
-def pack_planted(
-    preset: str, out: str | os.PathLike[str], layers: int | None = None, seed: int = 0
-) -> None:
-    """Write the planted model of `preset` (at `layers` depth if given) to `out`."""
-    import dataclasses
-
-    from ..config import preset as get_preset
+def pack_planted(config: ModelConfig, out: str | os.PathLike[str], seed: int = 0) -> None:
+    """Write the planted model of `config` (any shapes: a preset's, or a real file's config,
+    whose compiled kernels it then shares) to `out`."""
     from ..convert.tokenizers import byte_level_spec
     from ..fileformat import write_nanoqwen
 
-    config = get_preset(preset)
-    if layers is not None:
-        config = dataclasses.replace(config, name=f"{config.name}-{layers}l", num_layers=layers)
     meta = {"source": f"synthetic:{config.name}", "source_format": "synthetic", "seed": str(seed)}
     meta["planted"] = f"residual channels {planted_channels(config)} on tokens {SINK_TOKENS}"
     write_nanoqwen(out, config, planted_tensors(config, seed), byte_level_spec(), meta)
