@@ -24,6 +24,7 @@ import os
 import tempfile
 
 import numpy as np
+import torch
 
 from nanoqwen.harness import load_protocol, planted
 from nanoqwen.harness import validate_real as vr
@@ -53,7 +54,7 @@ def planted_check(real_cfg, gates: dict, out_dir: str, log) -> dict:
     planted.pack_planted(real_cfg, path)  # the real config: its kernels, no compile
     with NanoqwenFile(path) as f:
         cfg = f.config
-        ref = _reference(f, "cuda")
+        ref = _reference(f, "cuda" if torch.cuda.is_available() else "cpu")
         prompts = planted.sink_prompts(cfg, np.random.default_rng(), PLANTED_PROMPTS,
                                        PLANTED_TOKENS)  # fmt: skip
         engine = CudaBackend(f, max_context=4096)

@@ -38,7 +38,7 @@ def _layer0(ref, ids: list[int], dev: str, storage) -> np.ndarray:
 
     m, table = ref.model, PageTable()
     ref.cache.pages.reserve(table, len(ids))
-    m.fp16_storage = storage
+    before, m.fp16_storage = m.fp16_storage, storage
     try:
         with torch.inference_mode():
             t = torch.tensor(ids, device=dev)
@@ -47,7 +47,7 @@ def _layer0(ref, ids: list[int], dev: str, storage) -> np.ndarray:
             x = m.block(m.embed_tokens[t], m.layers[0], 0, 0, tab, ref.cache, cos, sin)
             return x.double().cpu().numpy()
     finally:
-        m.fp16_storage = None
+        m.fp16_storage = before
         ref.cache.pages.release(table)
 
 
