@@ -191,8 +191,28 @@ def weight_bytes(file: NanoqwenFile, dtype: torch.dtype) -> int:
     return values * torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class Fp16Storage:
+    """Where a float32 reference rounds to float16 as the CUDA engine stores its activations
+    between kernels (an emulation of the engine's storage, not of its sums): `residual` the
+    residual stream after each branch's add (the o and down kernels write x fp16); `activations`
+    every other tensor a kernel hands to the next: the normed x of each RMSNorm (fused into
+    q/k/v, gate/up and lm_head, which round it in registers), q/k/v + bias and q/k after RoPE
+    (the K/V pages are fp16), the attention's fp16 P for P.V and its output, gate and up, and
+    silu(gate) * up. The sums stay float32 as the kernels' accumulators do."""
+
+    residual: bool = True
+    activations: bool = True
+
+
+def _round_fp16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float16).to(x.dtype)
+
+
 class Qwen2Reference:
     """The decoder: weights on `device` in `dtype`, and the arithmetic of one forward pass."""
+
+    fp16_storage: Fp16Storage | None = None  # None: no rounding beyond `dtype`
 
     def __init__(
         self, file: NanoqwenFile, max_positions: int, dtype: torch.dtype, device, progress=False
@@ -228,11 +248,22 @@ class Qwen2Reference:
         sin = self.sin[start : start + tokens.shape[0]]
         x = self.embed_tokens[tokens]  # x: [T, H]
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, self.config.rms_norm_eps)
-            x = x + self.attention(h, layer, i, start, table, cache, cos, sin)
-            h = rms_norm(x, layer.post_attn_norm, self.config.rms_norm_eps)
-            x = x + self.mlp(h, layer)
-        return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+            x = self.block(x, layer, i, start, table, cache, cos, sin)
+        return self._act(rms_norm(x, self.final_norm, self.config.rms_norm_eps))
+
+    def block(self, x, w: LayerWeights, layer: int, start: int, table, cache, cos, sin):
+        """Decoder layer `layer`: x [T, H] (the residual stream) -> x [T, H]."""
+        eps = self.config.rms_norm_eps
+        h = self._act(rms_norm(x, w.input_norm, eps))
+        x = self._residual(x + self.attention(h, w, layer, start, table, cache, cos, sin))
+        h = self._act(rms_norm(x, w.post_attn_norm, eps))
+        return self._residual(x + self.mlp(h, w))
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        return _round_fp16(x) if self.fp16_storage and self.fp16_storage.activations else x
+
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        return _round_fp16(x) if self.fp16_storage and self.fp16_storage.residual else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H] -> logits float32 [T, V]."""
@@ -242,10 +273,11 @@ class Qwen2Reference:
         """x: [T, H] -> [T, H]. Causal GQA over positions 0..start+T-1 read from the pages."""
         cfg, t = self.config, x.shape[0]
         group, d = cfg.group_ratio, cfg.head_dim
-        q = F.linear(x, w.q_proj, w.q_bias).view(t, cfg.num_heads, d)  # q: [T, n_heads, d]
-        k = F.linear(x, w.k_proj, w.k_bias).view(t, cfg.num_kv_heads, d)  # k: [T, n_kv, d]
-        v = F.linear(x, w.v_proj, w.v_bias).view(t, cfg.num_kv_heads, d)  # v: [T, n_kv, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        act = self._act
+        q = act(F.linear(x, w.q_proj, w.q_bias)).view(t, cfg.num_heads, d)  # q: [T, n_heads, d]
+        k = act(F.linear(x, w.k_proj, w.k_bias)).view(t, cfg.num_kv_heads, d)  # k: [T, n_kv, d]
+        v = act(F.linear(x, w.v_proj, w.v_bias)).view(t, cfg.num_kv_heads, d)  # v: [T, n_kv, d]
+        q, k = act(apply_rope(q, cos, sin)), act(apply_rope(k, cos, sin))
         cache.write(layer, table, start, k, v)
         k, v = cache.read(layer, table, start + t)  # k, v: [L, n_kv, d], L = start + T
 
@@ -256,14 +288,15 @@ class Qwen2Reference:
         query_pos = torch.arange(start, start + t, device=x.device)[:, None]  # [T, 1]
         key_pos = torch.arange(start + t, device=x.device)[None, :]  # [1, L]
         scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = (probs @ v).permute(2, 0, 1, 3).reshape(t, cfg.q_size)  # out: [T, n_heads * d]
+        probs = act(torch.softmax(scores, dim=-1).to(v.dtype))  # P.V's mma takes fp16 P
+        out = act((probs @ v).permute(2, 0, 1, 3).reshape(t, cfg.q_size))  # [T, n_heads * d]
         return F.linear(out, w.o_proj)
 
-    @staticmethod
-    def mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    def mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """SwiGLU: down(silu(gate(x)) * up(x)); x: [T, H] -> [T, H]."""
-        return F.linear(F.silu(F.linear(x, w.gate_proj)) * F.linear(x, w.up_proj), w.down_proj)
+        act = self._act
+        gate, up = act(F.linear(x, w.gate_proj)), act(F.linear(x, w.up_proj))
+        return F.linear(act(F.silu(gate) * up), w.down_proj)
 
 
 # --- Threads ----------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Run the validation ladder (nanoqwen/config/nanoqwen.yaml) on an sm_90 GPU: unit (each
 kernel vs numpy on awkward sizes), layer (one decoder block vs the reference), graph (prompts
-end to end vs the reference). Exits non-zero if any check fails."""
+end to end vs the reference). A file of real weights (pack's metadata: source_format hf or
+gguf) runs the layer and graph tiers on real code with the gates of ladder.*.real
+(harness.validate_real). Exits non-zero if any check fails."""
 
 from .argtypes import int_range
 
@@ -15,7 +17,8 @@ def add_arguments(p) -> None:
         "--prompts",
         type=int_range(1),
         default=None,
-        help="graph tier prompts; None = the count in config/nanoqwen.yaml",
+        help="graph tier prompts of a synthetic file; None = the count in config/nanoqwen.yaml "
+        "(a real file's code windows are set there)",
     )
     p.add_argument(
         "--seed",
@@ -30,18 +33,25 @@ def run(args) -> int:
     from ..fileformat import NanoqwenFile
     from ..harness import load_protocol
     from ..harness import validate as v
+    from ..harness import validate_real as vr
+    from ..harness.real_text import is_real
 
     ladder = load_protocol()["ladder"]
     checks = []
     with NanoqwenFile(args.file) as f:
+        real = is_real(f)  # real weights: real code and the gates of ladder.*.real
         if args.tier in ("unit", "all"):
             checks += v.unit_tier(f.config, ladder["unit"]["tolerances"], args.seed)
         if args.tier in ("layer", "graph", "all"):
             engine = CudaBackend(f, max_context=4096)
             try:
-                if args.tier in ("layer", "all"):
+                if args.tier in ("layer", "all") and real:
+                    checks += vr.real_layer_tier(engine, f, ladder["layer"]["real"])
+                elif args.tier in ("layer", "all"):
                     checks += v.layer_tier(engine, f, ladder["layer"]["tolerance"], seed=args.seed)
-                if args.tier in ("graph", "all"):
+                if args.tier in ("graph", "all") and real:
+                    checks += vr.real_graph_tier(engine, f, ladder["graph"]["real"])
+                elif args.tier in ("graph", "all"):
                     n = args.prompts or ladder["graph"]["prompts"]
                     checks += v.graph_tier(engine, f, ladder["graph"], n, args.seed)
             finally:
