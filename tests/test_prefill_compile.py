@@ -54,7 +54,7 @@ def test_wgmma_kernel_ptxas_report():
     advisory), every tile of the table and two deeper candidates spill-free."""
     cfg = preset("7b")
     names = sorted({s.expression for s in registry.prefill_specs(cfg) if s.tile})
-    names += ["prefill_gemm_wgmma<128, 8, false>", "prefill_gemm_wgmma<256, 5, true>"]
+    names += ["prefill_gemm_wgmma<128, 8, false, false>", "prefill_gemm_wgmma<256, 5, true, false>"]
     mod = jit.compile_module(GEMM, names, registry.header(cfg))
     for kernel, r in mod.resources().items():
         assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{kernel} uses local memory: {r}"
@@ -283,6 +283,24 @@ def test_pick_gemm_matches_swiglu(m):
     for swiglu in (False, True):
         spec = pk.pick_gemm(m, swiglu)
         assert spec.tile.swiglu == swiglu and spec.key in {s.key for s in pk.gemms}
+
+
+@pytest.mark.parametrize("name", ["tiny", "0.5b", "1.5b", "3b", "7b", "14b", "32b"])
+def test_rope_tiles_where_heads_fit(name):
+    """The RoPE epilogue's tiles exist exactly where a tile's columns are whole heads of one of
+    q, k, v (every Qwen2.5 preset; not `tiny`, whose K/V is half a tile), and the picker
+    keeps the epilogues apart."""
+    cfg = preset(name)
+    fits = registry.gemm_rope_fits(cfg)
+    assert fits == (name != "tiny")
+    pk = PrefillKernels.__new__(PrefillKernels)
+    pk.gemms = [s for s in registry.prefill_specs(cfg) if s.tile]
+    assert any(s.tile.rope for s in pk.gemms) == fits
+    for m in (1, 77, 512, 4096):
+        assert not pk.pick_gemm(m, False).tile.rope and not pk.pick_gemm(m, True).tile.rope
+        if fits:
+            spec = pk.pick_gemm(m, False, rope=True)
+            assert spec.tile.rope and not spec.tile.swiglu and spec.targs[3] is True
 
 
 def test_pick_gemm_takes_the_measured_winners():
