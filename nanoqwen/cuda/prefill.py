@@ -143,7 +143,7 @@ class PrefillKernels(Launcher):
                  (rows 0..N/2-1 gate, N/2..N-1 up) and out = silu(a @ gate^T) * (a @ up^T)
         residual fp16   [M, N] or None; added in fp32 before rounding; may be `out` itself
         rope_kv  (rope, pages, kc, vc, q, pos0) or None: the q/k/v projection (N = q + 2 kv,
-                 bias given, no residual) with rope_kv_write as its epilogue (DecodeKernels
+                 no residual) with rope_kv_write as its epilogue (DecodeKernels
                  .rope_kv's arguments; row m at position pos0 + m); `out` is not written
         K % 128 == 0, N % 128 == 0. All pointers 16-byte aligned.
         spec     a GEMM spec of this launcher (default: pick_gemm's)
@@ -174,14 +174,11 @@ class PrefillKernels(Launcher):
             raise ValueError(f"prefill gemm: N={N} must be a positive multiple of {rows}")
         if swiglu and any(given):  # (bias, residual) passed
             raise ValueError("prefill gemm: swiglu takes no bias and no residual")
-        rope = rk is not None
-        if rope and (
-            swiglu or not given[0] or given[1] or N != self.config.q_size + 2 * self.config.kv_size
-        ):
+        rope, qkv_n = rk is not None, self.config.q_size + 2 * self.config.kv_size
+        if rope and (swiglu or given[1] or N != qkv_n):
             raise ValueError(
-                f"prefill gemm: rope_kv is the q/k/v projection's epilogue (N = "
-                f"{self.config.q_size + 2 * self.config.kv_size}, a bias, no residual or "
-                f"swiglu); got N={N} bias/residual {given} swiglu={swiglu}"
+                f"prefill gemm: rope_kv is the q/k/v projection's epilogue (N = {qkv_n}, no "
+                f"residual or swiglu); got N={N} residual {given[1]} swiglu={swiglu}"
             )
         spec = spec if spec is not None else self.pick_gemm(M, swiglu, rope)
         if spec.tile is None or spec.tile.swiglu != swiglu or spec.tile.rope != rope:

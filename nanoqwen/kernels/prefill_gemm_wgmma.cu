@@ -28,7 +28,7 @@
 //   M, N, K   M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even count)
 //   partials  fp32  [gridDim.x, BT/2, 256]  the stream-K hand-over, one part per CTA
 //   flags     int32 [gridDim.x]   zero before the first launch; every launch leaves them zero
-//   ROPE only (null / 0 otherwise; with ROPE `out` is not written, N = kQKVSize, bias given):
+//   ROPE only (null / 0 otherwise; with ROPE `out` is not written, N = kQKVSize, no residual):
 //   rope      float2 [max_pos, kHeadDim/2]  (cos, sin), formed in float64 on the host
 //   pages     int32 [max_pages]  the sequence's page table: logical page -> physical page
 //   kc, vc    fp16   this layer's K/V caches (kv_cache.cuh)
