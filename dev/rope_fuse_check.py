@@ -51,6 +51,7 @@ from nanoqwen.harness.prefill_checks import (
     GEMM_REL_TOL,
     gemm_shapes,
     random_int4_weight,
+    rope_reference,
     wait_or_die,
 )
 from nanoqwen.rope import rope_table
@@ -62,14 +63,6 @@ PROMPT = 512
 
 def _poisoned(*shape) -> torch.Tensor:
     return torch.full(shape, float("nan"), device="cuda", dtype=torch.float16)
-
-
-def _rope_ref(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """x fp32 [T, heads, D], cs fp32 [T, D/2, 2] (cos, sin) -> NEOX-rotated x, fp32."""
-    half = x.shape[-1] // 2
-    c, s = cs[:, None, :, 0], cs[:, None, :, 1]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
 
 
 def check_case(e: CudaBackend, words, scales, deq, bias, start: int, T: int, gen) -> dict:
@@ -103,8 +96,8 @@ def check_case(e: CudaBackend, words, scales, deq, bias, start: int, T: int, gen
     # The reference: fp16(h @ deq^T + bias), rotated in fp32, at positions start .. start + T - 1.
     qkv_ref = (h.float() @ deq.float().t() + bias.float()).half().float()
     cs = torch.from_numpy(rope_table(c, start + T)).cuda().view(start + T, hd // 2, 2)[start:]
-    q_ref = _rope_ref(qkv_ref[:, : c.q_size].view(T, nq, hd), cs)
-    k_ref = _rope_ref(qkv_ref[:, c.q_size : c.q_size + c.kv_size].view(T, nkv, hd), cs)
+    q_ref = rope_reference(qkv_ref[:, : c.q_size].view(T, nq, hd), cs)
+    k_ref = rope_reference(qkv_ref[:, c.q_size : c.q_size + c.kv_size].view(T, nkv, hd), cs)
     v_ref = qkv_ref[:, c.q_size + c.kv_size :].view(T, nkv, hd)
     q, kc, vc = outs["fused"]
     perm = table.cpu().numpy()

@@ -100,6 +100,15 @@ def gemm_reference(a, deq, bias=None, residual=None, swiglu=False):
     return ref
 
 
+def rope_reference(x, cs):
+    """x fp32 [T, heads, D] (q or k as rope_kv_write reads them: rounded to fp16), cs fp32
+    [T, D/2, 2] the positions' (cos, sin) -> x rotated in NEOX halves, fp32."""
+    half = x.shape[-1] // 2
+    c, s = cs[:, None, :, 0], cs[:, None, :, 1]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
 def attention_reference(q, k, v):
     """fp32 causal GQA softmax attention of the last T positions: q [T, Hq, D] at positions
     L - T .. L - 1, k/v [L, Hkv, D] -> [T, Hq, D]."""
