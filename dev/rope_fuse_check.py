@@ -25,7 +25,9 @@ step.
 
 ttft: the TTFT of a 512-token prompt (generate() until the first token is on the host, what
 `nanoqwen bench` takes; median of --runs after 3 warm-ups) with the engine's prefill fused
-(Forward.fused_rope) and as two launches, interleaved over --rounds rounds in one process.
+(Forward.fused_rope) and as two launches, interleaved over --rounds rounds in one process;
+then, fused, with every RMSNorm launch skipped (wrong tokens, timing only): what fusing the
+norms away could save at most.
 
 Printed last: a table, one row a model: check PASS/FAIL (max |fused - old| in fp16 ulps is 0
 when bitwise equal), TTFT old / new medians (ms) and the saving.
@@ -41,6 +43,7 @@ import time
 import numpy as np
 import torch
 from prefill_check import time_ms, time_shape  # dev/, this script's directory
+from ttft_profile import skipping
 
 from nanoqwen.config import PAGE_TOKENS
 from nanoqwen.engine import CudaBackend
@@ -176,20 +179,31 @@ def ttft(e: CudaBackend, runs: int, rounds: int, log) -> dict:
     """TTFT at PROMPT tokens, old and fused interleaved: {name: [median a round]}."""
     ids = np.random.default_rng(0).integers(0, e.config.vocab_size, PROMPT).tolist()
     params = SamplingParams(max_tokens=1)
+
+    def median_ms() -> float:
+        times = []
+        for r in range(3 + runs):
+            t0 = time.perf_counter()
+            for _ in e.generate(ids, params, frozenset()):
+                t1 = time.perf_counter()
+            if r >= 3:
+                times.append(1e3 * (t1 - t0))
+        return statistics.median(times)
+
     out = {"old": [], "fused": []}
     for _ in range(rounds):
         for name in out:
             e.forward.fused_rope = name == "fused"
-            times = []
-            for r in range(3 + runs):
-                t0 = time.perf_counter()
-                for _ in e.generate(ids, params, frozenset()):
-                    t1 = time.perf_counter()
-                if r >= 3:
-                    times.append(1e3 * (t1 - t0))
-            out[name].append(statistics.median(times))
+            out[name].append(median_ms())
         log(f"  TTFT old {out['old'][-1]:.3f} ms, fused {out['fused'][-1]:.3f} ms")
     e.forward.fused_rope = True
+    out["no_norm"] = float("nan")  # a failure here must not lose the A/B above
+    try:
+        with skipping(e, "rmsnorm"):
+            out["no_norm"] = median_ms()
+    except Exception as exc:  # noqa: BLE001
+        log(f"  TTFT without the RMSNorm launches: FAILED {exc!r}")
+    log(f"  TTFT fused without the RMSNorm launches {out['no_norm']:.3f} ms (timing only)")
     return out
 
 
@@ -234,7 +248,7 @@ def main() -> int:
     for path in args.files:
         table[path] = run_part(path, {}, log, lambda p=path: run_model(p, args, log))
     log(f"\n{'model':28s} {'check':6s} {'ulps':>5s} {'rel err':>8s} {'TTFT old':>9s} "
-        f"{'fused':>8s} {'saved':>7s}  (ms, medians of the rounds)")  # fmt: skip
+        f"{'fused':>8s} {'saved':>7s} {'no norm':>8s}  (ms, medians of the rounds)")  # fmt: skip
     all_ok = True
     for path, res in table.items():
         chk = (res or {}).get("check")
@@ -245,9 +259,9 @@ def main() -> int:
             f"{'FAIL':6s} {'-':>5s} {'-':>8s}")  # fmt: skip
         if tt:
             old, new = statistics.median(tt["old"]), statistics.median(tt["fused"])
-            t_txt = f"{old:9.3f} {new:8.3f} {old - new:7.3f}"
+            t_txt = f"{old:9.3f} {new:8.3f} {old - new:7.3f} {tt['no_norm']:8.3f}"
         else:
-            t_txt = f"{'-':>9s} {'-':>8s} {'-':>7s}"
+            t_txt = f"{'-':>9s} {'-':>8s} {'-':>7s} {'-':>8s}"
         log(f"{os.path.basename(path):28s} {c_txt} {t_txt}")
     log(f"RESULT {'PASS' if all_ok else 'FAIL'}")
     fh.close()
