@@ -214,7 +214,8 @@ __device__ __forceinline__ float round_half(float x) {
 
 // Chunk v[8] (columns d..d+7 of a head, already rounded to fp16 like the stored q/k/v that
 // rope_kv_write reads) rotated with its partner p[8] (columns d +- kHeadDim/2) at `pos`, in
-// rope_kv_write's fp32 arithmetic: first half x1 c - x2 s, second half x2 c + x1 s.
+// rope_kv_write's fp32 arithmetic as ptxas contracts it there (first half fma(x1, c, -x2 s),
+// second half fma(x2, c, x1 s)), spelled out so that the two agree bit for bit.
 __device__ __forceinline__ uint4 rope_chunk(const float (&v)[8], const float (&p)[8], int d,
                                             const float2* __restrict__ cs) {
   constexpr int kHalf = kHeadDim / 2;
@@ -224,7 +225,8 @@ __device__ __forceinline__ uint4 rope_chunk(const float (&v)[8], const float (&p
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float2 c = cs[j + i];
-    r[i] = lo ? v[i] * c.x - p[i] * c.y : v[i] * c.x + p[i] * c.y;
+    const float ps = __fmul_rn(p[i], c.y);
+    r[i] = __fmaf_rn(v[i], c.x, lo ? -ps : ps);
   }
   uint4 o;
   o.x = pack_half2(r[0], r[1]);
