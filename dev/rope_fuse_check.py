@@ -16,7 +16,7 @@ the launches, behind a scattered page table with spare pages, at (start, T) in C
 must agree bit for bit over the whole buffers (the fused epilogue rounds q/k/v to fp16 before
 rotating, as rope_kv_write reads them; the spare pages and positions outside start .. start +
 T - 1 stay NaN in both), and the fused output must match a PyTorch reference (fp32 GEMM, fp16
-rounding, RoPE in fp32 from nanoqwen.rope's table) within GEMM_REL_TOL of max|ref|.
+rounding, RoPE in fp32 from nanoqwen.rope's table) within ROPE_REL_TOL of max|ref|.
 
 kernels: at M = 512 on the model's shapes, the q/k/v GEMM + rope_kv_write against the fused
 GEMM, then every tile of every projection beside cuBLAS fp16 (dev/prefill_check.py's
@@ -51,7 +51,7 @@ from nanoqwen.engine.kv_cache import kv_cache_from_device
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.gpu_script import run_part
 from nanoqwen.harness.prefill_checks import (
-    GEMM_REL_TOL,
+    ROPE_REL_TOL,
     gemm_shapes,
     random_int4_weight,
     rope_reference,
@@ -113,7 +113,7 @@ def check_case(e: CudaBackend, words, scales, deq, bias, start: int, T: int, gen
                          (rows(vc) - v_ref).abs().max()])  # fmt: skip
     err = float("nan") if torch.isnan(diffs).any() else diffs.max().item()
     scale = max(q_ref.abs().max().item(), k_ref.abs().max().item(), v_ref.abs().max().item())
-    ok = ulps == 0 and err <= GEMM_REL_TOL * scale  # NaN (an unwritten output) fails both
+    ok = ulps == 0 and err <= ROPE_REL_TOL * scale  # NaN (an unwritten output) fails both
     return {"ok": ok, "ulps": ulps, "err": err, "scale": scale}
 
 
