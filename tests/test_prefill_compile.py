@@ -5,6 +5,8 @@ epilogue mapping, emulated in numpy lane by lane, reproduce A @ dequant(W)^T; th
 schedule covers every tile once; pick_gemm takes the measured tile; the host's shared-memory
 formulas are the kernels'."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -466,3 +468,31 @@ def test_kv_tile_copy_index_math(d):
         head = int(rng.integers(heads))
         args = (pages, head, key0, n_keys, heads, d, tile, threads)
         assert _copies_by_thread(*args) == _copies_per_row(*args), (key0, live)
+
+
+def test_rope_gemm_launch_kept_across_starts():
+    """The q/k/v GEMM with the RoPE epilogue: one kept launch for every start (pos0, its last
+    argument, set per call), the RoPE tile for it and the plain tile without it (no GPU: the
+    launcher's device calls are stubbed)."""
+    cfg = preset("7b")
+    pk = _picker()
+    pk.config, pk.geometry = cfg, registry.DEFAULT_GEOMETRY
+    pk._gemm_launches, pk._maps = {}, {}
+    pk._parts = pk._flags = type("Buf", (), {"ptr": 0})()
+    pk.gpu = type(
+        "Gpu", (), {"num_sms": 132, "guard": lambda self, what: contextlib.nullcontext()}
+    )()
+    pk._map = lambda *args: "tensor map"
+    calls = []
+    pk.launch = lambda *args, **kw: calls.append(args)
+    n = cfg.q_size + 2 * cfg.kv_size
+    for start in (0, 16, 4000):
+        pk.gemm(
+            16, 32, 48, 64, 80, 512, n, cfg.hidden_size, rope_kv=(96, 112, 128, 144, 160, start)
+        )
+    pk.gemm(16, 32, 48, 64, 80, 512, n, cfg.hidden_size)
+    assert len(pk._gemm_launches) == 2
+    assert [c[0] for c in calls] == ["gemm_256x4_rope"] * 3 + ["gemm_256x4"]
+    assert [int(c[-1]) for c in calls] == [0, 16, 4000, 0]
+    with pytest.raises(ValueError, match="rope_kv is the q/k/v"):
+        pk.gemm(16, 32, 48, 64, 80, 512, n - 128, cfg.hidden_size, rope_kv=(0, 0, 0, 0, 0, 0))

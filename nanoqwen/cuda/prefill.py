@@ -153,13 +153,17 @@ class PrefillKernels(Launcher):
                 0 if residual is None else _ptr(residual), _ptr(out))  # fmt: skip
         given = (bias is not None, residual is not None)
         rk = None if rope_kv is None else (*(_ptr(p) for p in rope_kv[:5]), int(rope_kv[5]))
-        key = (*ptrs, *given, M, N, K, swiglu, rk, None if spec is None else spec.key)
+        # pos0 (the launch's last argument) stays out of the key: a warm request's start varies.
+        rk_key = None if rk is None else rk[:5]
+        key = (*ptrs, *given, M, N, K, swiglu, rk_key, None if spec is None else spec.key)
         launch = self._gemm_launches.get(key)
         if launch is None:
             launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, rk, spec)
             if len(self._gemm_launches) >= _MAX_KEPT:
                 self._gemm_launches.clear()
             self._gemm_launches[key] = launch
+        if rk is not None:
+            launch = (*launch[:-1], np.int32(rk[5]))
         with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
             self.launch(*launch, stream=stream, label=label)
 
