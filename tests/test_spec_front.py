@@ -308,3 +308,44 @@ def test_bench_command_writes_json(tiny_model, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["workload"] == "chat" and res["speculative"]["k"] == 3
     assert {"speedup", "acceptance", "identical", "plain_tokens_per_s"} <= res.keys()
+
+
+# -- dev/draft_model.py's projection -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    import importlib.util
+
+    path = Path(__file__).parent.parent / "dev" / "draft_model.py"
+    spec = importlib.util.spec_from_file_location("draft_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_verify_cost_ratio_interpolates_and_extends(draft_model):
+    r = draft_model.cost_ratio("1:2.0,2:2.2,4:2.4")
+    assert r(1) == 1.0 and r(2) == pytest.approx(1.1) and r(3) == pytest.approx(1.15)
+    assert r(6) == pytest.approx(1.3)  # the last segment's slope, 0.1 ms a row
+    with pytest.raises(ValueError, match="M = 1"):
+        draft_model.cost_ratio("2:2.0,4:2.4")
+
+
+def test_walk_and_projection(draft_model):
+    """A 12-token generation: the draft model agrees 3, then 5 tokens; n-gram drafts nothing."""
+    accepted = [[0, 3, 2, 1, 0, 5, 4, 3, 2, 1, 0, 0]]
+    steps = draft_model.draft_steps([[1] * 5], accepted, gen_len=12, k=8)
+    assert steps[0][1] == (8, 3) and steps[0][10] == (1, 0)  # capped by step_limit
+    taken = [draft_model.walk(s) for s in steps]
+    assert taken == [[(8, 3), (6, 5), (0, 0)]]  # positions 1, 5, 11
+
+    def flat(rows: int) -> float:  # a verify step as cheap as a decode step
+        return 1.0
+
+    plain = draft_model.project([[(0, 0)] * 11], 2.0, None, flat)
+    assert plain["ms_per_token"] == 2.0 and plain["speedup"] == 1.0
+    # target: 3 steps of 2 ms; draft: (1 + 7) + (1 + 5) steps of 1 ms after its drafting steps
+    got = draft_model.project(taken, 2.0, 1.0, flat)
+    assert got["ms_per_token"] == pytest.approx((3 * 2.0 + 8 + 6) / 11)
+    assert got["steps"] == 3 and got["accepted_per_step"] == pytest.approx(8 / 3)
