@@ -349,3 +349,8 @@ def test_walk_and_projection(draft_model):
     got = draft_model.project(taken, 2.0, 1.0, flat)
     assert got["ms_per_token"] == pytest.approx((3 * 2.0 + 8 + 6) / 11)
     assert got["steps"] == 3 and got["accepted_per_step"] == pytest.approx(8 / 3)
+
+
+def test_bench_e2e_refuses_the_reference_backend(tiny_model, capsys):
+    assert main(["bench", str(tiny_model), "--backend", "reference"]) != 0
+    assert "times the cuda engine" in capsys.readouterr().err

@@ -83,6 +83,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from ..errors import NanoqwenError
+
+    if args.workload in SPEC_WORKLOADS:
+        return _speculative(args)
+    if args.backend == "reference":
+        raise NanoqwenError(f"--workload {args.workload} times the cuda engine: no --backend "
+                            "reference (edit, fim and chat take it)")  # fmt: skip
     from ..engine import CudaBackend
     from ..fileformat import NanoqwenFile
     from ..harness.bench import (
@@ -98,8 +105,6 @@ def run(args) -> int:
 
     if args.workload == "prefix":
         return _prefix(args)
-    if args.workload in SPEC_WORKLOADS:
-        return _speculative(args)
     if args.plot:
         require_matplotlib()  # before minutes of benchmarking, not after
     with NanoqwenFile(args.file) as f:
