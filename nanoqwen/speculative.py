@@ -47,9 +47,10 @@ predicts the token after feeding h[-1] and drafts[:i]):
     generator as the plain step does.
 
 Where it is exposed: `LLM(..., speculative=...)` and the `--speculate {off,ngram}`, `--spec-k`,
-`--spec-ngram MIN:MAX` flags of generate, chat, serve and bench (`resolve` turns them into a
-SpeculativeConfig; DEFAULT_SPECULATE is the default of all of them). The statistics (SpecStats)
-reach generate's stats line, the server's usage and /metrics.
+`--spec-ngram MIN:MAX` flags of generate, chat, serve and demo (`resolve` turns them into a
+SpeculativeConfig; DEFAULT_SPECULATE is the default of all of them); bench's edit, fim and
+chat workloads take --spec-k and --spec-ngram. The statistics (SpecStats) reach generate's
+stats line, the server's usage and /metrics.
 """
 
 from __future__ import annotations

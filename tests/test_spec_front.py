@@ -209,6 +209,9 @@ def test_usage_and_metrics_report_speculation(tiny_model):
         "nanoqwen_spec_steps_total": 2 * spec["steps"],
     }
     assert totals.steps == 2 * spec["steps"]
+    openai = pytest.importorskip("openai")  # its clients keep the field as an extra
+    parsed = openai.types.CompletionUsage.model_validate(usage)
+    assert parsed.completion_tokens == 16 and parsed.model_extra["speculative"] == spec
 
 
 def test_usage_has_no_speculative_field_without_speculation():
