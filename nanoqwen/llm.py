@@ -11,10 +11,15 @@ detokenization that never splits a UTF-8 sequence, and stop strings (text that m
 is held back). A backend only turns prompt ids into
 generated ids (nanoqwen/backend.py). Generation stops on the tokenizer's EOS ids ("stop"),
 on a user stop string ("stop"), or after `max_tokens` ("length").
+
+Speculative decoding (`speculative=`: "off", "ngram" or a SpeculativeConfig; nanoqwen.speculative)
+is the backend's: the tokens are the same for greedy requests, only faster. The last delta of a
+generation carries its SpecStats, and `spec_totals` sums them over the LLM's life (/metrics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +30,7 @@ from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_promp
 from .config import ModelConfig
 from .errors import ContextError, NanoqwenError
 from .sampling import SamplingParams
+from .speculative import DEFAULT_SPECULATE, SpecStats, SpeculativeConfig, resolve
 from .tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer, TooManyTokens
 
 BACKENDS = ("auto", "cuda", "reference")
@@ -37,12 +43,15 @@ SPECIAL_TOKENS = ("parse", "text")
 class Delta:
     """A piece of a streamed completion. The last one has finish_reason "stop" or "length".
     The first one carries `cached_tokens`: the prompt's tokens whose K/V came from the prefix
-    cache (0 on every other delta, so summing over deltas counts them once)."""
+    cache (0 on every other delta, so summing over deltas counts them once). With speculation
+    the last one carries the generation's SpecStats (None on every other delta, and always
+    without speculation)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     cached_tokens: int = 0
+    speculative: SpecStats | None = None
 
 
 @dataclass(frozen=True)
@@ -93,11 +102,20 @@ class LLM:
     """A loaded .nanoqwen model with its tokenizer, on one backend (batch 1)."""
 
     def __init__(
-        self, path: str | os.PathLike, backend: str = "auto", max_context=None, progress=False
+        self,
+        path: str | os.PathLike,
+        backend: str = "auto",
+        max_context=None,
+        progress=False,
+        speculative: SpeculativeConfig | str | None = DEFAULT_SPECULATE,
     ):
-        """progress: show the reference backend's load progress (a bar per layer) on stderr."""
+        """progress: show the reference backend's load progress (a bar per layer) on stderr;
+        speculative: "off" (or None), "ngram" (SpeculativeConfig's defaults) or a
+        SpeculativeConfig."""
         from .fileformat import NanoqwenFile
 
+        self.speculative = resolve(speculative)
+        self.spec_totals = SpecStats()  # over every generation, cancelled ones included
         self.backend_name, self.backend_reason = choose_backend(backend)
         self.path = Path(path)
         self._file = NanoqwenFile(self.path)
@@ -121,10 +139,13 @@ class LLM:
                 raise NanoqwenError(
                     f"the cuda backend cannot be loaded ({exc}); use --backend reference"
                 ) from None
-            return CudaBackend(self._file, max_context=self.max_context)
+            # Without speculation the plain constructor call: any engine takes it.
+            spec = {"speculative": self.speculative} if self.speculative else {}
+            return CudaBackend(self._file, max_context=self.max_context, **spec)
         from .reference import ReferenceBackend
 
-        return ReferenceBackend(self._file, max_context=self.max_context, progress=self._progress)
+        return ReferenceBackend(self._file, max_context=self.max_context, progress=self._progress,
+                                speculative=self.speculative)  # fmt: skip
 
     # Prompts -----------------------------------------------------------------------------
     def prepare(
@@ -198,29 +219,50 @@ class LLM:
 
     def _deltas(self, tokens: Generator[int], max_tokens: int, matcher) -> Iterator[Delta]:
         detok = IncrementalDetokenizer(self.tokenizer)
+        counted = False
 
         def flush(text: str) -> tuple[str, bool]:
             """`text` plus everything held back, at the end of the generation."""
             tail, stopped = matcher.feed(detok.finish())
             return text + tail + matcher.finish(), stopped
 
+        def last(text: str, ids: tuple[int, ...], finish: str, cached: int) -> Delta:
+            """The final delta, with the generation's SpecStats: the backend's iterator is
+            closed first, so a backend that settles its statistics at the end has done so."""
+            nonlocal counted
+            tokens.close()
+            counted = True
+            return Delta(text, ids, finish, cached, self._count_spec())
+
         try:
             for count, token in enumerate(tokens, start=1):
                 cached = self._backend.cached_tokens if count == 1 else 0
                 if token in self._stop_ids:  # EOS: ends the text, adds none
-                    yield Delta(flush("")[0], (token,), "stop", cached)
+                    yield last(flush("")[0], (token,), "stop", cached)
                     return
                 text, stopped = matcher.feed(detok.feed([token]))
                 if not stopped and count == max_tokens:
                     text, stopped = flush(text)
-                    yield Delta(text, (token,), "stop" if stopped else "length", cached)
+                    yield last(text, (token,), "stop" if stopped else "length", cached)
                     return
-                yield Delta(text, (token,), "stop" if stopped else None, cached)
                 if stopped:
+                    yield last(text, (token,), "stop", cached)
                     return
-            yield Delta(flush("")[0], (), "length")  # a backend that ended early on its own
+                yield Delta(text, (token,), None, cached)
+            yield last(flush("")[0], (), "length", 0)  # a backend that ended early on its own
         finally:
             tokens.close()
+            if not counted:  # cancelled: the steps it ran still count in spec_totals
+                self._count_spec()
+
+    def _count_spec(self) -> SpecStats | None:
+        """The finished generation's SpecStats (a copy), added to spec_totals; None without
+        speculation."""
+        if not self.speculative or self._backend is None:
+            return None
+        stats = dataclasses.replace(self._backend.spec_stats)
+        self.spec_totals.add(stats)
+        return stats
 
     def generate(self, ids: Sequence[int], params: SamplingParams) -> Completion:
         """The whole completion at once (same stopping rules as `stream`)."""
@@ -236,6 +278,13 @@ class LLM:
                           cached)  # fmt: skip
 
     # Lifetime ----------------------------------------------------------------------------
+    @property
+    def backend(self):
+        """The open backend (nanoqwen.backend.Backend): token ids in, token ids out, for
+        benchmarks that time the engine without the text around it."""
+        self._require_open()
+        return self._backend
+
     @property
     def kv_pages_in_use(self) -> int:
         return 0 if self._backend is None else self._backend.kv_pages_in_use

@@ -50,6 +50,12 @@ Backends: `ReferenceBackend(speculative=SpeculativeConfig(...))` runs both rules
 here; `engine.CudaBackend(speculative=...)` runs greedy generations speculatively inside its
 one-graph loop (engine/speculate.py; sampled ones run its plain loop). Both keep the last
 generation's SpecStats in `spec_stats`.
+
+Where it is exposed: `LLM(..., speculative=...)` and the `--speculate {off,ngram}`, `--spec-k`,
+`--spec-ngram MIN:MAX` flags of generate, chat, serve and demo (`resolve` turns them into a
+SpeculativeConfig; DEFAULT_SPECULATE is the default of all of them); bench's edit, fim and
+chat workloads take --spec-k and --spec-ngram. The statistics (SpecStats) reach generate's
+stats line, the server's usage and /metrics.
 """
 
 from __future__ import annotations
@@ -68,6 +74,10 @@ if TYPE_CHECKING:
     import torch
 
 METHODS = ("ngram",)
+SPECULATE_CHOICES = ("off", *METHODS)
+# The default of --speculate and of LLM(speculative=...). Off: n-gram speculation is to be on by
+# default only once it never loses to plain decoding on any workload (bench --workload chat).
+DEFAULT_SPECULATE = "off"
 # The verify step runs 1 + K rows, at most the multi-token step's MAX_ROWS: up to 16 activation
 # rows an INT4 GEMM stays memory-bound, one read of the weights serving every row (Marlin,
 # Frantar et al. 2024).
@@ -112,6 +122,58 @@ class SpecStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+
+    def add(self, other: SpecStats) -> None:
+        self.steps += other.steps
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens a decode step emitted: 1 + the accepted drafts a step (1.0 with no
+        step)."""
+        return 1.0 + self.accepted / self.steps if self.steps else 1.0
+
+    @property
+    def acceptance(self) -> float:
+        """accepted / drafted (0.0 with nothing drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def summary(self) -> str:
+        """One line for a stats line: drafted, accepted, mean tokens a step."""
+        return (
+            f"speculative: {self.drafted} drafted, {self.accepted} accepted "
+            f"({100 * self.acceptance:.0f}%), {self.tokens_per_step:.2f} tokens a step"
+        )
+
+
+def parse_ngram(text: str) -> tuple[int, int]:
+    """ "MIN:MAX" (or one size "N") -> (n_min, n_max); the range is checked by
+    SpeculativeConfig."""
+    lo, sep, hi = text.partition(":")
+    try:
+        return int(lo), int(hi if sep else lo)
+    except ValueError:
+        raise SpeculativeError(f"n-gram sizes must be MIN:MAX, e.g. 1:3; got {text!r}") from None
+
+
+def resolve(
+    speculative: SpeculativeConfig | str | None, k: int | None = None, ngram: str | None = None
+) -> SpeculativeConfig | None:
+    """The SpeculativeConfig of a --speculate value (or LLM's `speculative=`): None for "off"
+    or None, a config as given, or a method name with `k` and `ngram` ("MIN:MAX") over the
+    config's defaults."""
+    if speculative is None or isinstance(speculative, SpeculativeConfig):
+        return speculative
+    if speculative not in SPECULATE_CHOICES:
+        raise SpeculativeError(
+            f"speculate must be one of {', '.join(SPECULATE_CHOICES)}, got {speculative!r}"
+        )
+    if speculative == "off":
+        return None
+    base = SpeculativeConfig(speculative)
+    n_min, n_max = parse_ngram(ngram) if ngram else (base.n_min, base.n_max)
+    return SpeculativeConfig(speculative, base.k if k is None else k, n_min, n_max)
 
 
 def step_limit(max_new: int, step: int, length: int, capacity: int) -> int:

@@ -24,6 +24,7 @@ from nanoqwen.llm import Delta  # noqa: E402
 from nanoqwen.sampling import SamplingParams  # noqa: E402
 from nanoqwen.server import Worker, create_app  # noqa: E402
 from nanoqwen.server.worker import DONE, EngineDown, Job, QueueFull  # noqa: E402
+from nanoqwen.speculative import SpecStats  # noqa: E402
 
 
 class FakeLLM:
@@ -40,6 +41,7 @@ class FakeLLM:
         self.kv_pages_in_use = 0
         self.kv_stats = KVStats(pages=64, held=0, cached=0, free=64, lookup_tokens=0,
                                 hit_tokens=0, evictions=0)  # fmt: skip
+        self.spec_totals = SpecStats()
         self.gate = threading.Event()  # every generation waits for it before its first token
         self.gate.set()
         self.seen: list[tuple[dict, SamplingParams]] = []  # (prepare's arguments, params)

@@ -7,15 +7,23 @@ weights of the same shapes) on the same GPU in the same run, after our engine is
 --workload prefix: the prefix cache's case (an editor resending a file, a chat its
 conversation): TTFT of a --prompt-len prefix + --new-len new tokens with the prefix cached by
 the request before (a warm one, and the cold one that filled the cache), against the same
-request cold, and whether both give the same tokens."""
+request cold, and whether both give the same tokens.
+
+--workload edit|fim|chat: speculative decoding against plain greedy on real prompts built from
+the Python standard library's source (nanoqwen/harness/workloads.py): --requests prompts,
+each generated plain then speculative (--spec-k, --spec-ngram) on the same --backend (the
+reference too): effective tokens/s and ms/token of each, the speed-up, accepted drafts a step,
+and whether the outputs are token-identical (nanoqwen/harness/spec_bench.py)."""
 
 import sys
 
 from .argtypes import int_range
+from .generate import add_speculative_arguments
 
-HELP = "benchmark the CUDA engine (needs an sm_90 GPU)"
+HELP = "benchmark the CUDA engine (needs an sm_90 GPU), or speculation on real prompts"
 BASELINES = ("transformers",)
-WORKLOADS = ("e2e", "prefix")
+SPEC_WORKLOADS = ("edit", "fim", "chat")  # nanoqwen.harness.workloads.WORKLOADS
+WORKLOADS = ("e2e", "prefix", *SPEC_WORKLOADS)
 
 
 def add_arguments(p) -> None:
@@ -24,7 +32,14 @@ def add_arguments(p) -> None:
     protocol = load_protocol()["benchmark"]  # the defaults: config/nanoqwen.yaml
     p.add_argument("file", help=".nanoqwen model file")
     p.add_argument("--workload", choices=WORKLOADS, default="e2e",
-                   help="e2e: benchmark_e2e; prefix: warm against cold TTFT")  # fmt: skip
+                   help="e2e: benchmark_e2e; prefix: warm against cold TTFT; edit, fim, chat: "
+                   "speculative against plain greedy on stdlib prompts")  # fmt: skip
+    p.add_argument("--requests", type=int_range(1), default=8,
+                   help="edit/fim/chat: prompts of the workload")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="edit/fim/chat: which prompts")
+    p.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
+                   help="edit/fim/chat: the backend (e2e and prefix need cuda)")  # fmt: skip
+    add_speculative_arguments(p, method=False)
     p.add_argument("--new-len", type=int_range(1), default=64,
                    help="prefix workload: new tokens after the --prompt-len prefix")  # fmt: skip
     p.add_argument("--prompt-len", type=int_range(1), default=protocol["prompt_len"],
@@ -68,6 +83,13 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from ..errors import NanoqwenError
+
+    if args.workload in SPEC_WORKLOADS:
+        return _speculative(args)
+    if args.backend == "reference":
+        raise NanoqwenError(f"--workload {args.workload} times the cuda engine: no --backend "
+                            "reference (edit, fim and chat take it)")  # fmt: skip
     from ..engine import CudaBackend
     from ..fileformat import NanoqwenFile
     from ..harness.bench import (
@@ -141,3 +163,28 @@ def _prefix(args) -> int:
     if args.json:
         save(res, args.json)
     return 0 if res["identical_tokens"] else 1
+
+
+def _speculative(args) -> int:
+    from ..errors import NanoqwenError
+    from ..harness.bench import save
+    from ..harness.spec_bench import print_spec_result, run_spec_bench
+    from ..harness.workloads import build
+    from ..llm import LLM
+    from .generate import speculative_config
+
+    if args.kernels or args.plot or args.baseline:
+        raise NanoqwenError("--kernels, --plot and --baseline belong to the e2e workload")
+    spec = speculative_config(args, method="ngram")
+    prompts = build(args.workload, args.requests, args.seed)
+
+    def open_llm(config):
+        return LLM(args.file, backend=args.backend, max_context=args.max_context,
+                   speculative=config)  # fmt: skip
+
+    res = run_spec_bench(open_llm, args.workload, prompts, spec, args.gen_len, args.warmup,
+                         args.runs)  # fmt: skip
+    print_spec_result(res)
+    if args.json:
+        save(res, args.json)
+    return 0 if res["identical"] else 1

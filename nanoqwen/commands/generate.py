@@ -57,6 +57,47 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads of the reference backend; None = $OMP_NUM_THREADS if set, else "
         "the physical cores - 1 (at least 1): a thread that shares its core stalls every op",
     )
+    add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser, method: bool = True) -> None:
+    """--speculate (when `method`), --spec-k, --spec-ngram: nanoqwen.speculative.resolve's
+    inputs."""
+    from ..speculative import (
+        DEFAULT_SPECULATE,
+        MAX_DRAFT_TOKENS,
+        SPECULATE_CHOICES,
+        SpeculativeConfig,
+    )
+
+    base = SpeculativeConfig()
+    if method:
+        p.add_argument(
+            "--speculate",
+            choices=SPECULATE_CHOICES,
+            default=DEFAULT_SPECULATE,
+            help="speculative decoding: 'ngram' drafts tokens by prompt lookup (n-grams of the "
+            "prompt and reply) and verifies them in one step; greedy output is unchanged",
+        )
+    p.add_argument(
+        "--spec-k",
+        type=int_range(1, MAX_DRAFT_TOKENS),
+        default=base.k,
+        help="speculation: most draft tokens verified a step",
+    )
+    p.add_argument(
+        "--spec-ngram",
+        default=f"{base.n_min}:{base.n_max}",
+        metavar="MIN:MAX",
+        help="speculation: n-gram sizes to look up, longest first",
+    )
+
+
+def speculative_config(args: argparse.Namespace, method: str | None = None):
+    """The SpeculativeConfig the flags ask for (None: off); `method` overrides --speculate."""
+    from ..speculative import resolve
+
+    return resolve(method or args.speculate, args.spec_k, args.spec_ngram)
 
 
 def add_special_tokens_argument(p: argparse.ArgumentParser, what: str) -> None:
@@ -127,6 +168,7 @@ def open_llm(path, args: argparse.Namespace, max_tokens: int | None = None):
     from ..llm import LLM, choose_backend, context_size
 
     require_packed(path)
+    speculative = speculative_config(args)  # a bad --spec-ngram fails before the load
     backend, reason = choose_backend(args.backend)
     if max_tokens is not None:
         with NanoqwenFile(path) as f:
@@ -140,9 +182,12 @@ def open_llm(path, args: argparse.Namespace, max_tokens: int | None = None):
             ) from None
         threads = set_threads(args.threads)
         reason += f", {threads} torch thread{'s' * (threads > 1)}"
+    if speculative:
+        reason += f", speculative {speculative.method} k={speculative.k}"
     print(f"nanoqwen: backend {backend} ({reason}); loading {path}", file=sys.stderr)
     start = time.perf_counter()
-    llm = LLM(path, backend=backend, max_context=args.max_context, progress=sys.stderr.isatty())
+    llm = LLM(path, backend=backend, max_context=args.max_context, progress=sys.stderr.isatty(),
+              speculative=speculative)  # fmt: skip
     print(f"nanoqwen: loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return llm
 
@@ -151,11 +196,12 @@ def stream_to_stdout(llm, ids, params) -> tuple[str, str]:
     """Stream a completion to stdout (flushed per delta); stats on stderr. (text, finish)."""
     start = time.perf_counter()
     first = None  # when the first token arrived (prefill + one step)
-    count, parts, finish, cached = 0, [], "length", 0
+    count, parts, finish, cached, spec = 0, [], "length", 0, None
     for delta in llm.stream(ids, params):
         first = first or time.perf_counter()
         count += len(delta.token_ids)
         cached += delta.cached_tokens
+        spec = delta.speculative or spec
         parts.append(delta.text)
         finish = delta.finish_reason or finish
         sys.stdout.write(delta.text)
@@ -169,7 +215,8 @@ def stream_to_stdout(llm, ids, params) -> tuple[str, str]:
     print(
         f"nanoqwen: prompt {len(ids)} tokens ({cached} cached), generated {count} tokens in "
         f"{end - start:.2f} s "
-        f"(first after {first - start:.2f} s, then {rate:.1f} tokens/s), finish {finish}",
+        f"(first after {first - start:.2f} s, then {rate:.1f} tokens/s), finish {finish}"
+        + (f"; {spec.summary()}" if spec else ""),
         file=sys.stderr,
     )
     return text, finish

@@ -93,6 +93,7 @@ class Metrics:
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
         r.register(PrefixCacheCollector(llm))
+        r.register(SpeculationCollector(llm))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -124,6 +125,28 @@ class PrefixCacheCollector:
              stats.hit_tokens),
             ("nanoqwen_kv_page_evictions", "Cached KV pages taken back for new K/V",
              stats.evictions),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+
+
+class SpeculationCollector:
+    """Speculative decoding's counters, read from `llm.spec_totals` (nanoqwen.llm) when
+    scraped: draft tokens verified, accepted, and decode steps. accepted / drafted is the
+    acceptance rate, 1 + accepted / steps the tokens a step, over any window. All stay 0 while
+    speculation is off."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def collect(self):
+        totals = self.llm.spec_totals
+        for name, doc, value in (
+            ("nanoqwen_spec_drafted_tokens", "Draft tokens verified by speculative decoding",
+             totals.drafted),
+            ("nanoqwen_spec_accepted_tokens", "Draft tokens accepted", totals.accepted),
+            ("nanoqwen_spec_steps", "Decode steps of speculative generations", totals.steps),
         ):  # fmt: skip
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)

@@ -19,6 +19,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from ..speculative import SpecStats
+
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -74,6 +76,7 @@ class Reply:
         self.created = int(time.time())
         self.prompt_tokens = sum(prompt_tokens)
         self.cached_tokens = 0  # of prompt_tokens, served from the prefix cache
+        self.speculative: SpecStats | None = None  # summed over the choices; None: not on
         self.choices = [Choice() for _ in prompt_tokens]
         # A stream chunk's bytes around its one choice: the envelope rendered once with a
         # placeholder list (an unescaped ["@"] can only be structure), so `chunk` renders just
@@ -86,6 +89,9 @@ class Reply:
         """Account for one `Delta(text, token_ids, finish_reason, cached_tokens)` of choice
         `index`."""
         self.cached_tokens += delta.cached_tokens
+        if delta.speculative is not None:
+            self.speculative = self.speculative or SpecStats()
+            self.speculative.add(delta.speculative)
         choice = self.choices[index]
         choice.completion_tokens += len(delta.token_ids)
         choice.text.append(delta.text)
@@ -94,13 +100,20 @@ class Reply:
 
     @property
     def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object; with speculation also `speculative` (drafted_tokens,
+        accepted_tokens, steps), a field OpenAI's clients keep as an extra."""
         completion = sum(c.completion_tokens for c in self.choices)
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.speculative is not None:
+            s = self.speculative
+            usage["speculative"] = {"drafted_tokens": s.drafted, "accepted_tokens": s.accepted,
+                                    "steps": s.steps}  # fmt: skip
+        return usage
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {

@@ -1,0 +1,162 @@
+"""`nanoqwen bench --workload edit|fim|chat`: speculative against plain greedy decoding.
+
+Protocol: the workload's prompts (nanoqwen.harness.workloads: real stdlib source, seeded), each
+generated greedily up to `gen_len` tokens (the tokenizer's EOS ends one early) first by a plain
+backend, then by a speculative one of the same kind and file (each opened alone, so a backend
+that builds its decode graph for its configuration at load is measured as it serves). Each
+mode first runs `warmup` untimed generations of the first prompt, then every prompt `runs`
+times. A generation's decode time is first token -> last token on the host (the prefill and
+its first token are the same work in both modes, so they are left out); ms/token is the sum
+over the prompts of the median decode time over runs, divided by the sum of their decode tokens
+(tokens - 1), and effective tokens/s is its inverse. The speed-up is plain ms/token over
+speculative ms/token. Acceptance: the speculative backend's SpecStats summed over the timed
+generations. Identity: each prompt's speculative tokens against its plain tokens; on a
+mismatch, the first differing index.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+import time
+from collections.abc import Callable
+
+from ..sampling import SamplingParams
+from ..speculative import SpecStats, SpeculativeConfig
+from .bench import _commit
+from .workloads import Prompt
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (a length mismatch counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def timed_generation(backend, ids: list[int], params: SamplingParams, stop_ids):
+    """(tokens, decode seconds: first token -> last token) of one generation."""
+    tokens, first = [], None
+    for token in backend.generate(ids, params, stop_ids):
+        tokens.append(token)
+        first = first or time.perf_counter()
+    return tokens, time.perf_counter() - first
+
+
+def run_mode(llm, prompts: list[Prompt], gen_len: int, warmup: int, runs: int) -> dict:
+    """One mode over every prompt: per prompt its prompt length, tokens, median decode seconds;
+    and the summed SpecStats (zeros without speculation)."""
+    backend = llm.backend
+    stop_ids = frozenset(llm.tokenizer.eos_token_ids)
+    params = SamplingParams(max_tokens=gen_len)  # temperature 0: greedy
+    ids = [llm.prepare(**p.prepare_args()) for p in prompts]
+    for _ in range(warmup):
+        timed_generation(backend, ids[0], params, stop_ids)
+    stats, rows = SpecStats(), []
+    for prompt_ids in ids:
+        seconds, tokens = [], None
+        for _ in range(runs):
+            tokens, s = timed_generation(backend, prompt_ids, params, stop_ids)
+            seconds.append(s)
+            if llm.speculative:
+                stats.add(backend.spec_stats)
+        rows.append({"prompt_tokens": len(prompt_ids), "tokens": tokens,
+                     "decode_s": statistics.median(seconds)})  # fmt: skip
+    return {"rows": rows, "stats": stats}
+
+
+def _rate(rows: list[dict]) -> tuple[float, float]:
+    """(ms/token, tokens/s) over the decode tokens of every row."""
+    tokens = sum(len(r["tokens"]) - 1 for r in rows)
+    seconds = sum(r["decode_s"] for r in rows)
+    ms = 1e3 * seconds / tokens if tokens else float("nan")
+    return ms, (1e3 / ms if tokens and seconds else float("nan"))
+
+
+def run_spec_bench(
+    open_llm: Callable[[SpeculativeConfig | None], object],
+    workload: str,
+    prompts: list[Prompt],
+    spec: SpeculativeConfig,
+    gen_len: int,
+    warmup: int = 1,
+    runs: int = 1,
+) -> dict:
+    """The workload plain (open_llm(None)) then speculative (open_llm(spec)); the result dict
+    (module docstring; `print_spec_result` shows it)."""
+    modes = {}
+    for name, config in (("plain", None), ("speculative", spec)):
+        llm = open_llm(config)
+        try:
+            modes[name] = run_mode(llm, prompts, gen_len, warmup, runs)
+            backend, model = llm.backend_name, llm.model_name
+        finally:
+            llm.close()
+    plain, fast = modes["plain"], modes["speculative"]
+    per_prompt, mismatch = [], None
+    for i, (p, a, b) in enumerate(zip(prompts, plain["rows"], fast["rows"], strict=True)):
+        diff = first_difference(a["tokens"], b["tokens"])
+        if diff is not None and mismatch is None:
+            mismatch = {"prompt": i, "index": diff}
+        per_prompt.append({
+            "source": p.source, "prompt_tokens": a["prompt_tokens"],
+            "tokens": len(a["tokens"]), "speculative_tokens": len(b["tokens"]),
+            "plain_decode_s": a["decode_s"], "speculative_decode_s": b["decode_s"],
+            "identical": diff is None,
+        })  # fmt: skip
+    plain_ms, plain_rate = _rate(plain["rows"])
+    spec_ms, spec_rate = _rate(fast["rows"])
+    stats = fast["stats"]
+    return {
+        "workload": workload,
+        "backend": backend,
+        "model": model,
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "prompts": len(prompts),
+        "gen_len": gen_len,
+        "warmup": warmup,
+        "runs": runs,
+        "speculative": {
+            "method": spec.method,
+            "k": spec.k,
+            "n_min": spec.n_min,
+            "n_max": spec.n_max,
+        },  # fmt: skip
+        "plain_ms_per_token": plain_ms,
+        "plain_tokens_per_s": plain_rate,
+        "speculative_ms_per_token": spec_ms,
+        "speculative_tokens_per_s": spec_rate,
+        "speedup": plain_ms / spec_ms,
+        "acceptance": {
+            "steps": stats.steps,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "accepted_per_step": stats.accepted / stats.steps if stats.steps else 0.0,
+            "tokens_per_step": stats.tokens_per_step,
+            "rate": stats.acceptance,
+        },
+        "identical": mismatch is None,
+        "first_difference": mismatch,
+        "per_prompt": per_prompt,
+    }
+
+
+def print_spec_result(res: dict) -> None:
+    s, a = res["speculative"], res["acceptance"]
+    print(f"workload {res['workload']}  backend {res['backend']}  model {res['model']}  "
+          f"{res['prompts']} prompts  gen {res['gen_len']}  runs {res['runs']}  "
+          f"{s['method']} k={s['k']} n={s['n_min']}:{s['n_max']}")  # fmt: skip
+    print(f"  {'mode':12} {'ms/token':>10} {'tokens/s':>10}")
+    print(f"  {'plain':12} {res['plain_ms_per_token']:10.3f} {res['plain_tokens_per_s']:10.1f}")
+    print(f"  {'speculative':12} {res['speculative_ms_per_token']:10.3f} "
+          f"{res['speculative_tokens_per_s']:10.1f}")  # fmt: skip
+    print(f"  speed-up {res['speedup']:.2f}x; {a['accepted_per_step']:.2f} accepted drafts a "
+          f"step ({a['tokens_per_step']:.2f} tokens a step; {a['accepted']} of {a['drafted']} "
+          f"drafted, {a['steps']} steps)")  # fmt: skip
+    if res["identical"]:
+        print("  outputs identical: yes")
+    else:
+        d = res["first_difference"]
+        print(f"  outputs identical: NO (prompt {d['prompt']} differs from token {d['index']})")
