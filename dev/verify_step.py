@@ -34,6 +34,7 @@ import numpy as np
 from nanoqwen.cuda.decode import DecodeKernels, VerifyKernels
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
+from nanoqwen.engine.weights import check_speculation_head
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.gpu_script import run_part
@@ -51,6 +52,7 @@ class VerifyStep:
 
     def __init__(self, engine: CudaBackend) -> None:
         self.e, c, gpu = engine, engine.config, engine.gpu
+        check_speculation_head(engine.weights.lm_head_format)  # lm_head_rows reads fp16 rows
         self.rows = DecodeKernels(gpu, c, engine.kernels.geometry, rows=True)
         self.verify = VerifyKernels(gpu, c, engine.kernels.geometry)
         self.attn_scratch = self.verify.attention_scratch()

@@ -110,3 +110,39 @@ def quantize_pack(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.n
 def dequantize_packed(qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """(qweight uint32 [N, K/8], scales float16 [N, K/128]) -> float32 [N, K]."""
     return dequantize(unpack_value_shuffle(qweight), scales)
+
+
+# The lm_head in INT8 (opt-in: `pack --lm-head int8`) ------------------------------------------
+# One float32 scale per vocabulary row (symmetric, over the whole row of H values):
+#
+#     scale[v] = max_k |w[v, k]| / 127        (float32; 0 for an all-zero row)
+#     q[v, k]  = clip(rint(w[v, k] / scale[v]), -127, 127)    int8
+#     logit[v] = scale[v] * sum_k q[v, k] * x[k]      (the kernel: one multiply after the dot)
+#
+# Per row rather than per group of 128 along H: a logit is one row's dot product, so a row
+# scale factors out of it (one multiply a row, no per-group scale stream beside the bytes), and
+# the row's error is spread evenly; a row whose few large columns set the scale loses the
+# small ones' precision, which per-group scales would keep. dev/lm_head_quality.py measures
+# both on the real 0.5B (docs/EXPERIMENTS.md): per row keeps top-1 within a few tenths of a
+# percent of per group, so the simpler kernel wins. float32 scales: the row's max/127 of a
+# tiny-norm row may fall below fp16's normal range.
+LM_HEAD_FORMATS = ("float16", "int8")
+Q8_MAX = 127
+
+
+def quantize_rows_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w float [V, H] -> (q int8 [V, H], scale float32 [V]) by the rule above."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise QuantError(f"lm_head must be 2-D [V, H], got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise QuantError("lm_head has non-finite values")
+    scale = (np.abs(w).max(axis=1) / Q8_MAX).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))[:, None]
+    q = np.clip(np.rint(w / safe), -Q8_MAX, Q8_MAX).astype(np.int8)
+    return q, scale
+
+
+def dequantize_rows_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """(q int8 [V, H], scale float32 [V]) -> float32 [V, H] = q * scale (exact in float32)."""
+    return q.astype(np.float32) * np.asarray(scale, np.float32)[:, None]

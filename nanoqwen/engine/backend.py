@@ -72,7 +72,8 @@ class CudaBackend:
         self.gpu = Gpu()
         free, total = self.gpu.mem_info()  # the context exists; nothing of ours yet
         self._free_at_start = free
-        self.plan = check_memory(cfg, self.max_context, free, total, self.gpu.num_sms, geometry)
+        self.plan = check_memory(cfg, self.max_context, free, total, self.gpu.num_sms, geometry,
+                                 file.lm_head)  # fmt: skip
         self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl)
         # Built here, not at the first prompt: on a cold kernel cache NVRTC takes seconds,
         # which a server's first request would otherwise wait for.

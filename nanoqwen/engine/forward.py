@@ -125,9 +125,15 @@ class Forward:
         k.gemv("down", self.mlp, 0, L.down_w, L.down_s, x, c.hidden_size, stream=stream)
 
     def head(self, x: int, stream=None) -> None:
-        """logits = lm_head(final_norm(x)) and the argmax key; x fp16 [H]."""
-        w = self.weights
-        self.kernels.lm_head(x, w.final_norm, w.lm_head, self.logits, self.key, stream=stream)
+        """logits = lm_head(final_norm(x)) and the argmax key; x fp16 [H]. Every consumer of
+        the head (decode step, prefill's last row, teacher-forced rows) comes through here, so
+        an int8 head (Weights.lm_head_format) is read by its own kernel everywhere."""
+        w, k = self.weights, self.kernels
+        if w.lm_head_format == "int8":
+            k.lm_head_q8(x, w.final_norm, w.lm_head, w.lm_head_scale, self.logits, self.key,
+                         stream=stream)  # fmt: skip
+        else:
+            k.lm_head(x, w.final_norm, w.lm_head, self.logits, self.key, stream=stream)
 
     def decode_step(self, stream=None) -> None:
         """Embedding, every layer and lm_head for the token at state[TOKEN], state[POS]."""

@@ -400,7 +400,8 @@ def _reference(file, device: str, dtype: str = "float32"):
             for w in base.model.layers
         ]  # fmt: skip
         m.embed_tokens = base.model.embed_tokens.to(to)
-        m.lm_head = m.embed_tokens if file.config.tie_word_embeddings else m.lm_head.to(to)
+        tied = base.model.lm_head is base.model.embed_tokens  # an int8 head is its own tensor
+        m.lm_head = m.embed_tokens if tied else m.lm_head.to(to)
         ref.cache = type(base.cache)(file.config, base.cache.num_pages, to, device, False)
     _REFERENCES[key] = ref
     return ref
