@@ -213,3 +213,20 @@ def test_speculation_refuses_an_int8_head():
     check_speculation_head("float16")
     with pytest.raises(NanoqwenError, match="speculative decoding needs the fp16 lm_head"):
         check_speculation_head("int8")
+
+
+def _byte_perm(x: int, y: int, s: int) -> int:
+    """CUDA's __byte_perm(x, y, s): result byte i is byte (s >> 4 i) & 7 of the 8 bytes y:x."""
+    pool = (y << 32) | x
+    return sum(((pool >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+def test_kernel_int8_to_float_trick():
+    """decode_misc.cu dot_q8x8: byte `lo` of a word of int8 values, sign bit flipped, permuted
+    into the low byte of 2^23 (selector 0x7650 + lo), minus 2^23 + 128, is the signed byte."""
+    for value in range(-128, 128):
+        for lo in range(4):
+            word = (value & 0xFF) << (8 * lo) | (0x5A << (8 * ((lo + 1) % 4)))  # a neighbour
+            bits = _byte_perm(word ^ 0x80808080, 0x4B000000, 0x7650 + lo)
+            f = struct.unpack("<f", struct.pack("<I", bits))[0]
+            assert np.float32(f) - np.float32(8388608 + 128) == value
