@@ -23,6 +23,8 @@ PAGE_TOKENS = 16
 # The seven INT4 projections of a decoder layer, in file order.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BIASED_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+# Bytes an element of each stored dtype takes (tensor_shapes' dtypes).
+DTYPE_BYTES = {"float16": 2, "uint32": 4, "int8": 1, "float32": 4}
 
 
 class ConfigError(NanoqwenError, ValueError):
@@ -98,12 +100,16 @@ class ModelConfig:
             "down_proj": (h, i),
         }[proj]
 
-    def tensor_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+    def tensor_shapes(self, lm_head: str = "float16") -> dict[str, tuple[str, tuple[int, ...]]]:
         """Every tensor a .nanoqwen file of this config holds: name -> (dtype, shape).
 
         INT4 projections are stored as `<proj>.qweight` (uint32 [N, K/8], ValueShuffle words,
-        row-major) and `<proj>.scales` (float16 [N, K/128]); biases, norms, embeddings and
-        lm_head are float16. A tied model has no `lm_head`: it reads `embed_tokens`.
+        row-major) and `<proj>.scales` (float16 [N, K/128]); biases, norms and embeddings are
+        float16. `lm_head` is the file's head format (quant.LM_HEAD_FORMATS): "float16" stores
+        `lm_head` float16 [V, H], and a tied model has none (it reads `embed_tokens`); "int8"
+        stores `lm_head.q8` int8 [V, H] and `lm_head.scale` float32 [V] (one scale a row,
+        quant.quantize_rows_int8), tied or not: a tied model keeps its fp16 `embed_tokens` for
+        the lookup beside them.
         """
         h, v = self.hidden_size, self.vocab_size
         shapes: dict[str, tuple[str, tuple[int, ...]]] = {"embed_tokens": ("float16", (v, h))}
@@ -118,20 +124,26 @@ class ModelConfig:
                 if proj in BIASED_PROJECTIONS:
                     shapes[f"{p}{proj}.bias"] = ("float16", (n,))
         shapes["final_norm"] = ("float16", (h,))
-        if not self.tie_word_embeddings:
+        if lm_head == "int8":
+            shapes["lm_head.q8"] = ("int8", (v, h))
+            shapes["lm_head.scale"] = ("float32", (v,))
+        elif lm_head != "float16":
+            raise ConfigError(f"lm_head format {lm_head!r} is not float16 or int8")
+        elif not self.tie_word_embeddings:
             shapes["lm_head"] = ("float16", (v, h))
         return shapes
 
-    def weight_bytes_per_token(self) -> int:
-        """Bytes a batch-1 decode step must read: every weight once (embeddings: one row)."""
+    def weight_bytes_per_token(self, lm_head: str = "float16") -> int:
+        """Bytes a batch-1 decode step must read: every weight once (embeddings: one row;
+        a tied fp16 head reads the whole embedding table)."""
         total = 0
-        for name, (dtype, shape) in self.tensor_shapes().items():
+        for name, (dtype, shape) in self.tensor_shapes(lm_head).items():
             count = 1
             for d in shape:
                 count *= d
-            size = 4 if dtype == "uint32" else 2
+            size = DTYPE_BYTES[dtype]
             total += self.hidden_size * 2 if name == "embed_tokens" else count * size
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and lm_head == "float16":
             total += self.vocab_size * self.hidden_size * 2
         return total
 

@@ -8,7 +8,8 @@ Layout (all integers little-endian):
                      offset (zero padding between them)
     [..., ...)       tokenizer.json as UTF-8 (4096-aligned), when the file carries a tokenizer
     [header_offset, EOF)   header: UTF-8 JSON (config, quant params, tensor table, tokenizer
-                     fields, metadata); it ends exactly at the end of the file
+                     fields, metadata, and "lm_head": "int8" for an int8 head only: a file
+                     without it has the fp16 head); it ends exactly at the end of the file
 
 Why the header sits at the end: the writer streams tensors of a 7B model (~4.5 GB) one at a
 time, each to an offset it knows up front from the config, and a tensor's checksum is known
@@ -55,7 +56,7 @@ import numpy as np
 from . import __version__
 from .config import GROUP_SIZE, ConfigError, ModelConfig
 from .errors import FormatError
-from .quant import LAYOUT_VALUE_SHUFFLE
+from .quant import LAYOUT_VALUE_SHUFFLE, LM_HEAD_FORMATS
 
 MAGIC = b"NANOQWEN"
 FORMAT_VERSION = 1
@@ -66,7 +67,13 @@ MAX_HEADER_BYTES = 64 << 20  # a 32B header is ~0.3 MiB; anything near this is g
 
 _PREAMBLE = struct.Struct("<8sIIQQII")  # magic, version, layout, hdr offset, hdr len, crc, 0
 PREAMBLE_SIZE = _PREAMBLE.size  # 40
-_DTYPES = {"float16": np.dtype("<f2"), "uint32": np.dtype("<u4")}
+_DTYPES = {
+    "float16": np.dtype("<f2"),
+    "uint32": np.dtype("<u4"),
+    "int8": np.dtype("i1"),
+    "float32": np.dtype("<f4"),
+}
+_DTYPE_NAMES = ", ".join(_DTYPES)
 _CHUNK = 32 << 20  # bytes hashed / written / checked per step
 _REGENERATE = "re-pack the model with `nanoqwen pack`"
 _U63 = (1 << 63) - 1
@@ -90,7 +97,8 @@ class TokenizerSpec:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor of the table: dtype "float16"|"uint32", C-order shape, byte offset of its
+    """One tensor of the table: dtype (float16, uint32, or int8 / float32: an int8 lm_head),
+    C-order shape, byte offset of its
     first element in the file, size in bytes, CRC32 of those bytes."""
 
     name: str
@@ -159,16 +167,21 @@ def write_nanoqwen(
     tokenizer: TokenizerSpec | None,
     metadata: dict[str, str] | None = None,
     progress: bool = False,
+    lm_head: str = "float16",
 ) -> None:
     """Write a .nanoqwen file atomically, streaming `tensors` (in any order).
 
-    Each (name, array) must be one of `config.tensor_shapes()` with exactly that dtype
-    (float16 or uint32, little-endian) and shape; float16 tensors must be finite. Peak memory
-    is one tensor. On any error the temp file is removed and an existing `path` is untouched.
+    Each (name, array) must be one of `config.tensor_shapes(lm_head)` with exactly that dtype
+    (float16, uint32, int8 or float32, little-endian) and shape; float tensors must be
+    finite. Peak memory is one tensor. On any error the temp file is removed and an existing
+    `path` is untouched. `lm_head` "int8" adds the header field `"lm_head": "int8"`; a float16
+    head writes no such field, so its file reads in builds that predate the field.
     """
+    if lm_head not in LM_HEAD_FORMATS:
+        raise FormatError(f"lm_head format {lm_head!r} is not one of {', '.join(LM_HEAD_FORMATS)}")
     plan = {
         name: (dtype, shape, _nbytes(dtype, shape))
-        for name, (dtype, shape) in config.tensor_shapes().items()
+        for name, (dtype, shape) in config.tensor_shapes(lm_head).items()
     }
     offsets, offset = {}, ALIGNMENT
     for name, (_, _, nbytes) in plan.items():
@@ -190,6 +203,8 @@ def write_nanoqwen(
         f.truncate(data_end)
         table = _write_tensors(f, tensors, plan, offsets, bar)
         header = {"config": config.to_dict(), "quant": QUANT.__dict__.copy(), "tensors": table}
+        if lm_head != "float16":
+            header["lm_head"] = lm_head
         header["tokenizer"] = tok_fields
         if blob is not None:
             bar.set_postfix_str("tokenizer", refresh=False)
@@ -221,8 +236,9 @@ def _write_tensors(f, tensors, plan, offsets, bar) -> list[dict[str, Any]]:
         crc = 0
         for start in range(0, nbytes, _CHUNK):
             chunk = flat[start : start + _CHUNK]
-            if dtype == "float16":
-                _check_finite(name, chunk.view(np.float16), start // 2, shape)
+            if dtype in ("float16", "float32"):
+                size = _DTYPES[dtype].itemsize
+                _check_finite(name, chunk.view(_DTYPES[dtype]), start // size, shape)
             crc = zlib.crc32(chunk, crc)
             f.write(memoryview(chunk))
             bar.update(len(chunk))
@@ -441,7 +457,7 @@ def _parse_entry(i: int, entry: Any) -> TensorInfo:
         raise FormatError(f"tensor table entry {i}: name must be a string, got {_kind(e['name'])}")
     where = f"tensor {e['name'][:80]}"
     if type(e["dtype"]) is not str or e["dtype"] not in _DTYPES:
-        raise FormatError(f"{where}: dtype {str(e['dtype'])[:40]!r} is not float16 or uint32")
+        raise FormatError(f"{where}: dtype {str(e['dtype'])[:40]!r} is not one of {_DTYPE_NAMES}")
     if type(e["shape"]) is not list or not 1 <= len(e["shape"]) <= 4:
         raise FormatError(f"{where}: shape must be an array of 1 to 4 integers")
     shape = tuple(_int(d, f"{where}: shape entry", 1, _I31) for d in e["shape"])
@@ -455,15 +471,27 @@ def _parse_entry(i: int, entry: Any) -> TensorInfo:
     )
 
 
-def _tensor_count(config: ModelConfig) -> int:
-    """len(config.tensor_shapes()) without building it (num_layers may be absurd)."""
-    one = len(ModelConfig.from_dict({**config.to_dict(), "num_layers": 1}).tensor_shapes())
-    two = len(ModelConfig.from_dict({**config.to_dict(), "num_layers": 2}).tensor_shapes())
+def _tensor_count(config: ModelConfig, lm_head: str) -> int:
+    """len(config.tensor_shapes(lm_head)) without building it (num_layers may be absurd)."""
+    d = config.to_dict()
+    one = len(ModelConfig.from_dict({**d, "num_layers": 1}).tensor_shapes(lm_head))
+    two = len(ModelConfig.from_dict({**d, "num_layers": 2}).tensor_shapes(lm_head))
     return one + (config.num_layers - 1) * (two - one)
 
 
-def _parse_tensors(value: Any, config: ModelConfig) -> dict[str, TensorInfo]:
-    """The tensor table: exactly the config's tensors, each with its dtype, shape and size."""
+def _parse_lm_head(value: Any) -> str:
+    """The optional header field "lm_head" (absent: float16, as in files before it)."""
+    if type(value) is not str or value not in LM_HEAD_FORMATS:
+        raise FormatError(
+            f"header lm_head {str(value)[:40]!r} is not one of {', '.join(LM_HEAD_FORMATS)} "
+            f"({_REGENERATE})"
+        )
+    return value
+
+
+def _parse_tensors(value: Any, config: ModelConfig, lm_head: str) -> dict[str, TensorInfo]:
+    """The tensor table: exactly the config's tensors (for this lm_head format), each with its
+    dtype, shape and size."""
     if type(value) is not list:
         raise FormatError(f"header tensors must be an array, got {_kind(value)}")
     table: dict[str, TensorInfo] = {}
@@ -472,12 +500,12 @@ def _parse_tensors(value: Any, config: ModelConfig) -> dict[str, TensorInfo]:
         if info.name in table:
             raise FormatError(f"tensor {info.name}: listed twice in the tensor table")
         table[info.name] = info
-    expected_count = _tensor_count(config)
+    expected_count = _tensor_count(config, lm_head)
     if expected_count > len(table) + 64:  # bound what tensor_shapes() below allocates
         raise FormatError(
             f"config {config.name} has {expected_count} tensors, the table lists {len(table)}"
         )
-    expected = config.tensor_shapes()
+    expected = config.tensor_shapes(lm_head)
     for name in table.keys() - expected.keys():
         raise FormatError(f"tensor {name[:80]}: not part of config {config.name}")
     for name, (dtype, shape) in expected.items():
@@ -516,7 +544,8 @@ class NanoqwenFile:
 
     Opening checks the preamble, the header checksum and every header field against the
     config, the file's bounds and each other; tensor checksums are checked by `verify()`.
-    `tensor(name)` returns read-only zero-copy numpy views into the mapping.
+    `tensor(name)` returns read-only zero-copy numpy views into the mapping. `lm_head` is the
+    head's format: "float16" (also every file without the optional header field) or "int8".
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -567,12 +596,17 @@ class NanoqwenFile:
         if zero:
             raise FormatError(f"preamble reserved field is {zero}, expected 0")
         header = self._read_header(header_offset, header_len, header_crc)
+        if type(header) is dict and "lm_head" in header:
+            header = dict(header)
+            self.lm_head = _parse_lm_head(header.pop("lm_head"))
+        else:
+            self.lm_head = "float16"
         top = _object(header, {"config", "quant", "tensors", "tokenizer", "metadata"}, "header")
         self.config = _parse_config(top["config"])
         self.quant = _parse_quant(top["quant"], self.layout_id)
         _check_metadata(top["metadata"])
         self.metadata: dict[str, str] = top["metadata"]
-        self.tensors = _parse_tensors(top["tensors"], self.config)
+        self.tensors = _parse_tensors(top["tensors"], self.config, self.lm_head)
         regions = [("preamble", 0, PREAMBLE_SIZE), ("header", header_offset, header_len)]
         regions += [(f"tensor {t.name}", t.offset, t.nbytes) for t in self.tensors.values()]
         self._blob: tuple[int, int, int] | None = None
@@ -628,10 +662,13 @@ class NanoqwenFile:
 
     # Access -------------------------------------------------------------------------------
     def tensor(self, name: str) -> np.ndarray:
-        """Read-only zero-copy view of one tensor: its dtype (float16|uint32) and shape."""
+        """Read-only zero-copy view of one tensor: its dtype and shape."""
         info = self.tensors.get(name)
         if info is None:
-            hint = " (tied embeddings: read embed_tokens)" if name == "lm_head" else ""
+            hint = ""
+            if name == "lm_head":
+                hint = (" (an int8 head: lm_head.q8 and lm_head.scale)" if self.lm_head == "int8"
+                        else " (tied embeddings: read embed_tokens)")  # fmt: skip
             raise FormatError(f"{self.path}: no tensor {name!r} in this file{hint}")
         dtype = _DTYPES[info.dtype]
         view = np.frombuffer(self._open(), dtype, math.prod(info.shape), info.offset)

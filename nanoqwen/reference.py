@@ -6,8 +6,10 @@ being obviously right over being fast:
 
 - Weights are what the kernels see: each INT4 projection is dequantized exactly
   (`quant.dequantize_packed`: q * fp16 scale, exact in float32); embeddings, norms, biases and
-  lm_head are the file's fp16 values upcast. Compute runs in float32 unless `dtype` says
-  otherwise; RMSNorm and softmax always run in float32.
+  lm_head are the file's fp16 values upcast; an int8 lm_head (`pack --lm-head int8`) is
+  dequantized the same way (`quant.dequantize_rows_int8`: q * its row's fp32 scale), so ladder
+  comparisons stay exact to the file's format (a tied model's embedding stays fp16). Compute
+  runs in float32 unless `dtype` says otherwise; RMSNorm and softmax always run in float32.
 - The KV cache is paged the way the engine pages it: per layer a pool of 16-token pages
   `[num_pages, 16, n_kv_heads, head_dim]` for K and for V, allocated by the block manager both
   backends share (nanoqwen.kv_pages: a page table per sequence, pages taken before the step
@@ -39,7 +41,7 @@ from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_promp
 from .config import PAGE_TOKENS, ModelConfig
 from .errors import NanoqwenError
 from .kv_pages import BlockManager, KVStats, PageTable
-from .quant import dequantize_packed
+from .quant import dequantize_packed, dequantize_rows_int8
 from .rope import rope_angles
 from .sampling import SamplingParams, make_generator
 from .speculative import SpecStats, SpeculativeConfig, accept, cut, draft, step_limit
@@ -179,6 +181,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def _int8_head(file: NanoqwenFile, dtype: torch.dtype, device) -> torch.Tensor:
+    """The int8 head dequantized: q * scale[row] in float32 (exact), then `dtype`. [V, H]"""
+    w = dequantize_rows_int8(file.tensor("lm_head.q8"), file.tensor("lm_head.scale"))
+    return torch.from_numpy(w).to(device=device, dtype=dtype)
+
+
 def weight_bytes(file: NanoqwenFile, dtype: torch.dtype) -> int:
     """Bytes the reference's weights take in `dtype`: 8 values per INT4 word, the fp16 scales
     folded into them, every other float16 tensor upcast."""
@@ -186,7 +194,9 @@ def weight_bytes(file: NanoqwenFile, dtype: torch.dtype) -> int:
     for t in file.tensors.values():
         if t.dtype == "uint32":
             values += t.nbytes * 2
-        elif not t.name.endswith(".scales"):
+        elif t.dtype == "int8":
+            values += t.nbytes
+        elif t.dtype == "float16" and not t.name.endswith(".scales"):
             values += t.nbytes // 2
     return values * torch.empty((), dtype=dtype).element_size()
 
@@ -230,7 +240,9 @@ class Qwen2Reference:
         )
         self.layers = [_load_layer(file, i, dtype, device) for i in layers]
         self.final_norm = _fp16(file, "final_norm", torch.float32, device)  # [H]
-        if cfg.tie_word_embeddings:
+        if file.lm_head == "int8":
+            self.lm_head = _int8_head(file, dtype, device)  # [V, H]
+        elif cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = _fp16(file, "lm_head", dtype, device)  # [V, H]

@@ -236,7 +236,10 @@ FORGERIES = {
     "misaligned": (_set("layers.1.up_proj.scales", offset=ALIGNMENT + 16), "not 4096-aligned"),
     "wrong-shape": (_set("layers.0.k_proj.qweight", shape=[64, 15]), "expects uint32 [64, 16]"),
     "wrong-dtype": (_set("final_norm", dtype="uint32"), "tensor final_norm: uint32 [128]"),
-    "bad-dtype": (_set("final_norm", dtype="bfloat16"), "is not float16 or uint32"),
+    "bad-dtype": (
+        _set("final_norm", dtype="bfloat16"),
+        "is not one of float16, uint32, int8, float32",
+    ),
     "wrong-nbytes": (_set("final_norm", nbytes=255), "nbytes 255 != 256"),
     "string-offset": (_set("lm_head", offset="4096"), "offset must be an integer, got a string"),
     "bool-nbytes": (_set("lm_head", nbytes=True), "nbytes must be an integer, got a boolean"),

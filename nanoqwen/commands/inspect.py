@@ -94,7 +94,8 @@ def summarize(f: Any) -> dict[str, Any]:
         "tensor_bytes": sum(t.nbytes for t in f.tensors.values()),
         "by_dtype": dict(by_dtype),
         "per_layer_bytes": [per_layer[i] for i in sorted(per_layer)],
-        "decode_bytes_per_token": f.config.weight_bytes_per_token(),
+        "lm_head": f.lm_head,
+        "decode_bytes_per_token": f.config.weight_bytes_per_token(f.lm_head),
         "tensors": [
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
              "nbytes": t.nbytes, "crc32": f"{t.checksum:08x}"}
@@ -130,7 +131,11 @@ def format_text(s: dict[str, Any], largest: int) -> str:
         f"tied {'yes' if c['tie_word_embeddings'] else 'no'}",
         f"quant       INT{q['bits']} {'symmetric' if q['symmetric'] else 'asymmetric'}, "
         f"group {q['group_size']}, scales {q['scale_dtype']}",
-    ]
+        "lm_head     "
+        + ("int8 rows, a float32 scale a row (lm_head.q8, lm_head.scale)"
+           if s["lm_head"] == "int8" else
+           "fp16 (the embedding table: tied)" if c["tie_word_embeddings"] else "fp16"),
+    ]  # fmt: skip
     if tok is None:
         lines.append("tokenizer   none")
     else:

@@ -19,6 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--free-gib", type=float, default=None,
                    help="free device memory to plan against, GiB (default: an H200's, "
                    "engine.memory.H200_FREE)")  # fmt: skip
+    p.add_argument("--lm-head", choices=("fp16", "int8"), default="fp16",
+                   help="the head's storage (pack --lm-head)")  # fmt: skip
     p.add_argument("--sms", type=int_range(1), default=None,
                    help="SMs of the GPU (default: an H200's, engine.memory.H200_SMS)")  # fmt: skip
 
@@ -32,13 +34,14 @@ def run(args: argparse.Namespace) -> int:
     check_max_context(args.context, cfg)
     free = H200_FREE if args.free_gib is None else int(args.free_gib * GIB)
     sms = args.sms or H200_SMS
-    plan = plan_memory(cfg, args.context, sms)
-    print(f"{cfg.name} at max_context {args.context} on {sms} SMs:")
+    lm_head = {"fp16": "float16", "int8": "int8"}[args.lm_head]
+    plan = plan_memory(cfg, args.context, sms, lm_head=lm_head)
+    print(f"{cfg.name} ({args.lm_head} lm_head) at max_context {args.context} on {sms} SMs:")
     for part, n in plan.parts.items():
         print(f"  {part:18} {n:15,d} bytes {n / GIB:8.2f} GiB")
     print(f"  {'needed':18} {plan.needed:15,d} bytes {plan.needed / GIB:8.2f} GiB")
     print(f"  {'free':18} {free:15,d} bytes {free / GIB:8.2f} GiB")
     fits = plan.needed <= free
-    largest = largest_context(cfg, free, sms)
+    largest = largest_context(cfg, free, sms, lm_head=lm_head)
     print(f"{'fits' if fits else 'does NOT fit'}; the longest context that fits: {largest}")
     return 0 if fits else 1

@@ -77,7 +77,7 @@ class DecodeKernels(Launcher):
         # One carveout for the step's kernels: overlapping (PDL) kernels with different
         # carveouts make an SM drain before it reconfigures.
         for key in ("gemv_qkv", "gemv_o", "gemv_gate_up", "gemv_down", "embed", "lm_head",
-                    "sample", "attention"):  # fmt: skip
+                    "lm_head_q8", "sample", "attention"):  # fmt: skip
             gpu.set_smem_carveout(self.kernels[key], g.smem_carveout)
         # The GEMVs run a persistent grid: as many CTAs as are resident at once (their form's
         # CTAs an SM). Grids by (kernel, N), checked once each; the model's are made here, so
@@ -263,6 +263,16 @@ class DecodeKernels(Launcher):
         ctas = min(-(-v // self.geometry.lm_warps), self.gpu.num_sms)
         self.launch("lm_head", (ctas, 1, 1), x, norm_w, w, logits, key, _I32(v), stream=stream,
                     nbytes=v * self.config.hidden_size * 2)  # fmt: skip
+
+    def lm_head_q8(self, x, norm_w, w, scale, logits, key, stream=None,
+                   rows: int | None = None) -> None:  # fmt: skip
+        """lm_head over an int8 head: w int8 [V, H] row-major, scale fp32 [V] (logit =
+        scale[row] * (w[row] . rmsnorm(x) * norm_w)); the other arguments as lm_head's."""
+        v = self.config.vocab_size if rows is None else rows
+        ctas = min(-(-v // self.geometry.lm_warps), self.gpu.num_sms)
+        self.launch("lm_head_q8", (ctas, 1, 1), x, norm_w, w, scale, logits, key, _I32(v),
+                    stream=stream, label="lm_head",
+                    nbytes=v * (self.config.hidden_size + 4))  # fmt: skip
 
     def sample(self, logits, key, state, ring, host_ring, cancel, cond, stream=None) -> None:
         """Pick the next token and advance the decode state.

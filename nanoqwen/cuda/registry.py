@@ -107,10 +107,12 @@ class Geometry:
     mr_min_sms: int = 112  # host only
     mr_min_pairs: int = 8  # host only
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
-    # flight a warp, the sampler's block and bisection steps.
+    # flight a warp (fp16 rows; int8 rows, half the bytes, so twice as many keep the same
+    # bytes in flight), the sampler's block and bisection steps.
     misc_threads: int = 256
     lm_warps: int = 8
     lm_max_slots: int = 4
+    lm_q8_max_slots: int = 8
     lm_ring: int = 200 * 1024  # host only: the shared memory lm_head's slots may take
     sample_threads: int = 1024
     search_iters: int = 32
@@ -392,10 +394,14 @@ def gemv_stages(k: int, epi: Epilogue, npairs: int, g: Geometry = DEFAULT_GEOMET
     return min(g.gv_max_stages, (form.smem - k * 2 - xc_bytes - red_bytes) // stage_bytes)
 
 
-def lm_head_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
-    """lm_head's whole-row slots: as many a warp as fit in lm_ring, at most lm_max_slots."""
-    row = config.hidden_size * 2
-    return g.lm_warps * min(g.lm_max_slots, g.lm_ring // (g.lm_warps * row)) * row
+def lm_head_smem_bytes(
+    config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY, int8: bool = False
+) -> int:
+    """lm_head's whole-row slots: as many a warp as fit in lm_ring, at most lm_max_slots
+    (fp16 rows) or lm_q8_max_slots (int8 rows: lm_head_argmax_q8)."""
+    row = config.hidden_size * (1 if int8 else 2)
+    most = g.lm_q8_max_slots if int8 else g.lm_max_slots
+    return g.lm_warps * min(most, g.lm_ring // (g.lm_warps * row)) * row
 
 
 def mattn_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
@@ -537,6 +543,9 @@ def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[K
         KernelSpec("rope_kv", MISC, "rope_kv_write", misc, tunables=misc_tunables),
         KernelSpec("lm_head", MISC, "lm_head_argmax", g.lm_warps * 32,
                    lm_head_smem_bytes(config, g), tunables=("kLmWarps", "kLmMaxSlots")),
+        KernelSpec("lm_head_q8", MISC, "lm_head_argmax_q8", g.lm_warps * 32,
+                   lm_head_smem_bytes(config, g, int8=True),
+                   tunables=("kLmWarps", "kLmQ8MaxSlots")),
         KernelSpec("sample", MISC, "sample_finish", g.sample_threads,
                    tunables=("kSampleThreads", "kSearchIters")),
         KernelSpec("attention", ATTENTION, "attn_decode", g.attn_threads, attn_smem,

@@ -55,7 +55,7 @@ from .forward import Forward
 from .kv_cache import KVCache
 from .memory import check_memory
 from .speculate import SpecLoop, kv_positions, reserved_tokens, speculates
-from .weights import upload_weights
+from .weights import check_speculation_head, upload_weights
 
 
 class CudaBackend:
@@ -81,6 +81,8 @@ class CudaBackend:
         cfg = file.config
         self.config, self.file = cfg, file
         self.max_context = check_max_context(max_context, cfg)
+        if speculative:
+            check_speculation_head(file.lm_head)  # before anything is allocated
         self.speculative = speculative
         self.spec_stats = SpecStats()
         positions = kv_positions(self.max_context, speculative)
@@ -88,7 +90,7 @@ class CudaBackend:
         free, total = self.gpu.mem_info()  # the context exists; nothing of ours yet
         self._free_at_start = free
         self.plan = check_memory(cfg, self.max_context, free, total, self.gpu.num_sms, geometry,
-                                 speculative)  # fmt: skip
+                                 speculative, file.lm_head)  # fmt: skip
         self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl, rows=bool(speculative))
         # Built here, not at the first prompt: on a cold kernel cache NVRTC takes seconds,
         # which a server's first request would otherwise wait for.

@@ -130,10 +130,15 @@ class Forward:
 
     def head(self, x: int, stream=None, key: int = 0) -> None:
         """logits = lm_head(final_norm(x)) and the argmax key (into `key`, a zeroed u64, when
-        given, else self.key); x fp16 [H]."""
-        w = self.weights
-        self.kernels.lm_head(x, w.final_norm, w.lm_head, self.logits, key or self.key,
-                             stream=stream)  # fmt: skip
+        given, else self.key); x fp16 [H]. Every consumer of the head (decode step, prefill's
+        last row, teacher-forced rows) comes through here, so an int8 head
+        (Weights.lm_head_format) is read by its own kernel everywhere."""
+        w, k, key = self.weights, self.kernels, key or self.key
+        if w.lm_head_format == "int8":
+            k.lm_head_q8(x, w.final_norm, w.lm_head, w.lm_head_scale, self.logits, key,
+                         stream=stream)  # fmt: skip
+        else:
+            k.lm_head(x, w.final_norm, w.lm_head, self.logits, key, stream=stream)
 
     def decode_step(self, stream=None, key: int = 0) -> None:
         """Embedding, every layer and lm_head for the token at state[TOKEN], state[POS]

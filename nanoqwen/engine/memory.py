@@ -1,11 +1,12 @@
 """Device memory at load: everything the engine will allocate, part by part, checked against
 the free bytes before the first allocation.
 
-`plan_memory(config, max_context, num_sms)` adds up the buffers that each part's own module
-sizes, each as Gpu.alloc rounds it (device.alloc_size):
+`plan_memory(config, max_context, num_sms, geometry, speculative, lm_head)` adds up the buffers
+that each part's own module sizes, each as Gpu.alloc rounds it (device.alloc_size):
 
     weights            weights.weight_buffers: INT4 words and fp16 scales, stacked q/k/v and
                        gate/up, norms, biases, the fp16 embedding and lm_head (once if tied)
+                       or the int8 head and its row scales (beside the embedding if tied)
     kv_cache           kv_cache.kv_cache_buffers: K and V pools for max_context positions, the
                        page table
     prefill_scratch    forward.prefill_scratch_buffers for a prompt of max_context tokens
@@ -75,9 +76,11 @@ def plan_memory(
     num_sms: int = H200_SMS,
     geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
     speculative: SpeculativeConfig | None = None,
+    lm_head: str = "float16",
 ) -> MemoryPlan:
     """What CudaBackend allocates for `config` at `max_context` positions on a GPU of
-    `num_sms` SMs, by part (speculative: CudaBackend's argument)."""
+    `num_sms` SMs, by part (speculative: CudaBackend's argument; lm_head: the file's head
+    format)."""
 
     def rounded(sizes) -> int:
         return sum(alloc_size(n) for n in sizes)
@@ -89,7 +92,7 @@ def plan_memory(
         *loop_buffers(max_context).values(),
     )
     parts = {
-        "weights": weight_bytes(config),
+        "weights": weight_bytes(config, lm_head),
         "kv_cache": rounded(kv_cache_buffers(config, positions)),
         "prefill_scratch": rounded(prefill_scratch_buffers(config, max_context).values()),
         "prefill_workspace": rounded(workspace_buffers(config, num_sms, geometry).values()),
@@ -107,13 +110,14 @@ def largest_context(
     num_sms: int = H200_SMS,
     geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
     speculative: SpeculativeConfig | None = None,
+    lm_head: str = "float16",
 ) -> int:
     """The longest max_context (at most the model's max_position_embeddings) whose plan fits
     `free` bytes; 0 if not even one position does. The plan grows with the context."""
     lo, hi = 0, config.max_position_embeddings
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if plan_memory(config, mid, num_sms, geometry, speculative).needed <= free:
+        if plan_memory(config, mid, num_sms, geometry, speculative, lm_head).needed <= free:
             lo = mid
         else:
             hi = mid - 1
@@ -128,13 +132,14 @@ def check_memory(
     num_sms: int = H200_SMS,
     geometry: registry.Geometry = registry.DEFAULT_GEOMETRY,
     speculative: SpeculativeConfig | None = None,
+    lm_head: str = "float16",
 ) -> MemoryPlan:
     """The plan, checked against `free` of `total` bytes: DeviceError (needed against free,
     by part, and the longest context that fits) when it does not fit."""
-    plan = plan_memory(config, max_context, num_sms, geometry, speculative)
+    plan = plan_memory(config, max_context, num_sms, geometry, speculative, lm_head)
     if plan.needed <= free:
         return plan
-    largest = largest_context(config, free, num_sms, geometry, speculative)
+    largest = largest_context(config, free, num_sms, geometry, speculative, lm_head)
     fix = f"max_context {largest} would fit" if largest else "no context fits"
     raise DeviceError(
         f"the {plan.model} at max_context {max_context} needs {plan.needed} bytes of device "

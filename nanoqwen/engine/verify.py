@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..cuda.decode import DecodeKernels, VerifyKernels, rows_attention_scratch_buffers
 from ..cuda.registry import Geometry
 from .kv_cache import KVCache
-from .weights import Weights
+from .weights import Weights, check_speculation_head
 
 
 def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
@@ -60,6 +60,7 @@ class Verify:
         rope: int,
         rows: int,
     ) -> None:
+        check_speculation_head(weights.lm_head_format)  # lm_head_rows reads fp16 rows
         self.gpu, self.config, self.kernels = gpu, config, kernels
         self.weights, self.kv, self.rope, self.rows = weights, kv, rope, rows
         self.verify = VerifyKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)

@@ -97,7 +97,8 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
             decode_walls.append((stamps[-1] - stamps[0]) / (gen_len - 1))
     itl = float(np.median(np.concatenate(gap_runs)))
     kv = cfg.num_layers * 2 * cfg.kv_size * 2 * (prompt_len + gen_len / 2)
-    bpt = cfg.weight_bytes_per_token() + int(kv)
+    head = getattr(getattr(engine, "file", None), "lm_head", "float16")  # int8: half the head
+    bpt = cfg.weight_bytes_per_token(head) + int(kv)
     memory = engine.memory()  # before the copy test's 4 GiB of buffers
     copy = copy_bandwidth(engine.gpu)
     return {

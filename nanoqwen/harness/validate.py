@@ -25,7 +25,7 @@ from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
 from ..engine.decode_loop import DecodeState
 from ..engine.kv_cache import kv_cache_from_device, kv_cache_to_device
 from ..errors import NanoqwenError
-from ..quant import dequantize_packed
+from ..quant import dequantize_packed, quantize_rows_int8
 from ..rope import rope_table
 
 
@@ -293,6 +293,30 @@ def unit_lm_sample(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
     return out
 
 
+def unit_lm_head_q8(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
+    """lm_head_argmax_q8 against the dequantized int8 head (the reference model's), rows of
+    different norms so the row scales differ; the key's id must be the reference's argmax."""
+    out, h = [], cfg.hidden_size
+    rows = rng.uniform(0.05, 3, (1021, 1)) * rng.standard_normal((1021, h)) * 0.05
+    q, scale = quantize_rows_int8(np.resize(_f16(rows), (cfg.vocab_size, h)))
+    qptr, sptr = dev.put(q), dev.put(scale)
+    for V in (1, 34, cfg.vocab_size):
+        x = _f16(rng.standard_normal(h))
+        nw = _f16(1 + 0.1 * rng.standard_normal(h))
+        lptr, host = dev.out(V, np.float32)
+        key = dev.put(np.zeros(1, np.uint64))
+        k.lm_head_q8(dev.put(x), dev.put(nw), qptr, sptr, lptr, key, rows=V)
+        xn = _rms(x, nw, cfg.rms_norm_eps).astype(np.float64)
+        ref = (q[:V].astype(np.float64) @ xn) * scale[:V]
+        got = dev.get(lptr, host)
+        got_key = int(dev.get(key, np.empty(1, np.uint64))[0])
+        err = _rel_err(got, ref)
+        ok = err <= tol and 0xFFFFFFFF - (got_key & 0xFFFFFFFF) == int(np.argmax(got))
+        out.append(Check("unit", f"lm_head int8 V={V}", bool(ok), f"{err:.2e}"))
+    dev.free()
+    return out
+
+
 def _argmax_key(v: float, i: int) -> np.uint64:
     """decode_misc.cu argmax_key: the (logit, -id) order as one u64."""
     b = int(np.float32(v).view(np.uint32))
@@ -355,6 +379,7 @@ def unit_tier(config: ModelConfig, tol: dict, seed: int | None = None) -> list[C
     checks += unit_small(k, dev, config, rng, tol["elementwise"])
     checks += unit_rope_attention(k, dev, config, rng, tol["attention"])
     checks += unit_lm_sample(k, dev, config, rng, tol["lm_head"])
+    checks += unit_lm_head_q8(k, dev, config, rng, tol["lm_head"])
     checks += unit_sampling(k, dev, config, rng)
     gpu.close()
     return checks
@@ -403,7 +428,8 @@ def _reference(file, device: str, dtype: str = "float32"):
             for w in base.model.layers
         ]  # fmt: skip
         m.embed_tokens = base.model.embed_tokens.to(to)
-        m.lm_head = m.embed_tokens if file.config.tie_word_embeddings else m.lm_head.to(to)
+        tied = base.model.lm_head is base.model.embed_tokens  # an int8 head is its own tensor
+        m.lm_head = m.embed_tokens if tied else m.lm_head.to(to)
         ref.cache = type(base.cache)(file.config, base.cache.num_pages, to, device, False)
     _REFERENCES[key] = ref
     return ref

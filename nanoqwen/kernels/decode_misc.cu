@@ -3,7 +3,8 @@
 // embed_gather   x[t] = embed[ids[t]]                        (T tokens; decode: T = 1)
 // rmsnorm_rows   y[t] = rmsnorm(x[t]) * w                    (prefill: before each GEMM)
 // rope_kv_write  q/k RoPE + K/V into 16-token pages          (T tokens at positions pos0..)
-// lm_head_argmax logits = W_lm @ rmsnorm(x) (fp32) and a 64-bit atomicMax of (logit, -id)
+// lm_head_argmax logits = W_lm @ rmsnorm(x) (fp32) and a 64-bit atomicMax of (logit, -id);
+//                lm_head_argmax_q8 the same over an int8 W_lm with a scale a row
 // sample_finish  picks the token (greedy or temperature/top-k/top-p), advances the decode
 //                state on the device, writes the ring buffers, sets the while-loop condition
 #include "common.cuh"
@@ -13,8 +14,9 @@
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
 
 // From the generated header (nanoqwen/cuda/registry.py): kMiscThreads (the token-parallel
-// kernels' block), kNormRows (rmsnorm_rows' rows a CTA, a warp each), kLmWarps and kLmMaxSlots
-// (lm_head's warps a CTA and its most rows in flight a warp), kSampleThreads, kSearchIters
+// kernels' block), kNormRows (rmsnorm_rows' rows a CTA, a warp each), kLmWarps, kLmMaxSlots and
+// kLmQ8MaxSlots (lm_head's warps a CTA and its most rows in flight a warp, fp16 and int8
+// rows), kSampleThreads, kSearchIters
 // (bisection steps for the top-k / top-p thresholds) and enum StateWord: the decode state's
 // int32 words in device memory (registry.StateWord), advanced by sample_finish.
 
@@ -118,31 +120,60 @@ rope_kv_write(const half* __restrict__ qkv, int pos0, const float2* __restrict__
   }
 }
 
-// logits fp32 [V] = W fp16 [V, kHidden] @ rmsnorm(x) * norm_w, and *key = max over rows of
+// Eight int8 weights (one 8-byte word, K-elements 8c..8c+7 of a row) dotted with eight fp16
+// activations (one 16-byte vector of x), added to acc in fp32. Each byte becomes a float
+// without I2F (16 a clock an SM on sm_90, too few for the head's rate): flipping its sign bit
+// gives q + 128 as an unsigned byte, which a byte permute drops into the low mantissa byte of
+// 2^23, so the float is 2^23 + 128 + q exactly, and one subtraction leaves q.
+__device__ __forceinline__ float dot_q8x8(uint2 wq, uint4 xv, float acc) {
+  constexpr float kBias = 8388608.f + 128.f;  // 2^23 + 128
+  constexpr uint32_t kExp = 0x4B000000u;      // the bits of 2^23
+  const uint32_t u[2] = {wq.x ^ 0x80808080u, wq.y ^ 0x80808080u};
+  const half2* x2 = reinterpret_cast<const half2*>(&xv);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 b = __half22float2(x2[i]);
+    const uint32_t w = u[i / 2], lo = 2 * (i % 2);  // bytes lo, lo + 1 of word i / 2
+    const float a0 = __uint_as_float(__byte_perm(w, kExp, 0x7650u + lo)) - kBias;
+    const float a1 = __uint_as_float(__byte_perm(w, kExp, 0x7650u + lo + 1)) - kBias;
+    acc = fmaf(a0, b.x, fmaf(a1, b.y, acc));
+  }
+  return acc;
+}
+
+// logits fp32 [V] = W [V, kHidden] @ rmsnorm(x) * norm_w, and *key = max over rows of
 // argmax_key(logit, row) (the caller zeroes *key before the first use; sample_finish re-zeroes).
-// x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows. Persistent grid of at most one CTA an SM;
-// warp j of the grid takes rows j, j + warps, ... Each warp streams its own rows: lane 0 copies
-// a whole row (one bulk copy, kHidden * 2 bytes) into the next of the warp's slots in dynamic
-// shared memory (slots = dynamic size / (kLmWarps * row bytes), at most kLmMaxSlots; the host
-// side: nanoqwen/cuda/registry.py lm_head_smem_bytes), so its next rows are in flight while it
-// dots the current one; the first ones are requested before griddepcontrol.wait (the weights do
-// not depend on x). Every warp loads all of x into registers (kHidden / 256 vectors a lane) and
-// RMS-normalizes it itself: no block barrier before the first row.
-extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp, 1)
-lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
-               const half* __restrict__ w, float* __restrict__ logits,
-               unsigned long long* key, int V) {
-  constexpr int kVecs = kHidden / 8;  // 16-byte vectors per row
+// x fp16 [kHidden]; norm_w fp16 [kHidden]; V int rows. W is fp16 [V, kHidden] row-major
+// (lm_head_argmax), or int8 [V, kHidden] row-major with scale fp32 [V], logit = scale[row] *
+// (q_row . xn) (lm_head_argmax_q8: half the bytes; quant.quantize_rows_int8).
+// Persistent grid of at most one CTA an SM; warp j of the grid takes rows j, j + warps, ...
+// Each warp streams its own rows: lane 0 copies a whole row (one bulk copy, kRowBytes) into the
+// next of the warp's slots in dynamic shared memory (slots = dynamic size / (kLmWarps * row
+// bytes), at most kMaxSlots; the host side: nanoqwen/cuda/registry.py lm_head_smem_bytes), so
+// its next rows are in flight while it dots the current one; the first ones are requested
+// before griddepcontrol.wait (the weights do not depend on x). Every warp loads all of x into
+// registers (kHidden / 256 vectors a lane) and RMS-normalizes it itself: no block barrier before
+// the first row. An int8 warp's lanes load the scales of its next 32 rows at once, one batch
+// ahead, and a shuffle hands each row its scale: no dependent global load a row.
+template <bool kInt8>
+__device__ __forceinline__ void lm_head_body(const half* __restrict__ x,
+                                             const half* __restrict__ norm_w,
+                                             const unsigned char* __restrict__ w,
+                                             const float* __restrict__ scale,
+                                             float* __restrict__ logits, unsigned long long* key,
+                                             int V) {
+  constexpr int kVecs = kHidden / 8;  // 16-byte vectors of x per row
   constexpr int kPer = (kVecs + kWarp - 1) / kWarp;  // of them per lane
-  constexpr uint32_t kRowBytes = kHidden * 2;
+  constexpr uint32_t kRowBytes = kHidden * (kInt8 ? 1 : 2);
+  constexpr int kMaxSlots = kInt8 ? kLmQ8MaxSlots : kLmMaxSlots;
   static_assert(kRowBytes % 16 == 0, "bulk copies move 16-byte units");
   extern __shared__ __align__(128) unsigned char ring[];
-  __shared__ __align__(8) unsigned long long full[kLmWarps][kLmMaxSlots];
+  __shared__ __align__(8) unsigned long long full[kLmWarps][kMaxSlots];
   __shared__ unsigned long long best_s[kLmWarps];
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-  const int slots = min(kLmMaxSlots, (int)(dyn / (kLmWarps * kRowBytes)));
+  const int slots = min(kMaxSlots, (int)(dyn / (kLmWarps * kRowBytes)));
   if (slots < 1) __trap();  // a launch the host must not make
   const int nw = gridDim.x * kLmWarps, row0 = blockIdx.x * kLmWarps + warp;
   const uint32_t ring_s = smem_addr(ring) + warp * slots * kRowBytes;
@@ -157,10 +188,16 @@ lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
     if (lane == 0 && row < V) {
       const uint32_t bar = smem_addr(&full[warp][k % slots]);
       mbar_arrive_expect_tx(bar, kRowBytes);
-      bulk_g2s(ring_s + (k % slots) * kRowBytes, w + (size_t)row * kHidden, kRowBytes, bar);
+      bulk_g2s(ring_s + (k % slots) * kRowBytes, w + (size_t)row * kRowBytes, kRowBytes, bar);
     }
   };
   for (int k = 0; k < slots; ++k) request(k);
+  // The scale of this warp's row number 32 b + lane (int8 only).
+  auto batch_scale = [&](int b) {
+    const int row = row0 + (b * kWarp + lane) * nw;
+    return kInt8 && row < V ? scale[row] : 0.f;
+  };
+  float s_cur = batch_scale(0), s_next = batch_scale(1);
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
   const uint4* nw4 = reinterpret_cast<const uint4*>(norm_w);
   uint4 xr[kPer], gw[kPer];
@@ -186,26 +223,37 @@ lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
   for (int k = 0, row = row0; row < V; ++k, row += nw) {
     const int slot = k % slots;
     mbar_wait(smem_addr(&full[warp][slot]), (k / slots) & 1);
-    const uint4* wr = reinterpret_cast<const uint4*>(ring + (warp * slots + slot) * kRowBytes);
+    const unsigned char* wr = ring + (warp * slots + slot) * kRowBytes;
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int c = j * kWarp + lane;
       if (c < kVecs) {
-        const uint4 wv = wr[c];
-        const half2* w2 = reinterpret_cast<const half2*>(&wv);
-        const half2* x2 = reinterpret_cast<const half2*>(&xr[j]);
+        if constexpr (kInt8) {
+          acc = dot_q8x8(reinterpret_cast<const uint2*>(wr)[c], xr[j], acc);
+        } else {
+          const uint4 wv = reinterpret_cast<const uint4*>(wr)[c];
+          const half2* w2 = reinterpret_cast<const half2*>(&wv);
+          const half2* x2 = reinterpret_cast<const half2*>(&xr[j]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 a = __half22float2(w2[i]), b = __half22float2(x2[i]);
-          acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
+          for (int i = 0; i < 4; ++i) {
+            const float2 a = __half22float2(w2[i]), b = __half22float2(x2[i]);
+            acc = fmaf(a.x, b.x, fmaf(a.y, b.y, acc));
+          }
         }
       }
     }
     __syncwarp();  // every lane has read the slot: its next row may land there
     if (lane == 0) fence_proxy_async_smem();
     request(k + slots);
-    const float v = warp_sum(acc);
+    float v = warp_sum(acc);
+    if constexpr (kInt8) {
+      if (k % kWarp == 0 && k > 0) {
+        s_cur = s_next;
+        s_next = batch_scale(k / kWarp + 1);
+      }
+      v *= __shfl_sync(0xffffffffu, s_cur, k % kWarp);
+    }
     if (lane == 0) logits[row] = v;
     const unsigned long long kk = argmax_key(v, row);
     best = kk > best ? kk : best;
@@ -216,6 +264,24 @@ lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
     for (int i = 0; i < kLmWarps; ++i) best = best_s[i] > best ? best_s[i] : best;
     atomicMax(key, best);
   }
+}
+
+// w fp16 [V, kHidden] row-major; the other arguments: lm_head_body.
+extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp, 1)
+lm_head_argmax(const half* __restrict__ x, const half* __restrict__ norm_w,
+               const half* __restrict__ w, float* __restrict__ logits,
+               unsigned long long* key, int V) {
+  lm_head_body<false>(x, norm_w, reinterpret_cast<const unsigned char*>(w), nullptr, logits,
+                      key, V);
+}
+
+// w int8 [V, kHidden] row-major; scale fp32 [V], one a row; the other arguments: lm_head_body.
+extern "C" __global__ void __launch_bounds__(kLmWarps * kWarp, 1)
+lm_head_argmax_q8(const half* __restrict__ x, const half* __restrict__ norm_w,
+                  const signed char* __restrict__ w, const float* __restrict__ scale,
+                  float* __restrict__ logits, unsigned long long* key, int V) {
+  lm_head_body<true>(x, norm_w, reinterpret_cast<const unsigned char*>(w), scale, logits, key,
+                     V);
 }
 
 // A counter-based random number in [0, 1): splitmix64 of (seed, step). Deterministic per
