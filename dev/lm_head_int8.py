@@ -122,10 +122,6 @@ def check(gpu, gen, log) -> bool:
     for name in CHECK_PRESETS:
         cfg = preset(name)
         dk = DecodeKernels(gpu, cfg)
-        for key in ("lm_head", "lm_head_q8"):
-            r = dk.resources[dk.specs[key].expression]
-            log(f"{name}: {dk.specs[key].name} {r.registers} regs, {r.spill_bytes} B spilled, "
-                f"{dk.specs[key].smem} B dynamic smem")  # fmt: skip
         head = Head(cfg, gen)
         xn = rmsnorm_ref(head.x, head.norm, cfg.rms_norm_eps).float()
         ref8 = head.deq @ xn
