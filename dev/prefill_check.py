@@ -94,7 +94,7 @@ def time_shape(pk, name, shape, gen, m=512):
     out = torch.empty(m, n // 2 if swiglu else n, device="cuda", dtype=torch.float16)
     flop = 2 * m * n * k
     rows = []
-    for spec in (s for s in pk.gemms if s.tile.swiglu == swiglu and not s.tile.rope):
+    for spec in (s for s in pk.gemms if s.tile.swiglu == swiglu):
 
         def launch(spec=spec):
             pk.gemm(a, words, scales, None, out, m, n, k, swiglu=swiglu, spec=spec)

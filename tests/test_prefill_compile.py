@@ -5,8 +5,6 @@ epilogue mapping, emulated in numpy lane by lane, reproduce A @ dequant(W)^T; th
 schedule covers every tile once; pick_gemm takes the measured tile; the host's shared-memory
 formulas are the kernels'."""
 
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -56,7 +54,7 @@ def test_wgmma_kernel_ptxas_report():
     advisory), every tile of the table and two deeper candidates spill-free."""
     cfg = preset("7b")
     names = sorted({s.expression for s in registry.prefill_specs(cfg) if s.tile})
-    names += ["prefill_gemm_wgmma<128, 8, false, false>", "prefill_gemm_wgmma<256, 5, true, false>"]
+    names += ["prefill_gemm_wgmma<128, 8, false>", "prefill_gemm_wgmma<256, 5, true>"]
     mod = jit.compile_module(GEMM, names, registry.header(cfg))
     for kernel, r in mod.resources().items():
         assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{kernel} uses local memory: {r}"
@@ -287,24 +285,6 @@ def test_pick_gemm_matches_swiglu(m):
         assert spec.tile.swiglu == swiglu and spec.key in {s.key for s in pk.gemms}
 
 
-@pytest.mark.parametrize("name", ["tiny", "0.5b", "1.5b", "3b", "7b", "14b", "32b"])
-def test_rope_tiles_where_heads_fit(name):
-    """The RoPE epilogue's tiles exist exactly where a tile's columns are whole heads of one of
-    q, k, v (every Qwen2.5 preset; not `tiny`, whose K/V is half a tile), and the picker
-    keeps the epilogues apart."""
-    cfg = preset(name)
-    fits = registry.gemm_rope_fits(cfg)
-    assert fits == (name != "tiny")
-    pk = PrefillKernels.__new__(PrefillKernels)
-    pk.gemms = [s for s in registry.prefill_specs(cfg) if s.tile]
-    assert any(s.tile.rope for s in pk.gemms) == fits
-    for m in (1, 77, 512, 4096):
-        assert not pk.pick_gemm(m, False).tile.rope and not pk.pick_gemm(m, True).tile.rope
-        if fits:
-            spec = pk.pick_gemm(m, False, rope=True)
-            assert spec.tile.rope and not spec.tile.swiglu and spec.targs[3] is True
-
-
 def test_pick_gemm_takes_the_measured_winners():
     """At M = 512 the 256-token tile, whose measured rate is the highest (registry.GEMM_TILES);
     up to 64 tokens the 64-token one and up to 128 the 128-token one (less padding)."""
@@ -468,31 +448,3 @@ def test_kv_tile_copy_index_math(d):
         head = int(rng.integers(heads))
         args = (pages, head, key0, n_keys, heads, d, tile, threads)
         assert _copies_by_thread(*args) == _copies_per_row(*args), (key0, live)
-
-
-def test_rope_gemm_launch_kept_across_starts():
-    """The q/k/v GEMM with the RoPE epilogue: one kept launch for every start (pos0, its last
-    argument, set per call), the RoPE tile for it and the plain tile without it (no GPU: the
-    launcher's device calls are stubbed)."""
-    cfg = preset("7b")
-    pk = _picker()
-    pk.config, pk.geometry = cfg, registry.DEFAULT_GEOMETRY
-    pk._gemm_launches, pk._maps = {}, {}
-    pk._parts = pk._flags = type("Buf", (), {"ptr": 0})()
-    pk.gpu = type(
-        "Gpu", (), {"num_sms": 132, "guard": lambda self, what: contextlib.nullcontext()}
-    )()
-    pk._map = lambda *args: "tensor map"
-    calls = []
-    pk.launch = lambda *args, **kw: calls.append(args)
-    n = cfg.q_size + 2 * cfg.kv_size
-    for start in (0, 16, 4000):
-        pk.gemm(
-            16, 32, 48, 64, 80, 512, n, cfg.hidden_size, rope_kv=(96, 112, 128, 144, 160, start)
-        )
-    pk.gemm(16, 32, 48, 64, 80, 512, n, cfg.hidden_size)
-    assert len(pk._gemm_launches) == 2
-    assert [c[0] for c in calls] == ["gemm_256x4_rope"] * 3 + ["gemm_256x4"]
-    assert [int(c[-1]) for c in calls] == [0, 16, 4000, 0]
-    with pytest.raises(ValueError, match="rope_kv is the q/k/v"):
-        pk.gemm(16, 32, 48, 64, 80, 512, n - 128, cfg.hidden_size, rope_kv=(0, 0, 0, 0, 0, 0))

@@ -87,7 +87,6 @@ class PrefillKernels(Launcher):
         specs = registry.prefill_specs(config, geometry, tiles)
         super().__init__(gpu, config, specs, geometry, pdl=pdl)
         self.gemms = [s for s in self.specs.values() if s.tile is not None]
-        self.rope_epilogue = any(s.tile.rope for s in self.gemms)  # registry.gemm_rope_fits
         self._maps: dict = {}
         self._gemm_launches: dict = {}
         # workspace_buffers: the flags are zero between launches (each stream-K owner resets
@@ -101,14 +100,14 @@ class PrefillKernels(Launcher):
         self._attn_wave = self.ctas_per_sm("prefill_attention") * n  # CTAs resident at once
 
     # -- GEMM ---------------------------------------------------------------------------------
-    def pick_gemm(self, M: int, swiglu: bool = False, rope: bool = False) -> registry.KernelSpec:
-        """The tile of least estimated time (of the epilogue asked for): every SM is busy to
-        the end (stream-K), so the time is the padded work ceil(M / tokens) x tokens over the
-        tile's rate. Ties go to the first tile of the table."""
+    def pick_gemm(self, M: int, swiglu: bool = False) -> registry.KernelSpec:
+        """The tile of least estimated time: every SM is busy to the end (stream-K), so the
+        time is the padded work ceil(M / tokens) x tokens over the tile's rate. Ties go to the
+        first tile of the table."""
         best, best_cost = None, None
         for spec in self.gemms:
             t = spec.tile
-            if t.swiglu != swiglu or t.rope != rope:
+            if t.swiglu != swiglu:
                 continue
             cost = -(-M // t.tokens) * t.tokens / t.tflops
             if best_cost is None or cost < best_cost:
@@ -128,7 +127,6 @@ class PrefillKernels(Launcher):
         residual=None,
         *,
         swiglu: bool = False,
-        rope_kv: tuple | None = None,
         spec: registry.KernelSpec | None = None,
         label: str = "prefill gemm",
         stream=None,
@@ -142,9 +140,6 @@ class PrefillKernels(Launcher):
         out      fp16   [M, N]; with swiglu=True [M, N/2]: the weight is [gate; up] stacked
                  (rows 0..N/2-1 gate, N/2..N-1 up) and out = silu(a @ gate^T) * (a @ up^T)
         residual fp16   [M, N] or None; added in fp32 before rounding; may be `out` itself
-        rope_kv  (rope, pages, kc, vc, q, pos0) or None: the q/k/v projection (N = q + 2 kv,
-                 no residual) with rope_kv_write as its epilogue (DecodeKernels
-                 .rope_kv's arguments; row m at position pos0 + m); `out` is not written
         K % 128 == 0, N % 128 == 0. All pointers 16-byte aligned.
         spec     a GEMM spec of this launcher (default: pick_gemm's)
         label    the launch's name for on_launch (the engine names the projection)
@@ -152,22 +147,17 @@ class PrefillKernels(Launcher):
         ptrs = (_ptr(a), _ptr(qweight), _ptr(scales), 0 if bias is None else _ptr(bias),
                 0 if residual is None else _ptr(residual), _ptr(out))  # fmt: skip
         given = (bias is not None, residual is not None)
-        rk = None if rope_kv is None else (*(_ptr(p) for p in rope_kv[:5]), int(rope_kv[5]))
-        # pos0 (the launch's last argument) stays out of the key: a warm request's start varies.
-        rk_key = None if rk is None else rk[:5]
-        key = (*ptrs, *given, M, N, K, swiglu, rk_key, None if spec is None else spec.key)
+        key = (*ptrs, *given, M, N, K, swiglu, None if spec is None else spec.key)
         launch = self._gemm_launches.get(key)
         if launch is None:
-            launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, rk, spec)
+            launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, spec)
             if len(self._gemm_launches) >= _MAX_KEPT:
                 self._gemm_launches.clear()
             self._gemm_launches[key] = launch
-        if rk is not None:
-            launch = (*launch[:-1], np.int32(rk[5]))
         with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
             self.launch(*launch, stream=stream, label=label)
 
-    def _gemm_launch(self, ptrs, given, M, N, K, swiglu, rk, spec) -> tuple:
+    def _gemm_launch(self, ptrs, given, M, N, K, swiglu, spec) -> tuple:
         """gemm's checks, tile and TMA descriptors: (spec key, grid, *arguments) of its
         launch, kept per call (a prefill repeats the same few hundred)."""
         a, qweight, scales, bias, residual, out = ptrs
@@ -178,19 +168,9 @@ class PrefillKernels(Launcher):
             raise ValueError(f"prefill gemm: N={N} must be a positive multiple of {rows}")
         if swiglu and any(given):  # (bias, residual) passed
             raise ValueError("prefill gemm: swiglu takes no bias and no residual")
-        rope, qkv_n = rk is not None, self.config.q_size + 2 * self.config.kv_size
-        if rope and (swiglu or given[1] or N != qkv_n):
-            raise ValueError(
-                f"prefill gemm: rope_kv is the q/k/v projection's epilogue (N = {qkv_n}, no "
-                f"residual or swiglu); got N={N} residual {given[1]} swiglu={swiglu}"
-            )
-        spec = spec if spec is not None else self.pick_gemm(M, swiglu, rope)
-        if spec.tile is None or spec.tile.swiglu != swiglu or spec.tile.rope != rope:
-            raise ValueError(
-                f"prefill gemm: {spec.expression} does not match swiglu={swiglu} rope={rope}"
-            )
-        if rope and any(p % 16 for p in rk[2:5]):  # 16-byte stores into q and the pages
-            raise ValueError(f"prefill gemm: kc, vc, q must be 16-byte aligned, got {rk[2:5]}")
+        spec = spec if spec is not None else self.pick_gemm(M, swiglu)
+        if spec.tile is None or spec.tile.swiglu != swiglu:
+            raise ValueError(f"prefill gemm: {spec.expression} does not match swiglu={swiglu}")
         if any(p % 16 for p in (a, qweight, scales, residual, out)):  # 16-byte residual reads
             raise ValueError(
                 f"prefill gemm: pointers must be 16-byte aligned, got {[a, qweight, scales, out]} "
@@ -202,10 +182,8 @@ class PrefillKernels(Launcher):
         grid = (min(iterations, self.gpu.num_sms), 1, 1)
         a_map = self._map(a, M, K, tokens, k_tile, True)  # boxes of k_tile x tokens
         w_map = self._map(qweight, N, K // 8, 64, k_tile // 8, False)  # 64 rows x 8 words
-        rope_args = (0, 0, 0, 0, 0, 0) if rk is None else rk
         return (spec.key, grid, a_map, w_map, scales, bias, residual, out, np.int32(M),
-                np.int32(N), np.int32(K), self._parts.ptr, self._flags.ptr, *rope_args[:5],
-                np.int32(rope_args[5]))  # fmt: skip
+                np.int32(N), np.int32(K), self._parts.ptr, self._flags.ptr)  # fmt: skip
 
     def _map(self, ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, fp16: bool):
         """A TMA descriptor, kept per shape and address: the engine's prefill reuses a few

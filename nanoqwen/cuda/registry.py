@@ -248,28 +248,22 @@ def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) ->
 class GemmTile:
     """One tile of the stream-K prefill GEMM: 128 weight rows x `tokens` tokens, a
     `stages`-deep ring. `tflops` is its measured rate on the 7B shapes (chip TFLOP/s at M =
-    512 on the H200, docs/PERFORMANCE.md), the tile picker's only notion of speed. The
-    epilogue: SwiGLU (gate/up), RoPE + K/V into the pages (q/k/v, `rope`), or plain."""
+    512 on the H200, docs/PERFORMANCE.md), the tile picker's only notion of speed."""
 
     tokens: int
     stages: int
     swiglu: bool
     tflops: float
-    rope: bool = False
 
 
 # Ties go to the first tile (prefill.PrefillKernels.pick_gemm).
-# The RoPE tiles take the plain tiles' rates: their epilogue adds a few shared loads a store.
 GEMM_TILES = (
     GemmTile(64, 8, False, 353.0),
     GemmTile(64, 8, True, 373.0),
-    GemmTile(64, 8, False, 353.0, rope=True),
     GemmTile(128, 6, False, 525.0),
     GemmTile(128, 6, True, 545.0),
-    GemmTile(128, 6, False, 525.0, rope=True),
     GemmTile(256, 4, False, 552.0),
     GemmTile(256, 4, True, 662.0),
-    GemmTile(256, 4, False, 552.0, rope=True),
 )
 
 
@@ -578,25 +572,15 @@ def speculate_specs(g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     )  # fmt: skip
 
 
-def gemm_rope_fits(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> bool:
-    """Whether the q/k/v GEMM can take RoPE + K/V as its epilogue (prefill_gemm_wgmma.cu's
-    ROPE): a CTA's prefill_rows columns must be whole heads of one of q, k, v, so that each
-    column's rotation partner is in its tile. Every Qwen2.5 preset fits; `tiny` does not."""
-    rows = g.prefill_rows
-    return rows % config.head_dim == 0 and config.q_size % rows == 0 and config.kv_size % rows == 0
-
-
 def prefill_specs(
     config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY, tiles: tuple = GEMM_TILES
 ) -> tuple[KernelSpec, ...]:
-    """The prefill's tensor-core kernels: one GEMM spec per tile (the RoPE tiles where
-    gemm_rope_fits), then attention and the merge of its key splits."""
-    tiles = tuple(t for t in tiles if not t.rope or gemm_rope_fits(config, g))
+    """The prefill's tensor-core kernels: one GEMM spec per tile, then attention and the merge
+    of its key splits."""
     gemms = tuple(
-        KernelSpec(f"gemm_{t.tokens}x{t.stages}{'_swiglu' if t.swiglu else ''}"
-                   f"{'_rope' if t.rope else ''}", PREFILL_GEMM,
+        KernelSpec(f"gemm_{t.tokens}x{t.stages}{'_swiglu' if t.swiglu else ''}", PREFILL_GEMM,
                    "prefill_gemm_wgmma", g.prefill_threads, gemm_smem_bytes(t, g),
-                   targs=(t.tokens, t.stages, t.swiglu, t.rope),
+                   targs=(t.tokens, t.stages, t.swiglu),
                    tunables=("kPrefillKTile", "kPrefillRows", "kPrefillThreads"), tile=t)
         for t in tiles
     )  # fmt: skip

@@ -12,12 +12,11 @@ Decode step (captured into the generation graph), per layer:
 then lm_head (final RMSNorm + logits + argmax key); the sampler is the loop's (decode_loop).
 
 Prefill of the tokens at positions start .. start + T - 1 (start > 0: a cached prefix whose
-K/V are already in the sequence's pages), per layer: RMSNorm, the q/k/v GEMM with RoPE + K/V
-into the pages as its epilogue (`fused_rope`; off: a rope_kv launch after it), causal
-attention over the pages (cached and new keys alike), the o GEMM + residual, RMSNorm, gate/up
-GEMM + SwiGLU, down GEMM + residual. When only the last row is wanted (a generation's first
-token), the last layer writes every token's K/V but runs the last token alone through the
-decode kernels: nothing reads the other rows of its output.
+K/V are already in the sequence's pages), per layer: RMSNorm, the q/k/v GEMM, RoPE + K/V into
+the pages, causal attention over the pages (cached and new keys alike), the o GEMM + residual,
+RMSNorm, gate/up GEMM + SwiGLU, down GEMM + residual. When only the last row is wanted (a
+generation's first token), the last layer writes every token's K/V but runs the last token
+alone through the decode kernels: nothing reads the other rows of its output.
 """
 
 from __future__ import annotations
@@ -94,9 +93,6 @@ class Forward:
         self.attn_scratch = kernels.attention_scratch()
         gpu.memset(self.key, 0, 8)
         self.last_token_shortcut = True  # prefill(last_only=True) ends on the decode kernels
-        # RoPE + K/V in the q/k/v GEMM's epilogue, not a launch of its own (where the model's
-        # heads fit its tiles: registry.gemm_rope_fits)
-        self.fused_rope = True
         self._scratch: dict[str, int] = {}
         self._scratch_buffers: list = []
         self._scratch_tokens = 0
@@ -173,13 +169,8 @@ class Forward:
         k.embed(b["ids"], self.weights.embed, b["x"], T)
         for i, L in enumerate(self.weights.layers):
             k.rmsnorm(b["x"], L.input_norm, b["h"], T)
-            rope_kv = (self.rope, kv.page_table, kv.k[i], kv.v[i], b["q"], start)
-            if self.fused_rope and pk.rope_epilogue:
-                pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, rope_kv=rope_kv,
-                        label="gemm qkv")  # fmt: skip
-            else:
-                pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, label="gemm qkv")
-                k.rope_kv(b["qkv"], *rope_kv[:5], T)
+            pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, label="gemm qkv")
+            k.rope_kv(b["qkv"], start, self.rope, kv.page_table, kv.k[i], kv.v[i], b["q"], T)
             if last_only and self.last_token_shortcut and i == c.num_layers - 1:
                 self._token_tail(i, b["q"] + (T - 1) * c.q_size * 2, b["x"] + (T - 1) * h * 2)
                 break

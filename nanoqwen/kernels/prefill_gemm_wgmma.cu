@@ -2,8 +2,6 @@
 //
 //   out[M, N] fp16 = A[M, K] fp16 @ dequant(W)^T  (+ bias[N]) (+ residual[M, N])
 //   or, SWIGLU:  out[M, N/2] = silu(A @ Wgate^T) * (A @ Wup^T)   with W = [Wgate; Wup]
-//   or, ROPE:    the q/k/v projection (N = kQKVSize) with rope_kv_write (decode_misc.cu) as its
-//                epilogue: q rotated into q_out, k rotated and v into the paged K/V cache
 //
 // A prefill GEMM is compute bound (at M = 512 an INT4 weight byte feeds 2 x 512 multiply-adds),
 // so the weights are dequantized inside the main loop, straight into tensor-core fragments, and
@@ -28,12 +26,6 @@
 //   M, N, K   M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even count)
 //   partials  fp32  [gridDim.x, BT/2, 256]  the stream-K hand-over, one part per CTA
 //   flags     int32 [gridDim.x]   zero before the first launch; every launch leaves them zero
-//   ROPE only (null / 0 otherwise; with ROPE `out` is not written, N = kQKVSize, no residual):
-//   rope      float2 [max_pos, kHeadDim/2]  (cos, sin), formed in float64 on the host
-//   pages     int32 [max_pages]  the sequence's page table: logical page -> physical page
-//   kc, vc    fp16   this layer's K/V caches (kv_cache.cuh)
-//   q_out     fp16   [M, kHeads, kHeadDim]  the rotated queries
-//   pos0      int    position of token 0 (A's row m is at position pos0 + m)
 // K keeps its natural order (no permutation): the register A fragment's k indices are exactly
 // ValueShuffle's nibble pairs (below). The launcher (nanoqwen/cuda/prefill.py) makes the tensor
 // maps and checks every condition; grid min(tiles x K/128, SMs) x 1 x 1, kThreads threads,
@@ -67,7 +59,6 @@
 
 #include "common.cuh"
 #include "wgmma.cuh"
-#include "kv_cache.cuh"
 
 namespace nanoqwen_wgmma {
 
@@ -206,48 +197,16 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   return v;
 }
 
-
-// x rounded to fp16 and back (exact in fp32).
-__device__ __forceinline__ float round_half(float x) {
-  return half_to_float(static_cast<half_t>(pack_half2(x, 0.f) & 0xFFFFu));
-}
-
-// Chunk v[8] (columns d..d+7 of a head, already rounded to fp16 like the stored q/k/v that
-// rope_kv_write reads) rotated with its partner p[8] (columns d +- kHeadDim/2) at `pos`, in
-// rope_kv_write's fp32 arithmetic as ptxas contracts it there (first half fma(x1, c, -x2 s),
-// second half fma(x2, c, x1 s)), spelled out so that the two agree bit for bit.
-__device__ __forceinline__ uint4 rope_chunk(const float (&v)[8], const float (&p)[8], int d,
-                                            const float2* __restrict__ cs) {
-  constexpr int kHalf = kHeadDim / 2;
-  const bool lo = d < kHalf;
-  const int j = lo ? d : d - kHalf;
-  float r[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float2 c = cs[j + i];
-    const float ps = __fmul_rn(p[i], c.y);
-    r[i] = __fmaf_rn(v[i], c.x, lo ? -ps : ps);
-  }
-  uint4 o;
-  o.x = pack_half2(r[0], r[1]);
-  o.y = pack_half2(r[2], r[3]);
-  o.z = pack_half2(r[4], r[5]);
-  o.w = pack_half2(r[6], r[7]);
-  return o;
-}
-
 }  // namespace nanoqwen_wgmma
 
-// BT tokens per CTA (the wgmma N: 64, 128 or 256), STAGES-deep ring, SWIGLU or ROPE epilogue.
-template <int BT, int STAGES, bool SWIGLU, bool ROPE>
+// BT tokens per CTA (the wgmma N: 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
+template <int BT, int STAGES, bool SWIGLU>
 __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     prefill_gemm_wgmma(const __grid_constant__ TensorMap a_map,
                        const __grid_constant__ TensorMap w_map,
                        const unsigned short* __restrict__ scales,
                        const unsigned short* __restrict__ bias, const unsigned short* residual,
-                       unsigned short* out, int M, int N, int K, float* partials, int* flags,
-                       const float2* __restrict__ rope, const int* __restrict__ pages,
-                       unsigned short* kc, unsigned short* vc, unsigned short* q_out, int pos0) {
+                       unsigned short* out, int M, int N, int K, float* partials, int* flags) {
   using namespace nanoqwen_wgmma;
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
@@ -255,11 +214,6 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   static_assert(BT == 64 || BT == 128 || BT == 256,
                 "BT: 64, 128 or 256 tokens (the timed and checked tiles)");
   static_assert(STAGES >= 2, "the ring needs two stages");
-  static_assert(!(SWIGLU && ROPE), "one epilogue: SwiGLU or RoPE + K/V");
-  // ROPE: a CTA's 128 columns are whole heads (kHeadDim is 64 or 128: kv_cache.cuh) of one of
-  // q, k, v, so a column's rotation partner (d +- kHeadDim/2) is in the same staged tile.
-  static_assert(!ROPE || (kRows % kHeadDim == 0 && kQSize % kRows == 0 && kKVSize % kRows == 0),
-                "ROPE: a CTA's columns must be whole heads of q, k or v");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Align the ring to 1024 bytes (the 128-byte swizzle repeats every 8 rows of 128 bytes).
@@ -477,37 +431,6 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
       const float4 w = *reinterpret_cast<const float4*>(stg + row * St::kStride + c8 + 4);
       float v[8] = {u.x, u.y, u.z, u.w, w.x, w.y, w.z, w.w};
       const long idx = (long)tok * ld_out + col0;
-      if (ROPE) {
-        // rope_kv_write reads q/k/v rounded to fp16: round here too (then rotate in fp32).
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = round_half(v[i]);
-        const int pos = pos0 + tok, d = col0 % kHeadDim, tp = pos % kPageTokens;
-        const int page = col0 < kQSize ? 0 : pages[pos / kPageTokens];  // k and v only
-        if (col0 >= kQSize + kKVSize) {
-          const int vh = (col0 - kQSize - kKVSize) / kHeadDim;
-          uint4 o;
-          o.x = pack_half2(v[0], v[1]);
-          o.y = pack_half2(v[2], v[3]);
-          o.z = pack_half2(v[4], v[5]);
-          o.w = pack_half2(v[6], v[7]);
-          *reinterpret_cast<uint4*>(vc + kv_offset(page, vh, tp, d)) = o;
-          continue;
-        }
-        constexpr int kHalf = kHeadDim / 2;
-        const int pc = c8 + (d < kHalf ? kHalf : -kHalf);  // the partner chunk's CTA column
-        const float4 pu = *reinterpret_cast<const float4*>(stg + row * St::kStride + pc);
-        const float4 pw = *reinterpret_cast<const float4*>(stg + row * St::kStride + pc + 4);
-        float p[8] = {pu.x, pu.y, pu.z, pu.w, pw.x, pw.y, pw.z, pw.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) p[i] = round_half(p[i]);
-        const uint4 o = rope_chunk(v, p, d, rope + (size_t)pos * kHalf);
-        if (col0 < kQSize) {
-          *reinterpret_cast<uint4*>(q_out + (long)tok * kQSize + col0) = o;
-        } else {
-          *reinterpret_cast<uint4*>(kc + kv_offset(page, (col0 - kQSize) / kHeadDim, tp, d)) = o;
-        }
-        continue;
-      }
       if (!SWIGLU && residual) {
         const uint4 r = *reinterpret_cast<const uint4*>(residual + idx);
         const unsigned rw[4] = {r.x, r.y, r.z, r.w};
