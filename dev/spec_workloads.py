@@ -3,7 +3,7 @@ targets (real Qwen2.5-Coder-1.5B: edit >= 2.5x, fim >= 1.3x, chat >= 0.98x effec
 outputs identical).
 
     PYTHONPATH=. python3 dev/spec_workloads.py FILE [--workloads edit,fim,chat] [--requests 8]
-        [--gen-len 128] [--runs 3] [--spec-k 4] [--spec-ngram 1:3] [--backend cuda]
+        [--gen-len 128] [--runs 3] [--spec-k 8] [--spec-ngram 3:5] [--backend cuda]
         [--json PATH]
 
 Each workload is `nanoqwen bench --workload W` (nanoqwen/harness/spec_bench.py): the same
@@ -24,7 +24,7 @@ import traceback
 from nanoqwen.harness.spec_bench import print_spec_result, run_spec_bench
 from nanoqwen.harness.workloads import WORKLOADS, build
 from nanoqwen.llm import LLM
-from nanoqwen.speculative import resolve
+from nanoqwen.speculative import SpeculativeConfig, resolve
 
 TARGETS = {"edit": 2.5, "fim": 1.3, "chat": 0.98}  # speed-up over plain greedy (issue #26)
 
@@ -38,8 +38,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--spec-k", type=int, default=4)
-    p.add_argument("--spec-ngram", default="1:3")
+    base = SpeculativeConfig()
+    p.add_argument("--spec-k", type=int, default=base.k)
+    p.add_argument("--spec-ngram", default=f"{base.n_min}:{base.n_max}")
     p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     p.add_argument("--max-context", type=int, default=8192)
     p.add_argument("--json", default=None)

@@ -68,7 +68,10 @@ def test_flags_parse_on_every_command(argv):
 
 def test_bench_takes_k_and_ngram():
     args = build_parser().parse_args(["bench", "m.nanoqwen", "--workload", "fim", "--spec-k", "3"])
-    assert speculative_config(args, method="ngram") == SpeculativeConfig("ngram", 3, 1, 3)
+    base = SpeculativeConfig()
+    assert speculative_config(args, method="ngram") == SpeculativeConfig(
+        "ngram", 3, base.n_min, base.n_max
+    )
 
 
 @pytest.mark.parametrize("k", ["0", str(MAX_DRAFT_TOKENS + 1), "x"])

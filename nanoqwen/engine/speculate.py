@@ -96,7 +96,8 @@ class SpecLoop:
         self.capacity = history_capacity(e.max_context)
         self.kernels = SpeculateKernels(gpu, e.config, spec, self.capacity, e.kernels.geometry,
                                         pdl=False)  # fmt: skip
-        self.verify = Verify(gpu, e.config, e.kernels, e.weights, e.kv, e.forward.rope, 1 + spec.k)
+        self.verify = Verify(gpu, e.config, e.kernels, e.weights, e.kv, e.forward.rope, 1 + spec.k,
+                             e.prefill_kernels)  # fmt: skip
         self.h = gpu.alloc(self.capacity * 4, "speculation history").ptr
         self.ndraft = gpu.alloc(4, "speculation d").ptr
         self.stats = gpu.alloc(STATS_WORDS * 4, "speculation stats").ptr

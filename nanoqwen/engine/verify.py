@@ -5,8 +5,9 @@ against the decode step and times it by M).
 The M tokens sit at the consecutive positions *start .. *start + M - 1 (`start` a device word:
 the decode state's POS in the engine's loop). Per layer: gemv_rows q/k/v (RMSNorm, bias, RoPE,
 K/V into the pages at each row's position), attention_rows (causal inside the block: row t over
-keys 0 .. *start + t), gemv_rows o (+ residual), gate/up (RMSNorm, SwiGLU), down (+ residual);
-then lm_head_rows (final RMSNorm, logits, each row's argmax key).
+keys 0 .. *start + t), gemv_rows o (+ residual), gate/up (RMSNorm, SwiGLU), down (+ residual;
+through the prefill's tensor-core GEMM where gemv_rows would take its K in many slices:
+down_gemm); then lm_head_rows (final RMSNorm, logits, each row's argmax key).
 
 M is a launch argument, fixed when a graph captures the step: the engine captures it at
 M = 1 + K and lets draft_ngram pad the rows past the drafts (speculate.cu).
@@ -15,7 +16,9 @@ M = 1 + K and lets draft_ngram pad the rows past the drafts (speculate.cu).
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..cuda import registry
 from ..cuda.decode import DecodeKernels, VerifyKernels, rows_attention_scratch_buffers
+from ..cuda.prefill import PrefillKernels
 from ..cuda.registry import Geometry
 from .kv_cache import KVCache
 from .weights import Weights, check_speculation_head
@@ -36,6 +39,24 @@ def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
         "logits": rows * c.vocab_size * 4,
         "keys": rows * 8,
     }
+
+
+# gemv_rows' K slices for down_proj from which the verify step takes the prefill's GEMM instead.
+# Measured on the H200 (dev/verify_step.py --down gemm,rows, context 512, microseconds a step):
+# the 7B (10 slices) at M = 8: 2351 with the GEMM against 3235; the real 1.5B (5 slices) at
+# M = 9: 1298 against 1276; the 0.5B (3 slices at M = 9) edit workload 2.8x with the GEMM
+# against 3.4x. 7 lies between; the 14B (7) and 32B (14) are unmeasured.
+DOWN_GEMM_MIN_SLICES = 7
+
+
+def down_gemm(config: ModelConfig, rows: int, geometry: Geometry) -> bool:
+    """Whether the verify step runs down_proj at `rows` rows through the prefill's tensor-core
+    GEMM rather than gemv_rows: where x of the rows over the intermediate size is so far from
+    fitting in shared memory that gemv_rows takes K in DOWN_GEMM_MIN_SLICES slices or more."""
+    k, n, _, epi = registry.gemv_shapes(config)["down"]
+    return registry.rows_split(k, n, epi, registry.row_bucket(rows), geometry) >= (
+        DOWN_GEMM_MIN_SLICES
+    )
 
 
 def verify_plan(config: ModelConfig, rows: int, geometry: Geometry) -> list[int]:
@@ -59,10 +80,13 @@ class Verify:
         kv: KVCache,
         rope: int,
         rows: int,
+        prefill_kernels: PrefillKernels | None = None,
     ) -> None:
         check_speculation_head(weights.lm_head_format)  # lm_head_rows reads fp16 rows
         self.gpu, self.config, self.kernels = gpu, config, kernels
         self.weights, self.kv, self.rope, self.rows = weights, kv, rope, rows
+        self.prefill_kernels = prefill_kernels
+        self.down_gemm = prefill_kernels is not None and down_gemm(config, rows, kernels.geometry)
         self.verify = VerifyKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)
         if not 1 <= rows <= self.verify.geometry.verify_rows:
             raise ValueError(f"verify rows must be 1..{self.verify.geometry.verify_rows}")
@@ -87,5 +111,11 @@ class Verify:
             k.gemv_rows("o", m, b["attn"], 0, L.o_w, L.o_s, b["x"], stream=stream)
             k.gemv_rows("gate_up", m, b["x"], L.post_norm, L.gate_up_w, L.gate_up_s, b["mlp"],
                         stream=stream)  # fmt: skip
-            k.gemv_rows("down", m, b["mlp"], 0, L.down_w, L.down_s, b["x"], stream=stream)
+            if self.down_gemm:
+                c = self.config
+                self.prefill_kernels.gemm(b["mlp"], L.down_w, L.down_s, None, b["x"], m,
+                                          c.hidden_size, c.intermediate_size, residual=b["x"],
+                                          label="gemm down", stream=stream)  # fmt: skip
+            else:
+                k.gemv_rows("down", m, b["mlp"], 0, L.down_w, L.down_s, b["x"], stream=stream)
         v.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m, stream=stream)
