@@ -20,15 +20,14 @@ found in the running interpreter's stdlib). dev/quant_ppl.py evaluates on other 
 
 from __future__ import annotations
 
-import sysconfig
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .config import PAGE_TOKENS, ModelConfig
 from .errors import ConvertError
+from .harness.real_text import stdlib_root, stdlib_token_ids
 from .quantizers import gptq_quantize
 from .reference import LayerWeights, PagedKVCache, Qwen2Reference, rms_norm, rope_table
 
@@ -62,20 +61,14 @@ Getter = Callable[[str], np.ndarray]  # logical tensor name -> float32 array
 def stdlib_windows(tokenizer, files: tuple[str, ...], count: int) -> np.ndarray:
     """The first WINDOW tokens of each of the first `count` of `files` (stdlib-relative paths)
     that are long enough: int64 [count, WINDOW]."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     windows = []
-    for rel in files:
-        path = root / rel
-        if not path.is_file():
-            continue
-        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
-        if len(ids) >= WINDOW:
-            windows.append(ids[:WINDOW])
+    for ids in stdlib_token_ids(tokenizer, files, WINDOW):
+        windows.append(ids[:WINDOW])
         if len(windows) == count:
             return np.asarray(windows, dtype=np.int64)
     raise ConvertError(
         f"calibration: found {len(windows)} of {count} {WINDOW}-token windows among the "
-        f"Python standard-library files under {root}"
+        f"Python standard-library files under {stdlib_root()}"
     )
 
 

@@ -93,9 +93,9 @@ class SpeculativeConfig:
     """method "ngram" (prompt lookup); k draft tokens at most per step, in
     [1, MAX_DRAFT_TOKENS]; n-gram sizes n_min..n_max tried longest first, 1 <= n_min <= n_max."""
 
-    # The defaults are the best of those measured on the real 1.5B (H200, bench's edit, fim and
-    # chat workloads, docs/EXPERIMENTS.md): k = 8 with n-grams of 3..5 tokens; single-token
-    # matches draft on chat too and lose there (k = 4, n = 1..3: chat 0.88x).
+    # n-grams of 3+ tokens: single-token matches also draft on open-ended chat, where the
+    # drafts are rarely accepted and each verify step costs more than a decode step; the
+    # measured choice is in docs/EXPERIMENTS.md (Speculative decoding).
     method: str = "ngram"
     k: int = 8
     n_min: int = 3

@@ -41,11 +41,9 @@ def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
     }
 
 
-# gemv_rows' K slices for down_proj from which the verify step takes the prefill's GEMM instead.
-# Measured on the H200 (dev/verify_step.py --down gemm,rows, context 512, microseconds a step):
-# the 7B (10 slices) at M = 8: 2351 with the GEMM against 3235; the real 1.5B (5 slices) at
-# M = 9: 1298 against 1276; the 0.5B (3 slices at M = 9) edit workload 2.8x with the GEMM
-# against 3.4x. 7 lies between; the 14B (7) and 32B (14) are unmeasured.
+# gemv_rows' K slices for down_proj from which the verify step takes the prefill's GEMM instead:
+# each CTA of gemv_rows reads all of x from L2, so its cost grows with the slices; the GEMM pays
+# a fixed tile cost. Measured on both sides of 7 (docs/EXPERIMENTS.md, Speculative decoding).
 DOWN_GEMM_MIN_SLICES = 7
 
 

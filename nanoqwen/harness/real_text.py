@@ -14,6 +14,7 @@ Python version gives other windows of the same kind.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -48,24 +49,34 @@ def is_real(file) -> bool:
     return file.metadata.get("source_format", "synthetic") != "synthetic"
 
 
+def stdlib_token_ids(tokenizer, files: tuple[str, ...], tokens: int) -> Iterator[list[int]]:
+    """The token ids of each of `files` (paths relative to the running interpreter's stdlib) that
+    exists and holds at least `tokens` tokens, in order."""
+    root = stdlib_root()
+    for rel in files:
+        path = root / rel
+        if path.is_file():
+            ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+            if len(ids) >= tokens:
+                yield ids
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def code_windows(tokenizer, count: int, tokens: int) -> list[list[int]]:
     """`count` windows of `tokens` token ids: the middle of each of the first `count` of
     VALIDATION_FILES (found in the running interpreter's stdlib) that is long enough."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     windows = []
-    for rel in VALIDATION_FILES:
-        path = root / rel
-        if not path.is_file():
-            continue
-        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
-        if len(ids) >= tokens:
-            mid = (len(ids) - tokens) // 2
-            windows.append(ids[mid : mid + tokens])
+    for ids in stdlib_token_ids(tokenizer, VALIDATION_FILES, tokens):
+        mid = (len(ids) - tokens) // 2
+        windows.append(ids[mid : mid + tokens])
         if len(windows) == count:
             return windows
     raise NanoqwenError(
         f"found {len(windows)} of {count} {tokens}-token windows among the Python "
-        f"standard-library files under {root}"
+        f"standard-library files under {stdlib_root()}"
     )
 
 
