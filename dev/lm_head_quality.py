@@ -1,7 +1,7 @@
-"""What an int8 lm_head costs in quality, on the CPU: top-1 agreement with the fp16 head and the
-perplexity delta, over real code.
+"""What an int8 lm_head costs in quality (on the CPU, or a GPU with --device cuda): top-1
+agreement with the fp16 head and the perplexity delta, over real code.
 
-    PYTHONPATH=. python3 dev/lm_head_quality.py [FILE] [--windows 8] [--threads 2]
+    PYTHONPATH=. python3 dev/lm_head_quality.py [FILE] [--windows 8] [--threads 2] [--device cpu]
 
 FILE: a packed real model with an fp16 head (default: the 0.5B that `nanoqwen demo --model
 0.5b` packs into the cache). The reference model (nanoqwen.reference, float32) runs each window
@@ -56,12 +56,13 @@ def int8_groups(w: np.ndarray, group: int = GROUP_SIZE) -> np.ndarray:
 
 @torch.inference_mode()
 def hidden_states(ref: ReferenceBackend, windows: np.ndarray) -> list[torch.Tensor]:
-    """The final hidden states float32 [T, H] of each window, teacher-forced."""
+    """The final hidden states float32 [T, H] of each window, teacher-forced, on the CPU."""
     model, out = ref.model, []
     pages = windows.shape[1] // 16
     for row in windows:
-        cache = PagedKVCache(model.config, pages, torch.float32, "cpu")
-        out.append(model.forward(torch.from_numpy(row), 0, list(range(pages)), cache).float())
+        cache = PagedKVCache(model.config, pages, torch.float32, ref.device)
+        tokens = torch.from_numpy(row).to(ref.device)
+        out.append(model.forward(tokens, 0, list(range(pages)), cache).float().cpu())
     return out
 
 
@@ -72,9 +73,9 @@ def score(head: torch.Tensor | None, hidden, windows, base):
     nll, tops, worst = 0.0, [], 0.0
     for i, (h, row) in enumerate(zip(hidden, windows, strict=True)):
         logits = base[i] if head is None else (h[:-1] @ head.T).float()  # [T-1, V]
-        target = torch.from_numpy(row[1:])
+        target = torch.from_numpy(row[1:]).to(logits.device)
         nll += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
-        tops.append(logits.argmax(-1).numpy())
+        tops.append(logits.argmax(-1).cpu().numpy())
         if base is not None:
             worst = max(worst, (logits - base[i]).abs().max().item())
     return nll / (windows.shape[0] * (windows.shape[1] - 1)), np.stack(tops), worst
@@ -86,6 +87,7 @@ def main() -> int:
                     help="a packed real model with an fp16 head")  # fmt: skip
     ap.add_argument("--windows", type=int, default=8, help="windows of 512 tokens")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--device", default="cpu", help="torch device of the reference and heads")
     ap.add_argument("--hidden-cache", type=Path, default=Path("/tmp/lm_head_quality"),
                     help="where the reference's hidden states are kept between runs")  # fmt: skip
     args = ap.parse_args()
@@ -101,18 +103,21 @@ def main() -> int:
         if saved.is_file():  # the reference pass is most of the time; the heads are cheap
             hidden = torch.load(saved)
         else:
-            hidden = hidden_states(ReferenceBackend(f, max_context=windows.shape[1]), windows)
+            ref = ReferenceBackend(f, max_context=windows.shape[1], device=args.device)
+            hidden = hidden_states(ref, windows)
             saved.parent.mkdir(parents=True, exist_ok=True)
             torch.save(hidden, saved)
         print(f"{f.config.name}: {windows.size} tokens through the reference in "
               f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
-        fp16 = torch.from_numpy(w16.astype(np.float32))
+        hidden = [h.to(args.device) for h in hidden]
+        fp16 = torch.from_numpy(w16.astype(np.float32)).to(args.device)
         base_logits = [(h[:-1] @ fp16.T).float() for h in hidden]
         heads = {
             "fp16": None,
             "int8 row": torch.from_numpy(dequantize_rows_int8(*quantize_rows_int8(w16))),
             "int8 g128": torch.from_numpy(int8_groups(w16)),
         }
+        heads = {k: None if w is None else w.to(args.device) for k, w in heads.items()}
         rows = {name: score(w, hidden, windows, base_logits) for name, w in heads.items()}
     base_nll, base_top, _ = rows["fp16"]
     predicted = windows.shape[0] * (windows.shape[1] - 1)

@@ -1,20 +1,21 @@
 """Prefill kernels playground: validate against PyTorch, then time (run on an sm_90 GPU).
 
-    PYTHONPATH=. python3 dev/prefill_check.py [--quick] [--only SUBSTR] [--extra] [--out DIR]
-        [--parts gemm,attention,timing] [--timing-m 512]
+    PYTHONPATH=. python3 dev/prefill_check.py [--model 7b] [--quick] [--only SUBSTR] [--extra]
+        [--out DIR] [--parts gemm,attention,timing] [--timing-m 512]
 
 Tiles: every GemmTile of nanoqwen.cuda.registry.GEMM_TILES, plus EXTRA_TILES with --extra,
 built as one PrefillKernels(tiles=...); --only keeps the tiles whose TOKENSxSTAGES (e.g.
 256x4) contains SUBSTR.
 
 Correctness: nanoqwen.harness.prefill_checks (shapes, awkward M and T, NaN poisoning, guard
-rows, the tolerances and their reasons), the GEMMs on every 7B shape with every tile, the
-attention at GQA 7:1 (7B, D 128), 2:1 (D 128) and 2:1 (tiny, D 64).
+rows, the tolerances and their reasons), the GEMMs on every shape of --model's preset (the 7B
+by default) with every tile, the attention at its GQA (7:1 on the 7B, 5:1 on the 32B), 2:1
+(D 128) and 2:1 (tiny, D 64).
 
-Timing: the Gpu's events around 20 calls queued back to back, median of 5, for each 7B shape
+Timing: the Gpu's events around 20 calls queued back to back, median of 5, for each shape
 at each M of --timing-m (512: the rate GemmTile.tflops records) and each tile, beside cuBLAS
 fp16 (torch.matmul) on the same shape as a yardstick; the attention at T = 512, 2048 and
-8192; then the projected 512-token prefill: 28 x (the picked tile's GEMM times + attention
+8192; then the projected 512-token prefill: layers x (the picked tile's GEMM times + attention
 at 512). torch runs on the Gpu's stream throughout, so its spin kernel, cuBLAS and our
 launches share one queue.
 
@@ -48,7 +49,7 @@ from nanoqwen.harness.prefill_checks import (
     random_int4_weight,
 )
 
-ATTN_TIMED_T = (512, 2048, 8192)  # the prompt lengths the attention is timed at (7B shapes)
+ATTN_TIMED_T = (512, 2048, 8192)  # the prompt lengths the attention is timed at
 SPIN_CYCLES = 4_000_000  # torch.cuda._sleep ahead of a timed batch: ~2 ms at ~2 GHz
 # Candidate tiles validated and timed beside GEMM_TILES. Their rates (below the table's)
 # keep pick_gemm on the table's tiles; the timing table measures them.
@@ -87,7 +88,7 @@ def time_ms(gpu, fn, reps=5, batch=20, warmup=3) -> float:
 
 def time_shape(pk, name, shape, gen, m=512):
     """Rows (shape, tile, ms, TFLOP/s) of every tile, cuBLAS fp16 and the picked tile on one
-    7B shape, and the picked tile's ms."""
+    shape, and the picked tile's ms."""
     n, k, swiglu = shape["n"], shape["k"], shape.get("swiglu", False)
     words, scales, _ = random_int4_weight(n, k, gen)
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -138,10 +139,10 @@ def time_all(pk, cfg, gen, ms=(512,)):
 def run(args, gpu: Gpu, tiles: tuple[GemmTile, ...], parts: set[str], log) -> int:
     log(f"device {gpu.name} SMs {gpu.num_sms} torch {torch.__version__} "
         f"date {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
-    cfg7 = preset("7b")
+    cfg = preset(args.model)
     t0 = time.time()
-    pk = PrefillKernels(gpu, cfg7, tiles=tiles)
-    log(f"compile+load 7b kernels: {time.time() - t0:.2f} s")
+    pk = PrefillKernels(gpu, cfg, tiles=tiles)
+    log(f"compile+load {args.model} kernels: {time.time() - t0:.2f} s")
     for spec in pk.gemms:
         r = pk.resources[spec.expression]
         log(f"  {spec.key}: {r.registers} regs, {r.spill_bytes} B spilled, smem {spec.smem} B, "
@@ -158,22 +159,22 @@ def run(args, gpu: Gpu, tiles: tuple[GemmTile, ...], parts: set[str], log) -> in
     g_ok = a_ok = True
     summary = {}
     if "gemm" in parts:
-        g_ok, g_worst = check_gemm(pk, cfg7, gen, log, args.quick)
+        g_ok, g_worst = check_gemm(pk, cfg, gen, log, args.quick)
         summary.update(gemm_ok=g_ok, gemm_worst_rel=g_worst)
     if "attention" in parts:
         gqa2 = ModelConfig("gqa2-d128", 1000, 512, 512, 1, 4, 2, 128)
-        configs = [(cfg7, pk)] + [(c, PrefillKernels(gpu, c)) for c in (gqa2, preset("tiny"))]
+        configs = [(cfg, pk)] + [(c, PrefillKernels(gpu, c)) for c in (gqa2, preset("tiny"))]
         a_ok, a_worst = check_attention(configs, gen, log)
         summary.update(attn_ok=a_ok, attn_worst_abs=a_worst)
     if "timing" in parts:
-        results, best, attn_ms, per_layer = time_all(pk, cfg7, gen, args.timing_m)
+        results, best, attn_ms, per_layer = time_all(pk, cfg, gen, args.timing_m)
         log(f"\n{'shape':16s} {'tile':28s} {'ms':>8s} {'TFLOP/s':>9s}   (5 x 20 calls)")
         for name, tile, ms, tf in results:
             log(f"{name:16s} {tile:28s} {ms:8.4f} {tf:9.1f}")
-        total = per_layer * cfg7.num_layers
+        total = per_layer * cfg.num_layers
         log(
             f"\nper layer: picked GEMMs at M = {args.timing_m[0]} {sum(best.values()):.3f} ms + "
-            f"attention at 512 {attn_ms:.3f} ms; x{cfg7.num_layers} layers = {total:.2f} ms"
+            f"attention at 512 {attn_ms:.3f} ms; x{cfg.num_layers} layers = {total:.2f} ms"
         )
         summary.update(best_ms=best, attn_ms=attn_ms, projected_prefill_ms=total, table=results)
     (Path(args.out) / f"prefill_check_{'_'.join(sorted(parts))}.json").write_text(
@@ -185,6 +186,7 @@ def run(args, gpu: Gpu, tiles: tuple[GemmTile, ...], parts: set[str], log) -> in
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="7b", help="the preset whose shapes are checked and timed")
     ap.add_argument("--quick", action="store_true", help="fewer M values")
     ap.add_argument("--extra", action="store_true", help="also validate and time EXTRA_TILES")
     ap.add_argument("--only", default="", help="keep the GEMM tiles whose TOKENSxSTAGES has this")

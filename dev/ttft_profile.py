@@ -162,12 +162,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     vocab = engine.config.vocab_size
     prefix = rng.integers(0, vocab, args.cached).tolist()
-    fixed = rng.integers(0, vocab, args.prompt_len).tolist()
 
     def prompt() -> list[int]:
-        """The same prompt every time, or with --cached a fresh tail after the prefix."""
-        if not args.cached:
-            return fixed
+        """A fresh random tail after the prefix (none without --cached): a repeated cold prompt
+        would find its own pages in the prefix cache and time a warm request."""
         return prefix + rng.integers(0, vocab, args.prompt_len).tolist()
 
     ttft_ms(engine, prompt, 1, warmup=0)  # with --cached: the prefix into the cache
