@@ -28,12 +28,14 @@ where the verify step's cost over the decode step goes. RESULT last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
 import numpy as np
 
 from nanoqwen.cuda.decode import DecodeKernels
+from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, Geometry
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.engine.verify import Verify
@@ -51,9 +53,10 @@ class VerifyStep:
 
     ROWS = 16
 
-    def __init__(self, engine: CudaBackend) -> None:
+    def __init__(self, engine: CudaBackend, geometry: Geometry | None = None) -> None:
         self.e, gpu = engine, engine.gpu
-        kernels = DecodeKernels(gpu, engine.config, engine.kernels.geometry, rows=True)
+        geometry = geometry or engine.kernels.geometry
+        kernels = DecodeKernels(gpu, engine.config, geometry, rows=True)
         self.v = Verify(gpu, engine.config, kernels, engine.weights, engine.kv,
                         engine.forward.rope, self.ROWS, engine.prefill_kernels)  # fmt: skip
         self.start = gpu.alloc(4, "verify start").ptr
@@ -189,29 +192,40 @@ def main() -> int:
                     help="down_proj paths to check and time in turn: gemm (the prefill's "
                          "tensor-core GEMM), rows (gemv_rows); the engine picks by "
                          "engine.verify.down_gemm")  # fmt: skip
+    ap.add_argument("--variant", default="",
+                    help="NAME=v,NAME=v: also check and time the verify step with its kernels "
+                         "built on the engine's geometry with these values (C names, e.g. "
+                         "kMrXLead=99), beside the shipped one")  # fmt: skip
     ap.add_argument("--kernels", action="store_true",
                     help="also time each kernel of the steps alone, summed over the "
                          "layers, beside the decode step's (where the verify step's cost "
                          "goes)")  # fmt: skip
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
+    try:
+        variant = args.variant and DEFAULT_GEOMETRY.override_text(args.variant)
+    except ValueError as exc:
+        ap.error(f"--variant {args.variant!r}: {exc}")
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     print(f"seed {seed}")
     rng = np.random.default_rng(seed)
     e = CudaBackend(NanoqwenFile(args.file), max_context=args.context + 64)
-    vs = VerifyStep(e)
+    steps = {"": VerifyStep(e)}
+    if variant:
+        steps[f" {args.variant}"] = VerifyStep(e, variant)
     prefill_context(e, rng.integers(0, e.config.vocab_size, args.context).astype(np.int32))
     ok, tables, breakdowns = True, {}, {}
-    for down in args.down.split(","):
+    for down, (name, vs) in itertools.product(args.down.split(","), steps.items()):
         vs.v.down_gemm = down == "gemm"
+        down = down + name  # the table's name: the path, and the variant if any
         results: dict = {}
         print(f"== down_proj: {down}")
-        run_part("check", results, print, lambda: check(e, vs, ms, args.context, rng))
-        run_part("time", results, print, lambda: timing(e, vs, ms, args.context))
+        run_part("check", results, print, lambda vs=vs: check(e, vs, ms, args.context, rng))
+        run_part("time", results, print, lambda vs=vs: timing(e, vs, ms, args.context))
         ok &= results["check"] is True and bool(results["time"])
         tables[down] = results["time"] or []
         if args.kernels:
-            run_part("kernels", results, print, lambda: kernels(e, vs, ms, args.context))
+            run_part("kernels", results, print, lambda vs=vs: kernels(e, vs, ms, args.context))
             ok &= bool(results["kernels"])
             breakdowns[down] = results["kernels"] or {}
     for down, table in tables.items():
