@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 dev/gemv_rows.py [--presets 7b,1.5b,14b:5:16,32b:1:8:16@down]
         [--time-presets 7b,1.5b] [--kinds qkv,o,gate_up,down] [--parts check,time]
+        [--variant kMrXLead=99 ...]
     quick (down_proj alone, under 2 minutes):
     PYTHONPATH=. python3 dev/gemv_rows.py --kinds down --presets 7b,1.5b,32b:1:8:16
 
@@ -20,7 +21,10 @@ check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16 
 time: the 7B and 1.5B shapes (--time-presets), each as one CUDA graph of 28 launches over 28
   layers' own weights (so the L2 does not hold them), median of 7 replays: today's batch-1
   kernel (gemv_int4) and gemv_rows at M = 1, 2, 4, 8, 16; us a launch, the ratio to
-  gemv_int4, and a layer's sum.
+  gemv_int4, and a layer's sum. --variant NAME=v,NAME=v (repeatable): gemv_rows built again
+  with those Geometry values (C names, as dev/kernel_tune.py's --set) and timed beside the
+  shipped geometry's in the same process: an A/B of a geometry (kMrXLead=99 is the ring
+  alone, before the x gate). The check part takes the shipped geometry.
 The target (issue #26): gemv_rows at M = 8 within ~1.25x of gemv_int4 at M = 1 on down_proj
 (7B, 1.5B), ~1.1x on the others.
 Each part of each preset runs in its own process (--timeout seconds at most): a failure, a trap
@@ -41,7 +45,7 @@ import numpy as np
 from nanoqwen.config import PAGE_TOKENS, preset
 from nanoqwen.cuda.decode import DecodeKernels
 from nanoqwen.cuda.device import Gpu
-from nanoqwen.cuda.registry import gemv_shapes
+from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, gemv_shapes
 from nanoqwen.engine.kv_cache import kv_cache_from_device
 from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.validate import _Dev, _f16, _rand_int4, _rel_err, _rms, _rope_ref
@@ -145,12 +149,16 @@ def part_check(gpu, name: str, ms: tuple[int, ...], kinds, rng, rows: list) -> N
             dev.free()
 
 
-def part_time(gpu, name: str, kinds) -> list[tuple]:
+def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
     """us a launch of each GEMV shape (of `kinds`) of preset `name`, 28 layers' own weights in
-    one graph."""
+    one graph: gemv_int4, gemv_rows of the shipped geometry, then of each variant."""
     cfg, rng = preset(name), np.random.default_rng(0)
     shapes = {kd: v for kd, v in gemv_shapes(cfg).items() if kd in kinds}
     k = DecodeKernels(gpu, cfg, rows=True)
+    builds = [("gemv_rows", k)] + [
+        (f"rows {text}", DecodeKernels(gpu, cfg, geometry, rows=True))
+        for text, geometry in ((v, DEFAULT_GEOMETRY.override_text(v)) for v in variants)
+    ]
     bufs = []
 
     def put(a):
@@ -191,16 +199,18 @@ def part_time(gpu, name: str, kinds) -> list[tuple]:
                 else:
                     k.gemv(kind, x, nw, w, sc, out, n, stream=s)
 
-        def rows_m(s, m, kind=kind, x=x, out=out, nw=nw):
+        def rows_m(s, m, kr, kind=kind, x=x, out=out, nw=nw):
             for w, sc in weights[kind]:
-                k.gemv_rows(kind, m, x, nw, w, sc, out, bias=bias, pos=pos, rope=rope,
-                            pages=pages, kc=kv[0], vc=kv[1], stream=s)  # fmt: skip
+                kr.gemv_rows(kind, m, x, nw, w, sc, out, bias=bias, pos=pos, rope=rope,
+                             pages=pages, kc=kv[0], vc=kv[1], stream=s)  # fmt: skip
 
         base = time_graph(gpu, today, reps=2, timed=7) / LAYERS * 1e6
         table.append((name, kind, "gemv_int4", 1, base, 1.0))
         for m in (1, 2, 4, 8, 16):
-            t = time_graph(gpu, lambda s, m=m: rows_m(s, m), reps=2, timed=7) / LAYERS * 1e6
-            table.append((name, kind, "gemv_rows", m, t, t / base))
+            for label, kr in builds:  # side by side at each M: the same clocks and L2
+                t = time_graph(gpu, lambda s, m=m, kr=kr: rows_m(s, m, kr), reps=2, timed=7)
+                t = t / LAYERS * 1e6
+                table.append((name, kind, label, m, t, t / base))
     for b in bufs:
         b.free()
     return table
@@ -208,19 +218,21 @@ def part_time(gpu, name: str, kinds) -> list[tuple]:
 
 def print_times(times: list[tuple]) -> None:
     print("\n== time (us a launch, median of 7 graph replays of 28 layers)")
-    print(f"  {'model':5} {'kind':8} {'kernel':10} {'M':>3} {'us':>8} {'x M=1':>6}")
+    width = max(10, *(len(t[2]) for t in times))
+    print(f"  {'model':5} {'kind':8} {'kernel':{width}} {'M':>3} {'us':>8} {'x M=1':>6}")
     for name, kind, kern, m, t, ratio in times:
-        print(f"  {name:5} {kind:8} {kern:10} {m:3d} {t:8.2f} {ratio:6.2f}")
+        print(f"  {name:5} {kind:8} {kern:{width}} {m:3d} {t:8.2f} {ratio:6.2f}")
     for name in dict.fromkeys(t[0] for t in times):
         rows = [t for t in times if t[0] == name]
         base = sum(t[4] for t in rows if t[2] == "gemv_int4")
-        print(f"  {name}: a layer's four GEMVs (sum):")
-        for kern, m in [("gemv_int4", 1)] + [("gemv_rows", m) for m in (1, 2, 4, 8, 16)]:
+        print(f"  {name}: a layer's GEMVs (sum over the kinds timed):")
+        for kern, m in dict.fromkeys((t[2], t[3]) for t in rows):
             s = sum(t[4] for t in rows if t[2] == kern and t[3] == m)
-            print(f"    {kern:10} M={m:2d} {s:8.2f} us  {s / base:5.2f}x")
+            print(f"    {kern:{width}} M={m:2d} {s:8.2f} us  {s / base:5.2f}x")
 
 
-def run_part(part: str, target: str, kinds: str, seed, checks: list, times: list) -> None:
+def run_part(part: str, target: str, kinds: str, seed, variants: list[str], checks: list,
+             times: list) -> None:  # fmt: skip
     """One part ("check" or "time") of one preset (NAME[:M...][@KIND+KIND]) in this process,
     into checks / times."""
     gpu, rng = Gpu(), np.random.default_rng(seed)
@@ -230,10 +242,11 @@ def run_part(part: str, target: str, kinds: str, seed, checks: list, times: list
         name, *ms = spec.split(":")
         part_check(gpu, name, tuple(map(int, ms)) or MS, kinds, rng, checks)
     else:
-        times += part_time(gpu, spec.split(":")[0], kinds)
+        times += part_time(gpu, spec.split(":")[0], kinds, variants)
 
 
-def run_isolated(part: str, target: str, kinds: str, seed, timeout: int) -> tuple[list, list, str]:
+def run_isolated(part: str, target: str, kinds: str, seed, variants: list[str],
+                 timeout: int) -> tuple[list, list, str]:  # fmt: skip
     """run_part in a child process (a kernel that traps leaves the CUDA context unusable, one
     that hangs would stop the run): (checks, times, "" or why it failed)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,6 +254,8 @@ def run_isolated(part: str, target: str, kinds: str, seed, timeout: int) -> tupl
         cmd = [sys.executable, __file__, "--one", part, target, str(out), "--kinds", kinds]
         if seed is not None:
             cmd += ["--seed", str(seed)]
+        for v in variants:
+            cmd += ["--variant", v]
         try:
             proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
         except subprocess.TimeoutExpired:
@@ -265,6 +280,9 @@ def main() -> int:
     ap.add_argument("--parts", default="check,time", help="check, time or both")
     ap.add_argument("--seed", type=int, default=None, help="inputs' seed (default: fresh)")
     ap.add_argument("--timeout", type=int, default=240, help="seconds a part may take")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=v,NAME=v: gemv_rows of the shipped geometry with these values "
+                         "(C names: kMrXLead=99) timed beside it (repeatable)")  # fmt: skip
     ap.add_argument(
         "--one", nargs=3, metavar=("PART", "TARGET", "JSON"), help=argparse.SUPPRESS
     )  # a child process: one part, results to JSON
@@ -273,15 +291,20 @@ def main() -> int:
         part, target, path = args.one
         checks, times = [], []
         try:
-            run_part(part, target, args.kinds, args.seed, checks, times)
+            run_part(part, target, args.kinds, args.seed, args.variant, checks, times)
         finally:  # what ran before a failure still reaches the table
             Path(path).write_text(json.dumps({"checks": checks, "times": times}))
         return 0
     parts = [("check", t) for t in args.presets.split(",") if "check" in args.parts]
     parts += [("time", t) for t in args.time_presets.split(",") if "time" in args.parts]
+    for v in args.variant:  # a bad name or value stops here, not in every child
+        try:
+            DEFAULT_GEOMETRY.override_text(v)
+        except ValueError as exc:
+            ap.error(f"--variant {v!r}: {exc}")
     checks, times, failed = [], [], []
     for part, target in parts:
-        c, t, why = run_isolated(part, target, args.kinds, args.seed, args.timeout)
+        c, t, why = run_isolated(part, target, args.kinds, args.seed, args.variant, args.timeout)
         checks, times = checks + c, times + t
         if why:
             failed.append(f"{part} {target}")

@@ -2,6 +2,7 @@
 decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
+        [--down gemm,rows] [--kernels]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
 tokens at the consecutive positions start .. start + M - 1 of one sequence (the token of the
@@ -18,23 +19,28 @@ offset form, attention's split merges), so the logits differ in the fp16 noise, 
 Time: the verify step at each M as a CUDA graph of 20 copies (harness.bench.time_graph, median
 of 5 launches), beside the decode step's forward (embed, layers, lm_head; no sampler) timed the
 same way: microseconds, the ratio to the decode step, and milliseconds per token if every row
-were accepted. RESULT last.
+were accepted. --kernels: each label's launches of the step timed alone (summed over the
+layers; harness.bench.launch_times, as `nanoqwen bench --kernels` times the decode step) at
+each M, side by side with the decode step's forward by operation (harness.bench.compare_steps):
+where the verify step's cost over the decode step goes. RESULT last.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
 import numpy as np
 
 from nanoqwen.cuda.decode import DecodeKernels
+from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, Geometry
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.engine.verify import Verify
 from nanoqwen.fileformat import NanoqwenFile
-from nanoqwen.harness.bench import time_graph
+from nanoqwen.harness.bench import aggregate_kernels, compare_steps, launch_times, time_graph
 from nanoqwen.harness.gpu_script import run_part
 
 TIE = 0.05  # logit stds: a top-2 margin under this is a near-tie (fp16 noise can flip it)
@@ -47,9 +53,10 @@ class VerifyStep:
 
     ROWS = 16
 
-    def __init__(self, engine: CudaBackend) -> None:
+    def __init__(self, engine: CudaBackend, geometry: Geometry | None = None) -> None:
         self.e, gpu = engine, engine.gpu
-        kernels = DecodeKernels(gpu, engine.config, engine.kernels.geometry, rows=True)
+        geometry = geometry or engine.kernels.geometry
+        kernels = DecodeKernels(gpu, engine.config, geometry, rows=True)
         self.v = Verify(gpu, engine.config, kernels, engine.weights, engine.kv,
                         engine.forward.rope, self.ROWS, engine.prefill_kernels)  # fmt: skip
         self.start = gpu.alloc(4, "verify start").ptr
@@ -132,6 +139,48 @@ def timing(e: CudaBackend, vs: VerifyStep, ms, context: int) -> list[dict]:
     return rows
 
 
+def record(launchers, gpu, body) -> list:
+    """Every launch (cuda.launcher.Launch) that body() makes through `launchers`, in order."""
+    trace: list = []
+    for lr in launchers:
+        lr.on_launch = trace.append
+    try:
+        with gpu.guard("record a step"):
+            body()
+            gpu.sync("record a step")
+    finally:
+        for lr in launchers:
+            lr.on_launch = None
+    return trace
+
+
+def breakdown(e: CudaBackend, trace: list, whole, pos: int) -> dict:
+    """aggregate_kernels' dict of one recorded step: each label's launches timed alone
+    (harness.bench.launch_times, graphs of 20) against whole(stream), the step, timed alike.
+    Every launcher here shares the Gpu and the PDL flag, so one replays them all."""
+    seconds = launch_times(e.gpu, trace, e.kernels.replay, reps=20)
+    step_s = time_graph(e.gpu, whole, reps=20)
+    return aggregate_kernels([(ln.label, t, ln.nbytes + ln.per_token * (pos + 1))
+                              for ln, t in zip(trace, seconds, strict=True)], step_s)  # fmt: skip
+
+
+def kernels(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
+    """The decode step's forward (no sampler) and the verify step at each M, kernel by kernel:
+    aggregate_kernels' dicts by column name ("decode", "M=1", ...), printed side by side."""
+    e.set_decode_state(DecodeState(token=1, pos=context))
+    trace = record([e.kernels], e.gpu, e.forward.decode_step)
+    cols = {"decode": breakdown(e, trace, lambda s: e.forward.decode_step(s), context)}
+    rng = np.random.default_rng(0)
+    launchers = [vs.v.kernels, vs.v.verify, e.prefill_kernels]
+    for m in ms:
+        vs.set_rows(rng.integers(0, e.config.vocab_size, m), context)
+        trace = record(launchers, e.gpu, lambda m=m: vs.step(m))
+        cols[f"M={m}"] = breakdown(e, trace, lambda s, m=m: vs.step(m, s), context + m - 1)
+    print(f"per kernel, summed over the layers (us a step; x the decode step's; context {context})")
+    print(compare_steps(cols))
+    return cols
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", help=".nanoqwen model")
@@ -143,23 +192,42 @@ def main() -> int:
                     help="down_proj paths to check and time in turn: gemm (the prefill's "
                          "tensor-core GEMM), rows (gemv_rows); the engine picks by "
                          "engine.verify.down_gemm")  # fmt: skip
+    ap.add_argument("--variant", default="",
+                    help="NAME=v,NAME=v: also check and time the verify step with its kernels "
+                         "built on the engine's geometry with these values (C names, e.g. "
+                         "kMrXLead=99), beside the shipped one")  # fmt: skip
+    ap.add_argument("--kernels", action="store_true",
+                    help="also time each kernel of the steps alone, summed over the "
+                         "layers, beside the decode step's (where the verify step's cost "
+                         "goes)")  # fmt: skip
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
+    try:
+        variant = args.variant and DEFAULT_GEOMETRY.override_text(args.variant)
+    except ValueError as exc:
+        ap.error(f"--variant {args.variant!r}: {exc}")
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     print(f"seed {seed}")
     rng = np.random.default_rng(seed)
     e = CudaBackend(NanoqwenFile(args.file), max_context=args.context + 64)
-    vs = VerifyStep(e)
+    steps = {"": VerifyStep(e)}
+    if variant:
+        steps[f" {args.variant}"] = VerifyStep(e, variant)
     prefill_context(e, rng.integers(0, e.config.vocab_size, args.context).astype(np.int32))
-    ok, tables = True, {}
-    for down in args.down.split(","):
+    ok, tables, breakdowns = True, {}, {}
+    for down, (name, vs) in itertools.product(args.down.split(","), steps.items()):
         vs.v.down_gemm = down == "gemm"
+        down = down + name  # the table's name: the path, and the variant if any
         results: dict = {}
         print(f"== down_proj: {down}")
-        run_part("check", results, print, lambda: check(e, vs, ms, args.context, rng))
-        run_part("time", results, print, lambda: timing(e, vs, ms, args.context))
+        run_part("check", results, print, lambda vs=vs: check(e, vs, ms, args.context, rng))
+        run_part("time", results, print, lambda vs=vs: timing(e, vs, ms, args.context))
         ok &= results["check"] is True and bool(results["time"])
         tables[down] = results["time"] or []
+        if args.kernels:
+            run_part("kernels", results, print, lambda vs=vs: kernels(e, vs, ms, args.context))
+            ok &= bool(results["kernels"])
+            breakdowns[down] = results["kernels"] or {}
     for down, table in tables.items():
         print(f"\nverify step, {e.config.name}, context {args.context}, down_proj {down} "
               "(us a step, graph of 20)")  # fmt: skip
@@ -170,8 +238,8 @@ def main() -> int:
             print(f"  {label:>4} {r['us']:8.1f}   {r['ratio']:6.3f}   {per_tok:.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": e.config.name, "context": args.context, "down": tables}, f,
-                      indent=1)  # fmt: skip
+            json.dump({"model": e.config.name, "context": args.context, "down": tables,
+                       "kernels": breakdowns}, f, indent=1)  # fmt: skip
     print(f"RESULT {'PASS' if ok else 'FAIL'}")
     e.close()
     return 0 if ok else 1

@@ -269,3 +269,31 @@ def test_run_part_keeps_going_after_a_failure():
     assert results == {"first": 3, "second": None, "third": False}
     assert any("second: FAILED" in m and "ZeroDivisionError" in m for m in logs)
     assert sum(m.startswith("[") and m.endswith(" s]") for m in logs) == 3
+
+
+def test_step_op_names_one_operation_across_the_steps():
+    for label in ("gemv down", "gemv_rows down", "gemm down"):
+        assert bench.step_op(label) == "down"
+    assert bench.step_op("gemv_rows gate_up") == "gate_up"
+    assert bench.step_op("attention_rows") == bench.step_op("attention") == "attention"
+    assert bench.step_op("lm_head_rows") == bench.step_op("lm_head") == "lm_head"
+    assert bench.step_op("prefill attention merge") == "prefill attention merge"
+
+
+def test_compare_steps_side_by_side():
+    decode = bench.aggregate_kernels(fake_step(), 100e-6)
+    rows = [("embed", 2e-6, 0), ("gemv_rows qkv", 15e-6, 0), ("attention_rows", 6e-6, 0),
+            ("gemm o", 9e-6, 0), ("lm_head_rows", 50e-6, 0)] * 2  # fmt: skip
+    verify = bench.aggregate_kernels(rows, 200e-6)
+    lines = bench.compare_steps({"decode": decode, "M=8": verify}).splitlines()
+    assert "decode" in lines[0] and "M=8" in lines[0]
+    cells = {line[2:22].strip(): line[22:].split() for line in lines[1:] if line[2:3] != "-"}
+    # qkv: 2 x 10 us against 2 x 15 us; lm_head 25 against 100 (two launches of 50)
+    assert cells["qkv"] == ["20.0", "1.00x", "30.0", "1.50x"]
+    assert cells["lm_head"] == ["25.0", "1.00x", "100.0", "4.00x"]
+    assert cells["sample"] == ["2.0", "1.00x", "-"]  # the verify step has no sampler
+    assert cells["attention"] == ["-", "12.0"]  # attention_rows; no decode label of the op
+    assert cells["attention split"] == ["8.0", "1.00x", "-"]
+    whole = next(line for line in lines if "whole step" in line)
+    assert "200.0" in whole and "2.00x" in whole
+    assert any(line.strip() == "o: gemv o | gemm o" for line in lines)

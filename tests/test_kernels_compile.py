@@ -155,6 +155,16 @@ def test_geometry_override():
         registry.Geometry().override({"kAttnStage": 8})
 
 
+def test_geometry_override_text():
+    g = registry.Geometry().override_text("kMrXLead=99, kMrMaxStages=-4")
+    assert (g.mr_x_lead, g.mr_max_stages) == (99, -4)
+    for bad in ("kMrXLead", "kMrXLead=", "kMrXLead=1.5", "kMrXLead=2,"):
+        with pytest.raises(ValueError, match="expected NAME=integer"):
+            registry.Geometry().override_text(bad)
+    with pytest.raises(ValueError, match="unknown geometry names"):
+        registry.Geometry().override_text("kMrXLeads=1")
+
+
 def test_no_constant_is_mirrored():
     """Every name the generated header declares has that one home: no kernel source defines a
     constexpr or an enumerator of the same name, and no Python module but the registry defines

@@ -334,6 +334,86 @@ def time_graph(gpu, body, reps: int, timed: int = 5, reset=None) -> float:
     return float(np.median(times)) / reps
 
 
+def launch_times(gpu, trace, replay, reps: int, timed: int = 5, reset=None) -> list[float]:
+    """Seconds of each launch of `trace` (Launches of one step, in order): one graph per label
+    holding that label's launches of the whole step (each layer's own weights, as in the step:
+    a repeated single launch would be served from L2), `reps` times over (time_graph); a
+    launch's time is the graph's over the label's launch count. replay(launch, stream)
+    enqueues a launch again (Launcher.replay)."""
+    groups: dict[str, list] = {}
+    for ln in trace:
+        groups.setdefault(ln.label, []).append(ln)
+    per_launch = {}
+    for label, lns in groups.items():
+
+        def body(s, lns=lns) -> None:
+            for ln in lns:
+                replay(ln, stream=s)
+
+        per_launch[label] = time_graph(gpu, body, reps, timed, reset) / len(lns)
+    return [per_launch[ln.label] for ln in trace]
+
+
+# The operation a launch label stands for, across the decode step's kernels ("gemv down"), the
+# multi-row step's ("gemv_rows down", "attention_rows", "lm_head_rows") and the prefill GEMM's
+# ("gemm down"): compare_steps puts the steps' labels of one operation on one row.
+_LABEL_PREFIXES = ("gemv_rows ", "gemv ", "gemm ")
+_LABEL_SUFFIXES = ("_rows",)
+STEP_OPS = ("embed", "qkv", "attention", "o", "gate_up", "down", "lm_head", "sample")
+
+
+def step_op(label: str) -> str:
+    """The operation of launch label `label` ("gemv_rows down" -> "down", "attention_rows" ->
+    "attention"); a label of none of the known forms is its own operation."""
+    for p in _LABEL_PREFIXES:
+        if label.startswith(p):
+            return label[len(p) :]
+    for s in _LABEL_SUFFIXES:
+        if label.endswith(s):
+            return label[: -len(s)]
+    return label
+
+
+def compare_steps(columns: dict[str, dict]) -> str:
+    """Steps side by side by operation (text): columns maps a name ("decode", "M=8") to
+    aggregate_kernels' dict of that step. Each cell: microseconds a step summed over the
+    operation's launches (every layer) and the ratio to the first column's; an operation a
+    step does not launch prints "-". Below them the sums of kernels, the whole steps and the
+    launch/dependency overhead (whole - sum), then each operation's labels."""
+    names = list(columns)
+    by_op: dict[str, dict[str, float]] = {}
+    labels: dict[str, list[str]] = {}
+    for name, k in columns.items():
+        for r in k["rows"]:
+            op = step_op(r["label"])
+            by_op.setdefault(op, {})
+            by_op[op][name] = by_op[op].get(name, 0.0) + r["us"]
+            labels.setdefault(op, []).append(r["label"])
+    order = [op for op in STEP_OPS if op in by_op] + [op for op in by_op if op not in STEP_OPS]
+    base = names[0]
+
+    def cell(us, ref) -> str:
+        if us is None:
+            return f"{'-':>16}"
+        ratio = f"{us / ref:5.2f}x" if ref else f"{'':6}"
+        return f"{us:9.1f} {ratio}"
+
+    def line(label, values: dict) -> str:
+        ref = values.get(base)
+        return f"  {label:20}" + "".join(cell(values.get(n), ref) for n in names)
+
+    lines = [f"  {'us a step':20}" + "".join(f"{n:>16}" for n in names)]
+    lines += [line(op, by_op[op]) for op in order]
+    lines.append("  " + "-" * (20 + 16 * len(names)))
+    lines.append(line("sum of kernels", {n: k["sum_of_kernels"]["us"] for n, k in columns.items()}))
+    lines.append(line("whole step (graph)", {n: k["whole_step"]["us"] for n, k in columns.items()}))
+    lines.append(line("overhead", {n: k["overhead_us"] for n, k in columns.items()}))
+    for op in order:
+        distinct = dict.fromkeys(labels[op])
+        lines.append(f"  {op}: {' | '.join(distinct)}")
+    return "\n".join(lines)
+
+
 def kernel_breakdown(engine, pos: int, reps: int = 20, timed: int = 5) -> dict:
     """Per-kernel times of one decode step of `engine` (a CudaBackend, idle) at position `pos`.
 
@@ -359,20 +439,7 @@ def kernel_breakdown(engine, pos: int, reps: int = 20, timed: int = 5) -> dict:
 
     reset()
     trace = engine.record_decode_step()
-    # One graph per label holding that label's launches of the whole step (each layer's own
-    # weights, as in the step: a repeated single launch would be served from L2).
-    groups: dict[str, list] = {}
-    for ln in trace:
-        groups.setdefault(ln.label, []).append(ln)
-    per_launch = {}
-    for label, lns in groups.items():
-
-        def body(s, lns=lns) -> None:
-            for ln in lns:
-                k.replay(ln, stream=s)
-
-        per_launch[label] = time_graph(gpu, body, reps, timed, reset) / len(lns)
-    seconds = [per_launch[ln.label] for ln in trace]
+    seconds = launch_times(gpu, trace, k.replay, reps, timed, reset)
     step_s = time_graph(gpu, lambda s: engine.decode_step(s), reps, timed, reset)
     reset()
     launches = [(ln.label, t, ln.nbytes + ln.per_token * (pos + 1))
