@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 dev/gemv_rows.py [--presets 7b,1.5b,14b:5:16,32b:1:8:16@down]
         [--time-presets 7b,1.5b] [--kinds qkv,o,gate_up,down] [--parts check,time]
-        [--variant kMrXLead=99 ...]
+        [--variant kMrMaxStages=4 ...]
     quick (down_proj alone, under 2 minutes):
     PYTHONPATH=. python3 dev/gemv_rows.py --kinds down --presets 7b,1.5b,32b:1:8:16
 
@@ -23,8 +23,8 @@ time: the 7B and 1.5B shapes (--time-presets), each as one CUDA graph of 28 laun
   kernel (gemv_int4) and gemv_rows at M = 1, 2, 4, 8, 16; us a launch, the ratio to
   gemv_int4, and a layer's sum. --variant NAME=v,NAME=v (repeatable): gemv_rows built again
   with those Geometry values (C names, as dev/kernel_tune.py's --set) and timed beside the
-  shipped geometry's in the same process: an A/B of a geometry (kMrXLead=99 is the ring
-  alone, before the x gate). The check part takes the shipped geometry.
+  shipped geometry's in the same process: an A/B of a geometry. The check part takes the
+  shipped geometry.
 The target (issue #26): gemv_rows at M = 8 within ~1.25x of gemv_int4 at M = 1 on down_proj
 (7B, 1.5B), ~1.1x on the others.
 Each part of each preset runs in its own process (--timeout seconds at most): a failure, a trap
@@ -282,7 +282,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=int, default=240, help="seconds a part may take")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=v,NAME=v: gemv_rows of the shipped geometry with these values "
-                         "(C names: kMrXLead=99) timed beside it (repeatable)")  # fmt: skip
+                         "(C names: kMrMaxStages=4) timed beside it (repeatable)")  # fmt: skip
     ap.add_argument(
         "--one", nargs=3, metavar=("PART", "TARGET", "JSON"), help=argparse.SUPPRESS
     )  # a child process: one part, results to JSON

@@ -195,7 +195,7 @@ def main() -> int:
     ap.add_argument("--variant", default="",
                     help="NAME=v,NAME=v: also check and time the verify step with its kernels "
                          "built on the engine's geometry with these values (C names, e.g. "
-                         "kMrXLead=99), beside the shipped one")  # fmt: skip
+                         "kMrMaxStages=4), beside the shipped one")  # fmt: skip
     ap.add_argument("--kernels", action="store_true",
                     help="also time each kernel of the steps alone, summed over the "
                          "layers, beside the decode step's (where the verify step's cost "

@@ -156,13 +156,13 @@ def test_geometry_override():
 
 
 def test_geometry_override_text():
-    g = registry.Geometry().override_text("kMrXLead=99, kMrMaxStages=-4")
-    assert (g.mr_x_lead, g.mr_max_stages) == (99, -4)
-    for bad in ("kMrXLead", "kMrXLead=", "kMrXLead=1.5", "kMrXLead=2,"):
+    g = registry.Geometry().override_text("kMrConsumers=8, kMrMaxStages=-4")
+    assert (g.mr_consumers, g.mr_max_stages) == (8, -4)
+    for bad in ("kMrConsumers", "kMrConsumers=", "kMrConsumers=1.5", "kMrConsumers=2,"):
         with pytest.raises(ValueError, match="expected NAME=integer"):
             registry.Geometry().override_text(bad)
     with pytest.raises(ValueError, match="unknown geometry names"):
-        registry.Geometry().override_text("kMrXLeads=1")
+        registry.Geometry().override_text("kMrConsumer=1")
 
 
 def test_no_constant_is_mirrored():

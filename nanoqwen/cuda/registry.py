@@ -100,15 +100,12 @@ class Geometry:
     # dynamic shared memory a CTA asks for, the fewest SMs its K slices plan for
     # (rows_split: a CTA's pairs, and so its sums, grow as SMs go), and the fewest pairs a CTA
     # takes (rows_grid: a whole stage's; below it a CTA's 8-row TMA boxes read its
-    # neighbour's rows, and every CTA's read of x from L2 outweighs its weights more), and the
-    # K slices the producer may run ahead of the consumers' copies of x (an L2 hit queues
-    # behind every weight byte requested before it; S or more: the ring alone bounds it).
+    # neighbour's rows, and every CTA's read of x from L2 outweighs its weights more).
     mr_consumers: int = 16
     mr_max_stages: int = 8
     mr_smem: int = 224 * 1024  # host only
     mr_min_sms: int = 112  # host only
     mr_min_pairs: int = 8  # host only
-    mr_x_lead: int = 0
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
     # flight a warp (fp16 rows; int8 rows, half the bytes, so twice as many keep the same
     # bytes in flight), the sampler's block and bisection steps.
@@ -207,7 +204,7 @@ class Geometry:
         return dataclasses.replace(self, **{by_c[k]: int(v) for k, v in values.items()})
 
     def override_text(self, text: str) -> Geometry:
-        """override() from "kMrXLead=99,kMrMaxStages=4" (the dev scripts' --variant)."""
+        """override() from "kMrMaxStages=4,kMrConsumers=8" (the dev scripts' --variant)."""
         values = {}
         for item in text.split(","):
             name, eq, v = item.partition("=")
@@ -317,7 +314,7 @@ PREFILL_ATTENTION = "prefill_attention.cu"
 _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
                 "kGvBalance")  # fmt: skip
-_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages", "kMrXLead")
+_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages")
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
 _MATTN_TUNABLES = ("kVerifyRows", "kMattnConsumers", "kMattnSplits", "kMattnStages",

@@ -28,13 +28,6 @@
 // (pair, token) sum is added slice after slice in shared memory by the one thread that owns
 // it (deterministic, no other CTA involved). RMSNorm with S > 1: the tokens' sums of squares
 // are read from global x (under slice 0's copies), each slice is normalized as it lands.
-// x of a slice is an L2 hit, but it queues behind every weight byte already requested on the
-// chip (gemv_int4.cu's kGvEarlyStages reason): with the ring free to run a whole ring ahead
-// (8 stages of 16 KB an SM, ~17 MB on the chip, ~3.8 us at 4.5 TB/s), each slice's x would
-// arrive a ring's drain late, and the consumers would wait that long at every slice boundary
-// (7B down: 10 slices of 2 stages). So the producer starts slice s only once the consumers
-// have requested x of slice s - kMrXLead: x then queues behind at most the slices between,
-// and the ring still holds the current and the next slice's stages in flight.
 // The alternatives weighed, 7B down_proj (K = 18944, N = 3584) at M = 8:
 //  - K split over the CTAs of a cluster, x of a rank's slice resident, sums added through
 //    DSMEM: one 224 KB CTA an SM and clusters placed inside a GPC (an H200's 132 SMs are GPCs
@@ -77,9 +70,6 @@
 //   kMrConsumers    consumer warps; one producer warp more
 //   kMrMaxStages    the most stages in the ring (the dynamic shared memory sets how many fit)
 //   kGvEarlyStages  stages in flight before x has landed (gemv_int4.cu's reason)
-//   kMrXLead        K slices (S > 1) the producer may run ahead of x's copies: it starts
-//                   slice s once the consumers have requested x of slice s - kMrXLead (0: of s
-//                   itself; S or more: never waits)
 constexpr int kMrPairs = 8;                       // pairs a stage: A's 16 rows
 constexpr int kMrGroupBytes = kGroupSize / 2;     // 64 bytes of weights a row and group
 constexpr int kMrSliceGroups = 16;                // a slice's most groups: a TMA box row of
@@ -218,10 +208,6 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
   __shared__ float rstd_s[MT];                       // NORM: 1 / rms of each token
-  // S > 1: consumer warps that have requested x of their next slice, C a slice (slices
-  // 1 .. S - 1 in turn): the producer's gate (kMrXLead). A counter, not an mbarrier: the
-  // consumers may run two slices past the producer's wait, which a phase parity would alias.
-  __shared__ int x_asked;
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
@@ -281,7 +267,6 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       mbar_init(smem_addr(&empty_bar[s]), C);
     }
     mbar_init(smem_addr(&x_bar), 1);
-    x_asked = 0;
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -302,11 +287,6 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     bool x_in = false;
     for (int s = 0; s < S; ++s) {
       const int g0 = slice0(s), gs = slice0(s + 1) - g0;
-      if (S > 1 && s - kMrXLead >= 1) {  // x of slice s - kMrXLead requested by every warp
-        const volatile int* asked = &x_asked;
-        while (*asked < (s - kMrXLead) * C) {
-        }
-      }
       for (int p = p0; p < p1; ++i) {
         const int np = stage_len(p);
         const int run = lane & 1;  // S = 1: lanes 0, 2 take run a, lanes 1, 3 run b
@@ -427,8 +407,6 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       if (s + 1 < S) {
         if (NORM) load_nw(s + 1);
         stage_x(s + 1);
-        __syncwarp();  // the warp's copies are issued: count it for the producer's gate
-        if (lane == 0) atomicAdd(&x_asked, 1);
       }
       for (int p = p0; p < p1; ++i) {
         const int np = stage_len(p);
