@@ -13,7 +13,8 @@ by default) with every tile, the attention at its GQA (7:1 on the 7B, 5:1 on the
 (D 128) and 2:1 (tiny, D 64).
 
 Timing: the Gpu's events around 20 calls queued back to back, median of 5, for each shape
-at each M of --timing-m (512: the rate GemmTile.tflops records) and each tile, beside cuBLAS
+at each M of --timing-m (512: the rate the table's 64- to 256-token tiles record; 16: the
+16-token tile's, for the verify step's M = 1..16) and each tile, beside cuBLAS
 fp16 (torch.matmul) on the same shape as a yardstick; the attention at T = 512, 2048 and
 8192; then the projected 512-token prefill: layers x (the picked tile's GEMM times + attention
 at 512). torch runs on the Gpu's stream throughout, so its spin kernel, cuBLAS and our
@@ -51,13 +52,15 @@ from nanoqwen.harness.prefill_checks import (
 
 ATTN_TIMED_T = (512, 2048, 8192)  # the prompt lengths the attention is timed at
 SPIN_CYCLES = 4_000_000  # torch.cuda._sleep ahead of a timed batch: ~2 ms at ~2 GHz
-# Candidate tiles validated and timed beside GEMM_TILES. Their rates (below the table's)
-# keep pick_gemm on the table's tiles; the timing table measures them.
+# Candidate tiles validated and timed beside GEMM_TILES (other ring depths; a key already in
+# the table would replace its spec). Their rates (below the table's tile of their size, 16
+# tokens: 100 against 150) keep pick_gemm on the table's tiles; the timing table measures them.
 EXTRA_TILES = tuple(
-    GemmTile(tokens, stages, swiglu, 300.0)
+    GemmTile(tokens, stages, swiglu, rate)
     for swiglu in (False, True)
-    for tokens, stages in ((64, 8), (64, 12), (128, 8), (256, 5))
-)
+    for tokens, stages, rate in ((16, 8, 100.0), (16, 24, 100.0), (64, 12, 300.0),
+                                 (128, 8, 300.0), (256, 5, 300.0))
+)  # fmt: skip
 
 
 def tile_name(t: GemmTile) -> str:

@@ -51,10 +51,15 @@ def test_prefill_kernels_compile_without_spills(name):
 
 def test_wgmma_kernel_ptxas_report():
     """setmaxnreg honoured (no C7508), wgmma not serialized by ptxas (no C7515-style
-    advisory), every tile of the table and two deeper candidates spill-free."""
+    advisory), every tile of the table and three deeper candidates (dev/prefill_check.py
+    EXTRA_TILES) spill-free."""
     cfg = preset("7b")
     names = sorted({s.expression for s in registry.prefill_specs(cfg) if s.tile})
-    names += ["prefill_gemm_wgmma<128, 8, false>", "prefill_gemm_wgmma<256, 5, true>"]
+    names += [
+        "prefill_gemm_wgmma<16, 24, false>",
+        "prefill_gemm_wgmma<128, 8, false>",
+        "prefill_gemm_wgmma<256, 5, true>",
+    ]
     mod = jit.compile_module(GEMM, names, registry.header(cfg))
     for kernel, r in mod.resources().items():
         assert r.spill_bytes == 0 and r.stack_bytes == 0, f"{kernel} uses local memory: {r}"
@@ -287,11 +292,15 @@ def test_pick_gemm_matches_swiglu(m):
 
 def test_pick_gemm_takes_the_measured_winners():
     """At M = 512 the 256-token tile, whose measured rate is the highest (registry.GEMM_TILES);
-    up to 64 tokens the 64-token one and up to 128 the 128-token one (less padding)."""
+    up to 16 tokens (the verify step's rows) the 16-token one (its rate an estimate until
+    measured), up to 64 the 64-token one and up to 128 the 128-token one (less padding)."""
     pk = _picker()
     for swiglu in (False, True):
         assert pk.pick_gemm(512, swiglu).tile.tokens == 256
+        for m in (1, 8, 16):
+            assert pk.pick_gemm(m, swiglu).tile.tokens == 16
         assert pk.pick_gemm(17, swiglu).tile.tokens == 64
+        assert pk.pick_gemm(32, swiglu).tile.tokens == 64
         assert pk.pick_gemm(64, swiglu).tile.tokens == 64
         assert pk.pick_gemm(65, swiglu).tile.tokens == 128
         assert pk.pick_gemm(129, swiglu).tile.tokens == 256

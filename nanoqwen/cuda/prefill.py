@@ -12,8 +12,8 @@ Streams: `stream=None` means the Gpu's stream.
 The GEMM is stream-K: one CTA per SM, each an equal share of the output tiles' K groups; a
 tile cut between CTAs is summed up through the parts buffer and flags this class owns. It
 reads A and the weights through TMA descriptors, which `gemm` makes (and keeps) per buffer
-and shape; `pick_gemm` chooses the tile (128 or 256 tokens) by padded work over the tile's
-measured rate.
+and shape; `pick_gemm` chooses the tile (16 to 256 tokens) by padded work over the tile's
+rate (registry.GEMM_TILES).
 """
 
 from __future__ import annotations

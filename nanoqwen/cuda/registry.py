@@ -257,8 +257,9 @@ def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) ->
 @dataclass(frozen=True)
 class GemmTile:
     """One tile of the stream-K prefill GEMM: 128 weight rows x `tokens` tokens, a
-    `stages`-deep ring. `tflops` is its measured rate on the 7B shapes (chip TFLOP/s at M =
-    512 on the H200, docs/PERFORMANCE.md), the tile picker's only notion of speed."""
+    `stages`-deep ring. `tflops` is its rate on the 7B shapes counting the padded tokens (chip
+    TFLOP/s of ceil(M / tokens) x tokens; GEMM_TILES says at which M and whether measured or
+    estimated), the tile picker's only notion of speed."""
 
     tokens: int
     stages: int
@@ -266,8 +267,18 @@ class GemmTile:
     tflops: float
 
 
-# Ties go to the first tile (prefill.PrefillKernels.pick_gemm).
+# Ties go to the first tile (prefill.PrefillKernels.pick_gemm). The 64-, 128- and 256-token
+# rates are measured at M = 512 on the H200 (docs/PERFORMANCE.md). The 16-token tile (M = 1..16:
+# the speculative verify step's down_proj, prompts of a few new tokens) should be bound by its pass
+# over the weights, not by the tensor cores: 16 stages keep 64 KB of weights (96 KB of ring) in
+# flight an SM, about what ~4 TB/s over 132 SMs at a loaded DRAM latency of ~1.5-2 us needs
+# (45-60 KB). Its 150 TFLOP/s (of 16 padded tokens) is an ESTIMATE, not a measurement: the 7B
+# down_proj at ~11-12 us (34 MB of weights at ~4 TB/s plus the launch and stream-K hand-overs)
+# would be ~180, the smaller shapes less. Any rate in (94, 176) picks it at M <= 16 only: at
+# M = 17..64 two or more 16-token tiles cost more than one 64-token tile (353 and 373 TFLOP/s).
 GEMM_TILES = (
+    GemmTile(16, 16, False, 150.0),
+    GemmTile(16, 16, True, 150.0),
     GemmTile(64, 8, False, 353.0),
     GemmTile(64, 8, True, 373.0),
     GemmTile(128, 6, False, 525.0),

@@ -35,7 +35,8 @@ from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
 from ..engine.kv_cache import kv_cache_to_device
 from ..quant import LANE_SHIFTS, dequantize_packed
 
-GEMM_M = (1, 3, 17, 64, 65, 128, 511, 512, 513)  # one row, odd counts, whole tiles, one either side
+# One row, odd counts, whole tiles (16 tokens: the verify step's most rows), one either side.
+GEMM_M = (1, 3, 8, 16, 17, 64, 65, 128, 511, 512, 513)
 # (start, T): whole prompts of one token, odd lengths, part tiles (64 rows); then new tokens
 # after a cached prefix that ends on a page, mid-tile, on a tile; then prefixes long enough for
 # key splits (PrefillKernels.splits > 1 on every model: the partials and their merge).

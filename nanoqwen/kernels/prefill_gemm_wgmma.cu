@@ -5,9 +5,11 @@
 //
 // A prefill GEMM is compute bound (at M = 512 an INT4 weight byte feeds 2 x 512 multiply-adds),
 // so the weights are dequantized inside the main loop, straight into tensor-core fragments, and
-// never touch memory as fp16. The kernel computes the transposed product out^T = W x A^T so that
-// the dequantized weight is the wgmma A operand *from registers* and the activations are the B
-// operand from shared memory:
+// never touch memory as fp16. (The 16-token tile serves the speculative verify step's M = 1..16
+// rows, bound by the weights' one pass through memory, where a 64-token tile would compute 4x
+// the padded tokens; registry.GEMM_TILES.) The kernel computes the transposed product
+// out^T = W x A^T so that the dequantized weight is the wgmma A operand *from registers* and
+// the activations are the B operand from shared memory:
 //
 //   wgmma.mma_async m64nBTk16: D[64 weight rows][BT tokens] += Wfrag[64][16] x Atile[BT][16]^T
 //
@@ -80,7 +82,8 @@ constexpr unsigned kMagic = 0x64086408u;    // fp16 1032 | nibble: XOR with the 
 // Shared memory per stage: activations BT rows x 128 B in the 128-byte swizzle that the TMA
 // writes and the wgmma descriptor names (16-byte chunk c of row r sits at chunk c ^ (r & 7);
 // each stage is 1024-byte aligned) + weights 128 rows x 32 B (plain, in the order of the two
-// boxes: weight_slot; consumers read them with 16-byte loads).
+// boxes: weight_slot; consumers read them with 16-byte loads). Any BT a multiple of 8 (whole
+// 8-row swizzle atoms) keeps a stage a multiple of 1024 bytes: BT = 16 is 2 KB + 4 KB.
 template <int BT, int STAGES>
 struct Layout {
   static constexpr int kActBytes = BT * kBK * 2;   // BT rows x 128 B
@@ -199,7 +202,7 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 
 }  // namespace nanoqwen_wgmma
 
-// BT tokens per CTA (the wgmma N: 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
+// BT tokens per CTA (the wgmma N: 16, 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
 template <int BT, int STAGES, bool SWIGLU>
 __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     prefill_gemm_wgmma(const __grid_constant__ TensorMap a_map,
@@ -211,8 +214,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
   constexpr int kAcc = BT / 2;
-  static_assert(BT == 64 || BT == 128 || BT == 256,
-                "BT: 64, 128 or 256 tokens (the timed and checked tiles)");
+  static_assert(BT == 16 || BT == 64 || BT == 128 || BT == 256,
+                "BT: 16, 64, 128 or 256 tokens (the timed and checked tiles)");
   static_assert(STAGES >= 2, "the ring needs two stages");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -417,7 +420,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     }
     named_barrier_sync(kEpilogueBarrier, 256);
 
-    // Each thread stores 8 consecutive columns (16 bytes) of one token row per pass.
+    // Each thread stores 8 consecutive columns (16 bytes) of one token row per pass (BT = 16
+    // with SWIGLU: one pass of 32 rows, the threads of rows 16..31 store nothing).
     constexpr int kThrPerRow = St::kCols / 8;
     constexpr int kRowsPerPass = 256 / kThrPerRow;
     const int c8 = (ctid % kThrPerRow) * 8, rsub = ctid / kThrPerRow;

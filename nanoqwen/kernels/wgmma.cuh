@@ -53,6 +53,21 @@ template <int N>
 struct WgmmaSS;
 
 template <int TRANS_B>
+struct WgmmaRS<16, TRANS_B> {
+  __device__ __forceinline__ static void mma(float (&d)[8], const unsigned (&a)[4],
+                                             unsigned long long desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, %14;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d), "n"(TRANS_B));
+  }
+};
+
+template <int TRANS_B>
 struct WgmmaRS<64, TRANS_B> {
   __device__ __forceinline__ static void mma(float (&d)[32], const unsigned (&a)[4],
                                              unsigned long long desc, int scale_d) {
