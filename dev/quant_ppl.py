@@ -1,4 +1,4 @@
-"""Perplexity of each INT4 quantizer's packed model against its float32 source, on the CPU.
+"""Perplexity of each INT4 quantizer's packed model against its float32 source (CPU or GPU).
 
     PYTHONPATH=. python3 dev/quant_ppl.py --model 0.5b 1.5b --quantizer rtn gptq
 
@@ -11,10 +11,13 @@ dequantized back (quant.dequantize_packed, what the reference reads from a file)
 tensor rounded to float16. Printed per quantizer: NLL per predicted token, perplexity, the
 perplexity gap to the source in %, top-1 agreement with the source's argmax, quantize seconds.
 
-Variants: gptq-noact (columns in natural order), gptq-damp0.01 (damping 0.01). Use --threads 1 on
-a shared machine. Every score is saved under --results; --reuse takes saved ones instead of
-computing them, so parallel runs (one per quantizer, one for the source) merge into one table:
-run them with --reuse, then once more with --reuse and the same arguments to print the table.
+Variants: rtn-signed (round to nearest on quant.signed_scales), and GPTQ_VARIANTS: options of
+quantizers.gptq_quantize (gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
+gptq-signed / gptq-search: the scale rules). Use --threads 1 on a shared machine, --device cuda
+on a GPU host (--gguf then names the files when it has no network). Every score is saved under
+--results; --reuse takes saved ones instead of computing them, so parallel runs (one per
+quantizer, one for the source) merge into one table: run them with --reuse, then once more with
+--reuse and the same arguments to print the table.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ from nanoqwen.convert.gguf import (
 )
 from nanoqwen.convert.names import source_names
 from nanoqwen.fetch import fetch_model
-from nanoqwen.quant import dequantize_packed, pack_value_shuffle, quantize_pack
+from nanoqwen.quant import (
+    dequantize_packed,
+    pack_value_shuffle,
+    quantize_onto,
+    quantize_pack,
+    signed_scales,
+)
 from nanoqwen.reference import LayerWeights, PagedKVCache, Qwen2Reference, rope_table
 from nanoqwen.tokenizer import Tokenizer
 
@@ -59,13 +68,19 @@ GPTQ_VARIANTS = {
     "gptq": {},
     "gptq-noact": {"act_order": False},
     "gptq-damp0.01": {"damp": 0.01},
+    "gptq-damp0.03": {"damp": 0.03},
+    "gptq-damp0.3": {"damp": 0.3},
+    "gptq-rtnscales": {"scales": "rtn"},
+    "gptq-signed": {"scales": "signed"},
+    "gptq-search": {"scales": "search"},
 }
 assert not set(EVAL_FILES) & set(calibrate.CALIBRATION_FILES)
 
 
-def source(model: str):
-    """(config, tokenizer, get): get(logical) -> the GGUF tensor dequantized to float32."""
-    path = fetch_model(model, progress=False)
+def source(model: str, path: Path | None):
+    """(config, tokenizer, get): get(logical) -> the GGUF tensor dequantized to float32. The
+    GGUF at `path`, else the pinned one of nanoqwen.fetch (downloaded if missing)."""
+    path = path or fetch_model(model, progress=False)
     reader = open_gguf(path)
     config = config_from_gguf(reader, path.stem)
     tokenizer = Tokenizer.from_spec(tokenizer_from_gguf(reader, str(path)))
@@ -74,26 +89,33 @@ def source(model: str):
     return config, tokenizer, lambda logical: dequantize_tensor(tensors[by_logical[logical]])
 
 
-def quantized_projections(quantizer: str, config, tokenizer, get, calib_tokens: int) -> dict:
+def quantized_projections(quantizer: str, config, tokenizer, get, args) -> dict:
     """logical projection -> (qweight, scales) as `pack --quantizer` stores them."""
     names = [f"layers.{i}.{p}" for i in range(config.num_layers) for p in PROJECTIONS]
     if quantizer == "rtn":
         return {n: quantize_pack(get(n), n) for n in names}
-    windows = calibrate.calibration_windows(tokenizer, calib_tokens)
-    table = calibrate.quantize_model(config, get, windows, True, **GPTQ_VARIANTS[quantizer])
+    if quantizer == "rtn-signed":
+        scales = {n: signed_scales(get(n), n) for n in names}
+        return {n: (pack_value_shuffle(quantize_onto(get(n), s, n)), s) for n, s in scales.items()}
+    windows = calibrate.calibration_windows(tokenizer, args.calib_tokens)
+    options = GPTQ_VARIANTS[quantizer]
+    table = calibrate.quantize_model(config, get, windows, True, args.device, **options)
     return {n: (pack_value_shuffle(q), s) for n, (q, s) in table.items()}
 
 
-def build_model(config, get, packed: dict | None, window: int) -> Qwen2Reference:
-    """The reference model over the float32 source (packed None) or a quantizer's output."""
+def build_model(config, get, packed: dict | None, window: int, device) -> Qwen2Reference:
+    """The reference model on `device` over the float32 source (packed None) or a quantizer's
+    output."""
 
     def dense(name: str) -> torch.Tensor:
         a = get(name)
         a = a if packed is None else a.astype(np.float16)
-        return torch.from_numpy(a.astype(np.float32))
+        return torch.from_numpy(a.astype(np.float32)).to(device)
 
     def proj(name: str) -> torch.Tensor:
-        return dense(name) if packed is None else torch.from_numpy(dequantize_packed(*packed[name]))
+        if packed is None:
+            return dense(name)
+        return torch.from_numpy(dequantize_packed(*packed[name])).to(device)
 
     model = Qwen2Reference.__new__(Qwen2Reference)
     model.config = config
@@ -112,7 +134,7 @@ def build_model(config, get, packed: dict | None, window: int) -> Qwen2Reference
         )
     model.final_norm = dense("final_norm")
     model.lm_head = model.embed_tokens if config.tie_word_embeddings else dense("lm_head")
-    model.cos, model.sin = rope_table(config, window, torch.float32, "cpu")
+    model.cos, model.sin = rope_table(config, window, torch.float32, device)
     return model
 
 
@@ -121,27 +143,29 @@ def score(model: Qwen2Reference, windows: np.ndarray) -> tuple[float, np.ndarray
     """(mean NLL per predicted token, argmax int64 [W, T-1]) over the windows."""
     count, t = windows.shape
     pages = t // 16
+    device = model.embed_tokens.device
     nll, top = 0.0, []
     for row in windows:
-        cache = PagedKVCache(model.config, pages, torch.float32, "cpu")
-        tokens = torch.from_numpy(row)
+        cache = PagedKVCache(model.config, pages, torch.float32, device)
+        tokens = torch.from_numpy(row).to(device)
         logits = model.logits(model.forward(tokens, 0, list(range(pages)), cache))[:-1]
         nll += torch.nn.functional.cross_entropy(logits, tokens[1:], reduction="sum").item()
-        top.append(logits.argmax(-1).numpy())
+        top.append(logits.argmax(-1).cpu().numpy())
     return nll / (count * (t - 1)), np.stack(top)
 
 
 def run_quantizer(quantizer, config, tokenizer, get, windows, args):
     """(NLL, argmax, quantize seconds) of one quantizer's model."""
     started = time.perf_counter()
-    packed = quantized_projections(quantizer, config, tokenizer, get, args.calib_tokens)
+    packed = quantized_projections(quantizer, config, tokenizer, get, args)
     seconds = time.perf_counter() - started
-    return (*score(build_model(config, get, packed, windows.shape[1]), windows), seconds)
+    model = build_model(config, get, packed, windows.shape[1], args.device)
+    return (*score(model, windows), seconds)
 
 
-def run_source(config, get, windows):
+def run_source(config, get, windows, device):
     """(NLL, argmax, 0) of the float32 source."""
-    return (*score(build_model(config, get, None, windows.shape[1]), windows), 0.0)
+    return (*score(build_model(config, get, None, windows.shape[1], device), windows), 0.0)
 
 
 def cached_score(path: Path, reuse: bool, compute) -> tuple[float, np.ndarray, float]:
@@ -162,25 +186,36 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=8, help="evaluation windows of 512 tokens")
     ap.add_argument("--calib-tokens", type=int, default=calibrate.DEFAULT_CALIBRATION_TOKENS)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--device", default="cpu", help="torch device of the calibration pass and the "
+        "evaluation (cuda: the 1.5B in minutes); scores saved apart per device"
+    )  # fmt: skip
+    ap.add_argument(
+        "--gguf", type=Path, nargs="+", help="the GGUF of each --model, in order (a host "
+        "without network); default: the pinned files of nanoqwen.fetch"
+    )  # fmt: skip
     ap.add_argument("--results", type=Path, default=Path("/tmp/quant_ppl"), help="score files")
     ap.add_argument(
         "--reuse", action="store_true", help="take scores already in --results (e.g. the "
         "source's, from a parallel run) instead of computing them; the source is scored last"
     )  # fmt: skip
     args = ap.parse_args()
+    if args.gguf is not None and len(args.gguf) != len(args.model):
+        ap.error(f"--gguf gives {len(args.gguf)} files for {len(args.model)} models")
     torch.set_num_threads(args.threads)
     rows = []
-    for name in args.model:
-        config, tokenizer, get = source(name)
+    for m, name in enumerate(args.model):
+        config, tokenizer, get = source(name, args.gguf[m] if args.gguf else None)
         windows = calibrate.stdlib_windows(tokenizer, EVAL_FILES, args.windows)
-        tag = f"{name}-w{args.windows}"
+        device = "" if args.device == "cpu" else f"-{args.device.replace(':', '')}"
+        tag = f"{name}-w{args.windows}{device}"
         scores = {}
         for quantizer in args.quantizer:
             path = args.results / f"{tag}-{quantizer}-c{args.calib_tokens}.npz"
             job = functools.partial(run_quantizer, quantizer, config, tokenizer, get, windows, args)
             scores[quantizer] = cached_score(path, args.reuse, job)
             print(f"{name} {quantizer}: NLL {scores[quantizer][0]:.4f}", flush=True)
-        job = functools.partial(run_source, config, get, windows)
+        job = functools.partial(run_source, config, get, windows, args.device)
         base_nll, base_top, _ = cached_score(args.results / f"{tag}-source.npz", args.reuse, job)
         print(f"{name} source: NLL {base_nll:.4f}", flush=True)
         rows.append((name, "source f32", base_nll, 0.0, 1.0, 0.0))

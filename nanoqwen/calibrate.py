@@ -11,8 +11,9 @@ not an error of the float model it will never run with. Projections that read th
 (q/k/v; gate/up) share one Hessian and are quantized as one stacked matrix.
 
 The arithmetic is the reference model's (nanoqwen.reference: rms_norm, attention through a paged
-KV cache, the SwiGLU MLP) in float32 on the CPU. Only one layer's float weights are held at a
-time (`get` reads them on demand), plus the hidden states of the calibration windows.
+KV cache, the SwiGLU MLP) in float32 on a torch device (the CPU by default). Only one layer's
+float weights are held at a time (`get` reads them on demand), plus the hidden states of the
+calibration windows.
 
 Calibration text: the opening WINDOW tokens of Python standard-library files (CALIBRATION_FILES,
 found in the running interpreter's stdlib). dev/quant_ppl.py evaluates on other files.
@@ -49,6 +50,30 @@ CALIBRATION_FILES = (
     "string.py",
     "zipfile.py",
     "email/message.py",
+    "calendar.py",
+    "_pydecimal.py",
+    "gettext.py",
+    "queue.py",
+    "selectors.py",
+    "tempfile.py",
+    "uuid.py",
+    "xml/dom/minidom.py",
+    "asyncio/tasks.py",
+    "contextlib.py",
+    "copy.py",
+    "imaplib.py",
+    "platform.py",
+    "plistlib.py",
+    "shlex.py",
+    "bdb.py",
+    "codecs.py",
+    "dis.py",
+    "doctest.py",
+    "ftplib.py",
+    "mimetypes.py",
+    "socketserver.py",
+    "trace.py",
+    "warnings.py",
 )
 DEFAULT_CALIBRATION_TOKENS = 4096  # 8 windows: measured enough on the 1.5B (EXPERIMENTS.md)
 
@@ -78,70 +103,82 @@ def calibration_windows(tokenizer, tokens: int = DEFAULT_CALIBRATION_TOKENS) -> 
     return stdlib_windows(tokenizer, CALIBRATION_FILES, count)
 
 
-def _tensor(get: Getter, name: str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(get(name), dtype=np.float32))
+def _tensor(get: Getter, name: str, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(get(name), dtype=np.float32)).to(device)
 
 
-def _hessian(x: torch.Tensor) -> np.ndarray:
-    """x: float32 [..., K] -> X^T X, float32 [K, K] (a float64 product takes 4x as long at
-    K = 8960 and GPTQ runs in float32 anyway)."""
+def _hessian(x: torch.Tensor) -> torch.Tensor:
+    """x: float32 [..., K] -> X^T X, float32 [K, K] on x's device (a float64 product takes 4x
+    as long at K = 8960 and GPTQ runs in float32 anyway)."""
     x = x.reshape(-1, x.shape[-1])
-    return (x.T @ x).numpy()
+    return x.T @ x
 
 
 def _quantize_stack(
-    get: Getter, prefix: str, projs: tuple[str, ...], hessian: np.ndarray, out: dict, options
+    get: Getter, prefix: str, projs: tuple[str, ...], hessian: torch.Tensor, out: dict, options
 ) -> list[torch.Tensor]:
     """GPTQ the projections `projs` of one layer (stacked: they share `hessian`); record
-    (q, scales) per projection in `out`; return their dequantized weights."""
+    (q, scales) per projection in `out`; return their dequantized weights on the Hessian's
+    device."""
     from .quant import dequantize
 
     ws = [get(prefix + p) for p in projs]
-    q, scales = gptq_quantize(np.concatenate(ws), hessian, prefix + "/".join(projs), **options)
+    name = prefix + "/".join(projs)
+    q, scales = gptq_quantize(np.concatenate(ws), hessian, name, device=hessian.device, **options)
     deq, row = [], 0
     for p, w in zip(projs, ws, strict=True):
         rows = slice(row, row + w.shape[0])
         out[prefix + p] = (q[rows], scales[rows])
-        deq.append(torch.from_numpy(dequantize(q[rows], scales[rows])))
+        deq.append(torch.from_numpy(dequantize(q[rows], scales[rows])).to(hessian.device))
         row += w.shape[0]
     return deq
 
 
 def quantize_model(
-    config: ModelConfig, get: Getter, windows: np.ndarray, progress: bool = True, **options
+    config: ModelConfig,
+    get: Getter,
+    windows: np.ndarray,
+    progress: bool = True,
+    device="cpu",
+    **options,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """GPTQ every projection of `config` sequentially on the calibration `windows` (int64
     [W, T], T % 16 == 0). `get(logical)` returns float32 source tensors (embed_tokens,
     layers.{i}.input_norm, layers.{i}.q_proj, ...). Returns {"layers.{i}.{proj}": (q int8
-    [N, K], scales float16 [N, K/128])}. `options` go to quantizers.gptq_quantize."""
+    [N, K], scales float16 [N, K/128])}. The forward pass and GPTQ run in float32 on torch
+    `device` (one layer's weights and the windows' hidden states live there); `options` go to
+    quantizers.gptq_quantize."""
     from tqdm import tqdm
 
     count, t = windows.shape
     eps = config.rms_norm_eps
     embed = get("embed_tokens")
     x = torch.from_numpy(embed[windows.reshape(-1)].astype(np.float32)).view(count, t, -1)
+    x = x.to(device)
     del embed
-    cos, sin = rope_table(config, t, torch.float32, "cpu")
+    cos, sin = rope_table(config, t, torch.float32, device)
     pages = list(range(t // PAGE_TOKENS))
-    table = torch.tensor(pages, dtype=torch.int64)
-    eye = torch.eye(config.q_size)
+    table = torch.tensor(pages, dtype=torch.int64, device=device)
+    eye = torch.eye(config.q_size, device=device)
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     model = Qwen2Reference.__new__(Qwen2Reference)  # only its attention: no weights loaded
     model.config = config
     layers = tqdm(range(config.num_layers), desc="gptq", unit="layer", disable=not progress)
     for i in layers:
         p = f"layers.{i}."
-        norm1, norm2 = _tensor(get, p + "input_norm"), _tensor(get, p + "post_attn_norm")
+        norm1 = _tensor(get, p + "input_norm", device)
+        norm2 = _tensor(get, p + "post_attn_norm", device)
         h = rms_norm(x, norm1, eps)
         q_w, k_w, v_w = _quantize_stack(get, p, _QKV, _hessian(h), out, options)
         # o_proj = identity: the reference's attention then returns o_proj's input.
+        biases = (_tensor(get, p + f"{n}_proj.bias", device) for n in "qkv")
         w = LayerWeights(
-            norm1, norm2, q_w, k_w, v_w, *(_tensor(get, p + f"{n}_proj.bias") for n in "qkv"),
+            norm1, norm2, q_w, k_w, v_w, *biases,
             o_proj=eye, gate_proj=None, up_proj=None, down_proj=None,
         )  # fmt: skip
-        attn = torch.empty(count, t, config.q_size)
+        attn = torch.empty(count, t, config.q_size, device=device)
         for j in range(count):
-            cache = PagedKVCache(config, len(pages), torch.float32, "cpu")
+            cache = PagedKVCache(config, len(pages), torch.float32, device)
             attn[j] = model.attention(h[j], w, i, 0, table, cache, cos, sin)
         (o_w,) = _quantize_stack(get, p, ("o_proj",), _hessian(attn), out, options)
         x = x + attn @ o_w.T

@@ -50,26 +50,56 @@ def _check_matrix(w: np.ndarray, name: str) -> tuple[int, int]:
     return n, k
 
 
+def _groups(w: np.ndarray, name: str) -> np.ndarray:
+    """w float [N, K] -> float32 [N, K/128, 128], checked: 2-D, K % 128 == 0, finite."""
+    n, k = _check_matrix(w, name)
+    groups = np.asarray(w, dtype=np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    if not np.isfinite(groups).all():
+        bad = np.argwhere(~np.isfinite(groups.reshape(n, k)))[0]
+        raise QuantError(f"{name}: non-finite value at [{bad[0]}, {bad[1]}]")
+    return groups
+
+
+def _fp16_scales(scales: np.ndarray, name: str) -> np.ndarray:
+    if scales.max(initial=0.0) > _FP16_MAX:
+        raise QuantError(f"{name}: scale {scales.max():.4g} overflows the fp16 scale")
+    return scales.astype(np.float16)
+
+
+def _round(groups: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """groups float32 [N, G, 128], scales float16 [N, G] -> q int8 [N, G * 128]."""
+    s32 = scales.astype(np.float32)[:, :, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s32 > 0, np.rint(groups / s32), 0.0)
+    return np.clip(q, QMIN, QMAX).astype(np.int8).reshape(groups.shape[0], -1)
+
+
 def quantize(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarray]:
     """INT4-quantize one projection.
 
     w: float [N, K] (any float dtype; computed in float32), K % 128 == 0.
     Returns (q: int8 [N, K] in [-8, 7], scales: float16 [N, K/128]).
     """
-    n, k = _check_matrix(w, name)
-    groups = np.asarray(w, dtype=np.float32).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    if not np.isfinite(groups).all():
-        bad = np.argwhere(~np.isfinite(groups.reshape(n, k)))[0]
-        raise QuantError(f"{name}: non-finite value at [{bad[0]}, {bad[1]}]")
-    absmax = np.abs(groups).max(axis=2)
-    if absmax.max(initial=0.0) / QMAX > _FP16_MAX:
-        raise QuantError(f"{name}: max |w| {absmax.max():.4g} overflows the fp16 scale")
-    scales = (absmax / QMAX).astype(np.float16)
-    s32 = scales.astype(np.float32)[:, :, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(s32 > 0, np.rint(groups / s32), 0.0)
-    q = np.clip(q, QMIN, QMAX).astype(np.int8).reshape(n, k)
-    return q, scales
+    groups = _groups(w, name)
+    scales = _fp16_scales(np.abs(groups).max(axis=2) / QMAX, name)
+    return _round(groups, scales), scales
+
+
+def signed_scales(w: np.ndarray, name: str = "weight") -> np.ndarray:
+    """The smallest scales that clip no value: float16 [N, K/128] = fp16(max(max(w) / 7,
+    -min(w) / 8)) per group. A group whose largest magnitude is negative reaches it with -8,
+    on a step 7/8 of max|w| / 7."""
+    groups = _groups(w, name)
+    return _fp16_scales(np.maximum(groups.max(axis=2) / QMAX, groups.min(axis=2) / QMIN), name)
+
+
+def quantize_onto(w: np.ndarray, scales: np.ndarray, name: str = "weight") -> np.ndarray:
+    """w float [N, K] rounded to nearest onto the given scales float16 [N, K/128]:
+    q int8 [N, K] in [-8, 7] (values beyond a scale's range clip)."""
+    groups = _groups(w, name)
+    if scales.shape != groups.shape[:2]:
+        raise QuantError(f"{name}: scales {scales.shape}, expected {groups.shape[:2]}")
+    return _round(groups, np.asarray(scales, np.float16))
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:

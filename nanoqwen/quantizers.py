@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import GROUP_SIZE
-from .quant import QMAX, QMIN, QuantError, quantize
+from .quant import QMAX, QMIN, QuantError, quantize, signed_scales
 
 QUANTIZERS = ("rtn", "gptq")
 DEFAULT_QUANTIZER = "rtn"
@@ -42,6 +42,8 @@ NEEDS_CALIBRATION = ("gptq",)
 GPTQ_BLOCK = 128  # columns per lazy-batch update (the paper's B); any multiple of 1 is exact
 GPTQ_DAMP = 0.1  # fraction of mean(diag H) added to H's diagonal (0.01 overfits: EXPERIMENTS)
 TRI_INV_LEAF = 256  # triangular inverses this small go to one triangular solve
+SCALE_RULES = ("rtn", "signed", "search")  # gptq_quantize's static group scales
+SCALE_SHRINK = tuple(1.0 - 0.025 * i for i in range(9))  # searched_scales' factors, 1 .. 0.8
 
 
 def weighted_error(w: np.ndarray, wq: np.ndarray, hessian: np.ndarray) -> float:
@@ -58,7 +60,8 @@ def _triangular_inverse(lower):
 
     k = lower.shape[0]
     if k <= TRI_INV_LEAF:
-        return torch.linalg.solve_triangular(lower, torch.eye(k, dtype=lower.dtype), upper=False)
+        eye = torch.eye(k, dtype=lower.dtype, device=lower.device)
+        return torch.linalg.solve_triangular(lower, eye, upper=False)
     m = k // 2
     a_inv, d_inv = _triangular_inverse(lower[:m, :m]), _triangular_inverse(lower[m:, m:])
     out = torch.zeros_like(lower)
@@ -80,35 +83,74 @@ def _inverse_cholesky(h):
     return _triangular_inverse(lower).flip(0, 1)
 
 
+def searched_scales(w, weight, base: np.ndarray, shrink=SCALE_SHRINK) -> np.ndarray:
+    """Per group, the scale among fp16(base * f), f in `shrink`, whose round-to-nearest codes
+    give the least sum_k weight[k] * (w[n, k] - w'[n, k])^2 over the group's 128 columns.
+
+    w: float32 tensor [N, K]; weight: float32 tensor [K] (diag H: each input's energy);
+    base: float16 [N, K/128]. Returns float16 [N, K/128]. Ties keep the earlier factor."""
+    import torch
+
+    n, k = w.shape
+    groups = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
+    weight = weight.view(1, k // GROUP_SIZE, GROUP_SIZE)
+    base_t = torch.from_numpy(base.astype(np.float32)).to(w.device)
+    best, best_err = None, None
+    for f in shrink:
+        s = (base_t * f).half().float()[:, :, None]  # the fp16 scale the file will hold
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+        q = torch.clamp(torch.round(groups * inv), QMIN, QMAX)
+        err = (weight * (groups - q * s) ** 2).sum(-1)  # [N, K/128]
+        if best is None:
+            best, best_err = s[:, :, 0].clone(), err
+        else:
+            better = err < best_err
+            best, best_err = torch.where(better, s[:, :, 0], best), torch.minimum(err, best_err)
+    return best.cpu().numpy().astype(np.float16)
+
+
 def gptq_quantize(
     w: np.ndarray,
-    hessian: np.ndarray,
+    hessian,
     name: str = "weight",
     act_order: bool = True,
     damp: float = GPTQ_DAMP,
+    scales: str = "rtn",
+    device="cpu",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ-quantize one projection onto RTN's group scales.
+    """GPTQ-quantize one projection onto static group scales.
 
-    w: float [N, K], K % 128 == 0; hessian: float [K, K], symmetric positive semi-definite
-    (X^T X of the projection's input, any positive scale). Returns (q: int8 [N, K] in [-8, 7],
-    scales: float16 [N, K/128]) exactly as quant.quantize does. Deterministic: float32 on the
-    CPU (float64 costs 3x on the 8960-wide down_proj for no measured gain), no randomness.
+    w: float [N, K], K % 128 == 0; hessian: float [K, K] (numpy or torch, any device),
+    symmetric positive semi-definite (X^T X of the projection's input, any positive scale).
+    scales (SCALE_RULES): rtn = quant.quantize's max|w| / 7; signed = quant.signed_scales;
+    search = searched_scales from signed, weighted by diag H. Returns (q: int8 [N, K] in
+    [-8, 7], scales: float16 [N, K/128]) as quant.quantize does. Runs in float32 on torch
+    `device`; deterministic on a given device (no randomness, no atomics).
     """
     import torch  # here, not at the top: `nanoqwen pack --help` must not pay torch's import
 
-    _, scales = quantize(w, name)  # validates shape, finiteness and the fp16 range
+    if scales not in SCALE_RULES:
+        raise QuantError(f"{name}: scale rule {scales!r} is not one of {SCALE_RULES}")
+    _, rtn_scales = quantize(w, name)  # validates shape, finiteness and the fp16 range
     n, k = w.shape
-    if hessian.shape != (k, k):
-        raise QuantError(f"{name}: Hessian shape {hessian.shape}, expected {(k, k)}")
-    W = torch.from_numpy(np.array(w, dtype=np.float32))
-    H = torch.from_numpy(np.array(hessian, dtype=np.float32))
-    s = torch.from_numpy(scales.astype(np.float32)).repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
+    if tuple(hessian.shape) != (k, k):
+        raise QuantError(f"{name}: Hessian shape {tuple(hessian.shape)}, expected {(k, k)}")
+    W = torch.tensor(np.asarray(w, dtype=np.float32), device=device)
+    H = torch.as_tensor(hessian, dtype=torch.float32, device=device).clone()
     dead = torch.diag(H) <= 0
     H[dead, dead] = 1.0
+    if scales == "rtn":
+        group_scales = rtn_scales
+    elif scales == "signed":
+        group_scales = signed_scales(w, name)
+    else:
+        group_scales = searched_scales(W, torch.diag(H), signed_scales(w, name))
+    s = torch.from_numpy(group_scales.astype(np.float32)).to(device)
+    s = s.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     if perm is not None:
         W, H, s = W[:, perm], H[perm][:, perm], s[:, perm]
-    H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype)
+    H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype, device=device)
     U = _inverse_cholesky(H)
     inv_s = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
     Q = torch.zeros_like(W)
@@ -126,7 +168,7 @@ def gptq_quantize(
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
-    return Q.numpy().astype(np.int8), scales
+    return Q.cpu().numpy().astype(np.int8), group_scales
 
 
 def projection_quantizer(name: str, config, tokenizer_spec, get, where: str):

@@ -9,7 +9,9 @@ from nanoqwen.quant import (
     dequantize_packed,
     pack_value_shuffle,
     quantize,
+    quantize_onto,
     quantize_pack,
+    signed_scales,
     unpack_value_shuffle,
 )
 
@@ -77,6 +79,36 @@ def test_quantize_pack_matches_dequantize():
     assert np.array_equal(dequantize_packed(qweight, scales), dequantize(q, s))
 
 
+def test_signed_scales_reach_minus_8():
+    rng = np.random.default_rng()
+    w = rng.uniform(-1, 1, (5, 384)).astype(np.float32)
+    w[0, 3], w[1, 200], w[2, :128] = -2.0, 2.0, 0.0  # negative, positive extreme; a zero group
+    s = signed_scales(w)
+    assert s.dtype == np.float16 and s.shape == (5, 3)
+    assert s[0, 0] == np.float16(2.0 / 8) and s[1, 1] == np.float16(2.0 / 7) and s[2, 0] == 0
+    q = quantize_onto(w, s)
+    assert q[0, 3] == -8 and q[1, 200] == 7 and not q[2, :128].any()
+    groups = w.reshape(5, 3, 128)
+    want = np.maximum(groups.max(2) / 7, -groups.min(2) / 8).astype(np.float16)
+    np.testing.assert_array_equal(s, want)
+    # No value clips: every error is within half a step (of the fp16-rounded scale, +1 ulp).
+    err = np.abs(dequantize(q, s) - w).reshape(5, 3, 128).max(2)
+    assert (err <= 0.5 * s.astype(np.float32) * (1 + 2**-9) + 1e-7).all()
+    # Never a coarser step than RTN's max|w| / 7, strictly finer where the extreme is negative.
+    rtn = quantize(w)[1]
+    assert (s <= rtn).all() and s[0, 0] < rtn[0, 0]
+
+
+def test_quantize_onto_rtn_scales_is_rtn():
+    w = np.random.default_rng().standard_normal((7, 256)).astype(np.float32)
+    q, s = quantize(w)
+    np.testing.assert_array_equal(quantize_onto(w, s), q)
+    half = (s * np.float16(0.5)).astype(np.float16)  # values beyond the range clip to [-8, 7]
+    assert quantize_onto(w, half).min() == -8 and quantize_onto(w, half).max() == 7
+    with pytest.raises(QuantError, match="scales"):
+        quantize_onto(w, s[:, :1])
+
+
 @pytest.mark.parametrize(
     "w, message",
     [
@@ -89,6 +121,8 @@ def test_quantize_pack_matches_dequantize():
 def test_quantize_rejects(w, message):
     with pytest.raises(QuantError, match=message):
         quantize(w, "w")
+    with pytest.raises(QuantError, match=message):
+        signed_scales(w, "w")
 
 
 def test_pack_rejects_out_of_range():

@@ -13,11 +13,22 @@ from nanoqwen.calibrate import WINDOW, quantize_model
 from nanoqwen.config import PROJECTIONS
 from nanoqwen.convert.hf import read_hf
 from nanoqwen.errors import ConvertError
-from nanoqwen.quant import QMAX, QMIN, QuantError, dequantize, quantize, unpack_value_shuffle
+from nanoqwen.quant import (
+    QMAX,
+    QMIN,
+    QuantError,
+    dequantize,
+    quantize,
+    quantize_onto,
+    signed_scales,
+    unpack_value_shuffle,
+)
 from nanoqwen.quantizers import (
+    SCALE_SHRINK,
     _inverse_cholesky,
     gptq_quantize,
     projection_quantizer,
+    searched_scales,
     weighted_error,
 )
 
@@ -47,6 +58,47 @@ def test_gptq_beats_rtn_and_keeps_the_format(n, k, act_order):
     q2, s2 = gptq_quantize(w, h, act_order=act_order)
     np.testing.assert_array_equal(q2, q)  # deterministic
     np.testing.assert_array_equal(s2, s)
+
+
+def test_searched_scales_minimize_the_weighted_group_error():
+    rng = np.random.default_rng()
+    n, k = 6, 384
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[:, rng.choice(k, 5)] *= 6  # outliers: clipping them pays
+    w[0, :128] = np.resize(np.arange(-8, 8), 128) * 0.125  # on the grid: no shrink pays
+    d = rng.uniform(0.01, 10.0, k).astype(np.float32)  # diag H: each input's energy
+    base = signed_scales(w)
+    got = searched_scales(torch.from_numpy(w), torch.from_numpy(d), base)
+    assert got.dtype == np.float16 and got.shape == base.shape
+    # Brute force in float64: each factor's scales for all groups, the error per group.
+    errs, cands = [], []
+    for f in SCALE_SHRINK:
+        s = (base.astype(np.float32) * np.float32(f)).astype(np.float16)
+        e = (dequantize(quantize_onto(w, s), s) - w).astype(np.float64) ** 2 * d
+        errs.append(e.reshape(n, k // 128, 128).sum(2))
+        cands.append(s)
+    errs, cands = np.stack(errs), np.stack(cands)
+    best = np.take_along_axis(cands, errs.argmin(0)[None], 0)[0]
+    np.testing.assert_array_equal(got, best)
+    assert (got < base).any() and (got == base).any()  # the grid is used both ways here
+
+
+@pytest.mark.parametrize("rule", ["signed", "search"])
+def test_gptq_scale_rules(rule):
+    rng = np.random.default_rng(11)
+    w = rng.standard_normal((12, 256)).astype(np.float32)
+    x = correlated_inputs(rng, 1024, 256)
+    h = x.T @ x
+    q, s = gptq_quantize(w, h, scales=rule)
+    want = signed_scales(w)
+    if rule == "search":
+        want = searched_scales(torch.from_numpy(w), torch.from_numpy(np.diag(h).copy()), want)
+    np.testing.assert_array_equal(s, want)
+    assert QMIN <= q.min() and q.max() <= QMAX
+    rtn_err = weighted_error(w, dequantize(*quantize(w)), h)
+    assert weighted_error(w, dequantize(q, s), h) <= 0.8 * rtn_err
+    with pytest.raises(QuantError, match="scale rule"):
+        gptq_quantize(w, h, scales="mse")
 
 
 def test_gptq_identity_hessian_is_rtn():
@@ -94,6 +146,27 @@ def test_quantize_model_shapes_and_determinism():
         assert q.shape == (n, k) and q.dtype == np.int8 and s.shape == (n, k // 128)
         assert QMIN <= q.min() and q.max() <= QMAX
         np.testing.assert_array_equal(again[name][0], q)
+
+
+def test_quantize_model_device():
+    """device='cpu' (string or torch.device, numpy or torch Hessian) gives the same codes; on a
+    GPU, where float32 sums run in another order, nearly all codes agree with the CPU's."""
+    weights = grid_weights(CFG, seed=4)
+    windows = np.random.default_rng(9).integers(0, CFG.vocab_size, (2, 64))
+    cpu = quantize_model(CFG, weights.__getitem__, windows, progress=False)
+    same = quantize_model(CFG, weights.__getitem__, windows, False, torch.device("cpu"))
+    for name, (q, s) in cpu.items():
+        np.testing.assert_array_equal(same[name][0], q)
+        np.testing.assert_array_equal(same[name][1], s)
+    rng = np.random.default_rng(12)
+    w, x = rng.standard_normal((8, 256)).astype(np.float32), correlated_inputs(rng, 512, 256)
+    h = (x.T @ x).astype(np.float32)
+    q_np = gptq_quantize(w, h)[0]
+    np.testing.assert_array_equal(gptq_quantize(w, torch.from_numpy(h), device="cpu")[0], q_np)
+    if torch.cuda.is_available():
+        gpu = quantize_model(CFG, weights.__getitem__, windows, False, "cuda")
+        agree = np.mean([(gpu[n][0] == q).mean() for n, (q, _) in cpu.items()])
+        assert agree > 0.98
 
 
 def test_projection_quantizer_choices():
