@@ -4,13 +4,15 @@ outputs identical).
 
     PYTHONPATH=. python3 dev/spec_workloads.py FILE [--workloads edit,fim,chat] [--requests 8]
         [--gen-len 128] [--runs 3] [--spec-k 8] [--spec-ngram 3:5] [--backend cuda]
-        [--json PATH]
+        [--down engine|gemm|rows] [--json PATH]
 
 Each workload is `nanoqwen bench --workload W` (nanoqwen/harness/spec_bench.py): the same
 prompts plain then speculative on the same backend kind. Validate: each prompt's speculative
 tokens against its plain tokens (the first differing index when not). Time: decode ms/token
 of each mode, medians over --runs. A workload that fails does not stop the others. RESULT
-last: one row a workload with its target and whether it is met.
+last: one row a workload with its target and whether it is met. --down gemm|rows forces the
+verify step's down_proj path (engine.verify.down_gemm, replaced for this process) to A/B the
+engine's rule.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import time
 import traceback
 
+from nanoqwen.engine import verify
 from nanoqwen.harness.spec_bench import print_spec_result, run_spec_bench
 from nanoqwen.harness.workloads import WORKLOADS, build
 from nanoqwen.llm import LLM
@@ -43,9 +46,13 @@ def main() -> int:
     p.add_argument("--spec-ngram", default=f"{base.n_min}:{base.n_max}")
     p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     p.add_argument("--max-context", type=int, default=8192)
+    p.add_argument("--down", choices=("engine", "gemm", "rows"), default="engine",
+                   help="the verify step's down_proj: the engine's rule, or forced")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     spec = resolve("ngram", args.spec_k, args.spec_ngram)
+    if args.down != "engine":
+        verify.down_gemm = lambda *_: args.down == "gemm"  # looked up when Verify is built
 
     def open_llm(config):
         return LLM(args.file, backend=args.backend, max_context=args.max_context,
@@ -65,9 +72,10 @@ def main() -> int:
         print(f"[{workload}: {time.time() - t0:.1f} s]", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({**results, "verify_down": args.down}, f, indent=2)
     print(f"\nRESULT speculative ({spec.method} k={spec.k} n={spec.n_min}:{spec.n_max}) vs plain "
-          f"greedy, {args.requests} prompts, gen {args.gen_len}, {args.backend}")  # fmt: skip
+          f"greedy, {args.requests} prompts, gen {args.gen_len}, {args.backend}, verify down_proj "
+          f"{args.down}")  # fmt: skip
     print(f"  {'workload':9} {'plain t/s':>10} {'spec t/s':>10} {'speed-up':>9} {'target':>7} "
           f"{'acc/step':>9} {'identical':>10}")  # fmt: skip
     ok = True
