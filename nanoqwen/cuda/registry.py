@@ -269,16 +269,16 @@ class GemmTile:
 
 # Ties go to the first tile (prefill.PrefillKernels.pick_gemm). The 64-, 128- and 256-token
 # rates are measured at M = 512 on the H200 (docs/PERFORMANCE.md). The 16-token tile (M = 1..16:
-# the speculative verify step's down_proj, prompts of a few new tokens) should be bound by its pass
-# over the weights, not by the tensor cores: 16 stages keep 64 KB of weights (96 KB of ring) in
-# flight an SM, about what ~4 TB/s over 132 SMs at a loaded DRAM latency of ~1.5-2 us needs
-# (45-60 KB). Its 150 TFLOP/s (of 16 padded tokens) is an ESTIMATE, not a measurement: the 7B
-# down_proj at ~11-12 us (34 MB of weights at ~4 TB/s plus the launch and stream-K hand-overs)
-# would be ~180, the smaller shapes less. Any rate in (94, 176) picks it at M <= 16 only: at
-# M = 17..64 two or more 16-token tiles cost more than one 64-token tile (353 and 373 TFLOP/s).
+# the speculative verify step's down_proj, prompts of a few new tokens) keeps 16 stages (64 KB of
+# weights) in flight an SM for its pass over the weights. The picker's model has no memory-bound
+# term, so its rates are set from what it must reproduce, the 7B's shapes at M = 16 on the H200
+# against the 64-token tile (dev/prefill_check.py --timing-m 8,16): down 25.6 against 29.6 us
+# gives 353 x 16/64 x 29.6/25.6 = 102; gate/up 47.2 against 65.3 gives 373 x 16/64 x 65.3/47.2
+# = 129 (q/k/v and o are 23-26% faster with it too). Any rate in (94, 176) picks it at M <= 16
+# only: at M = 17..64 two or more 16-token tiles cost more than one 64-token tile.
 GEMM_TILES = (
-    GemmTile(16, 16, False, 150.0),
-    GemmTile(16, 16, True, 150.0),
+    GemmTile(16, 16, False, 102.0),
+    GemmTile(16, 16, True, 129.0),
     GemmTile(64, 8, False, 353.0),
     GemmTile(64, 8, True, 373.0),
     GemmTile(128, 6, False, 525.0),

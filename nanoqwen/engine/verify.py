@@ -41,10 +41,12 @@ def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
     }
 
 
-# gemv_rows' K slices for down_proj from which the verify step takes the prefill's GEMM instead:
-# each CTA of gemv_rows reads all of x from L2, so its cost grows with the slices; the GEMM pays
-# a fixed tile cost. Measured on both sides of 7 (docs/EXPERIMENTS.md, Speculative decoding).
-DOWN_GEMM_MIN_SLICES = 7
+# gemv_rows' K slices for down_proj from which the verify step takes the prefill's GEMM (its
+# 16-token tile) instead: gemv_rows pays for every slice (a reload of x, a barrier and a
+# reduction a stage), the GEMM a fixed tile cost. Measured faster at every M from 5 slices (the
+# real 1.5B) up (docs/EXPERIMENTS.md, Speculative decoding); one slice (the 0.5B at M <= 8) is
+# gemv_rows' best case.
+DOWN_GEMM_MIN_SLICES = 5
 
 
 def down_gemm(config: ModelConfig, rows: int, geometry: Geometry) -> bool:
