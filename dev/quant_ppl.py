@@ -13,8 +13,9 @@ perplexity gap to the source in %, top-1 agreement with the source's argmax, qua
 
 Variants: rtn-signed (round to nearest on quant.signed_scales), and GPTQ_VARIANTS: options of
 quantizers.gptq_quantize (gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
-gptq-signed / gptq-search: the scale rules). Use --threads 1 on a shared machine, --device cuda
-on a GPU host (--gguf then names the files when it has no network). Every score is saved under
+gptq-rtnscales / gptq-search: RTN's max|w| / 7 scales, searched_scales' clipped ones). Use
+--threads 1 on a shared machine, --device cuda on a GPU host (--gguf then names the files when
+it has no network). Every score is saved under
 --results; --reuse takes saved ones instead of computing them, so parallel runs (one per
 quantizer, one for the source) merge into one table: run them with --reuse, then once more with
 --reuse and the same arguments to print the table.
@@ -71,7 +72,6 @@ GPTQ_VARIANTS = {
     "gptq-damp0.03": {"damp": 0.03},
     "gptq-damp0.3": {"damp": 0.3},
     "gptq-rtnscales": {"scales": "rtn"},
-    "gptq-signed": {"scales": "signed"},
     "gptq-search": {"scales": "search"},
 }
 assert not set(EVAL_FILES) & set(calibrate.CALIBRATION_FILES)
