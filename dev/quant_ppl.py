@@ -15,10 +15,9 @@ Variants: rtn-signed (round to nearest on quant.signed_scales), and GPTQ_VARIANT
 quantizers.gptq_quantize (gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
 gptq-rtnscales / gptq-search: RTN's max|w| / 7 scales, searched_scales' clipped ones). Use
 --threads 1 on a shared machine, --device cuda on a GPU host (--gguf then names the files when
-it has no network). Every score is saved under
---results; --reuse takes saved ones instead of computing them, so parallel runs (one per
-quantizer, one for the source) merge into one table: run them with --reuse, then once more with
---reuse and the same arguments to print the table.
+it has no network). Every score is saved under --results; --reuse takes saved ones instead of
+computing them, so parallel runs (one per quantizer, one for the source) merge into one table:
+run them with --reuse, then once more with --reuse and the same arguments to print the table.
 """
 
 from __future__ import annotations
