@@ -106,7 +106,8 @@ def calibration_windows(tokenizer, tokens: int = DEFAULT_CALIBRATION_TOKENS) -> 
 
 
 def _tensor(get: Getter, name: str, device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(get(name), dtype=np.float32)).to(device)
+    """A small tensor (norm, bias), copied: `get` may hand out read-only or shared arrays."""
+    return torch.from_numpy(np.array(get(name), dtype=np.float32)).to(device)
 
 
 def _hessian(x: torch.Tensor) -> torch.Tensor:
