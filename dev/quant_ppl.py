@@ -69,7 +69,8 @@ GPTQ_VARIANTS = {
     "gptq-noact": {"act_order": False},
     "gptq-damp0.01": {"damp": 0.01},
     "gptq-damp0.03": {"damp": 0.03},
-    "gptq-damp0.3": {"damp": 0.3},
+    "gptq-damp0.1": {"damp": 0.1},
+    "gptq-damp1": {"damp": 1.0},
     "gptq-rtnscales": {"scales": "rtn"},
     "gptq-search": {"scales": "search"},
 }
