@@ -13,11 +13,11 @@ perplexity gap to the source in %, top-1 agreement with the source's argmax, qua
 
 Variants: rtn-signed (round to nearest on quant.signed_scales), and GPTQ_VARIANTS: options of
 quantizers.gptq_quantize (gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
-gptq-signed / gptq-search: the scale rules). Use --threads 1 on a shared machine, --device cuda
-on a GPU host (--gguf then names the files when it has no network). Every score is saved under
---results; --reuse takes saved ones instead of computing them, so parallel runs (one per
-quantizer, one for the source) merge into one table: run them with --reuse, then once more with
---reuse and the same arguments to print the table.
+gptq-rtnscales / gptq-search: RTN's max|w| / 7 scales, searched_scales' clipped ones). Use
+--threads 1 on a shared machine, --device cuda on a GPU host (--gguf then names the files when
+it has no network). Every score is saved under --results; --reuse takes saved ones instead of
+computing them, so parallel runs (one per quantizer, one for the source) merge into one table:
+run them with --reuse, then once more with --reuse and the same arguments to print the table.
 """
 
 from __future__ import annotations
@@ -69,24 +69,28 @@ GPTQ_VARIANTS = {
     "gptq-noact": {"act_order": False},
     "gptq-damp0.01": {"damp": 0.01},
     "gptq-damp0.03": {"damp": 0.03},
-    "gptq-damp0.3": {"damp": 0.3},
+    "gptq-damp0.1": {"damp": 0.1},
+    "gptq-damp1": {"damp": 1.0},
     "gptq-rtnscales": {"scales": "rtn"},
-    "gptq-signed": {"scales": "signed"},
     "gptq-search": {"scales": "search"},
 }
 assert not set(EVAL_FILES) & set(calibrate.CALIBRATION_FILES)
 
 
 def source(model: str, path: Path | None):
-    """(config, tokenizer, get): get(logical) -> the GGUF tensor dequantized to float32. The
-    GGUF at `path`, else the pinned one of nanoqwen.fetch (downloaded if missing)."""
+    """(config, tokenizer, get): get(logical) -> the GGUF tensor dequantized to float32 (read
+    only: shared between calls). The GGUF at `path`, else the pinned one of nanoqwen.fetch
+    (downloaded if missing)."""
     path = path or fetch_model(model, progress=False)
     reader = open_gguf(path)
     config = config_from_gguf(reader, path.stem)
     tokenizer = Tokenizer.from_spec(tokenizer_from_gguf(reader, str(path)))
     tensors = {t.name: t for t in reader.tensors}
     by_logical = {lg: name for name, lg in source_names(config, "gguf").items() if name in tensors}
-    return config, tokenizer, lambda logical: dequantize_tensor(tensors[by_logical[logical]])
+    # Each tensor dequantized once (float32: 2 GB for the 0.5B, 6 GB for the 1.5B): the source,
+    # every quantizer and its model read them all again, and numpy dequantizes ~25M params/s.
+    get = functools.cache(lambda logical: dequantize_tensor(tensors[by_logical[logical]]))
+    return config, tokenizer, get
 
 
 def quantized_projections(quantizer: str, config, tokenizer, get, args) -> dict:
@@ -155,7 +159,11 @@ def score(model: Qwen2Reference, windows: np.ndarray) -> tuple[float, np.ndarray
 
 
 def run_quantizer(quantizer, config, tokenizer, get, windows, args):
-    """(NLL, argmax, quantize seconds) of one quantizer's model."""
+    """(NLL, argmax, quantize seconds) of one quantizer's model; the seconds leave out the
+    GGUF's dequantization (done here first, once a run)."""
+    for i in range(config.num_layers):
+        for p in PROJECTIONS:
+            get(f"layers.{i}.{p}")
     started = time.perf_counter()
     packed = quantized_projections(quantizer, config, tokenizer, get, args)
     seconds = time.perf_counter() - started
