@@ -177,12 +177,35 @@ def gptq_quantize(
     return Q.cpu().numpy().astype(np.int8), group_scales
 
 
-def projection_quantizer(name: str, config, tokenizer_spec, get, where: str):
+def check_device(device: str) -> None:
+    """A ConvertError unless torch can run a calibration on `device` ("cpu", "cuda",
+    "cuda:1"): checked before the pack starts, not at the first projection."""
+    import torch
+
+    from .errors import ConvertError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise ConvertError(f"--device {device!r}: not a torch device ({e})") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise ConvertError(f"--device {device}: torch has no such device here (cpu, cuda)")
+    if (dev.index or 0) >= torch.cuda.device_count():
+        raise ConvertError(f"--device {device}: {torch.cuda.device_count()} CUDA device(s) here")
+
+
+def projection_quantizer(
+    name: str, config, tokenizer_spec, get, where: str, device: str = "cpu"
+):  # fmt: skip
     """The `quantize(logical, array, label) -> (qweight, scales)` of convert_stream for
     quantizer `name`. get(logical) -> float32 source tensor (gptq reads the model through it).
 
-    gptq runs its calibration pass (nanoqwen.calibrate) at the first projection, holding only
-    the packed results; it needs the source's tokenizer for the calibration text."""
+    gptq runs its calibration pass (nanoqwen.calibrate) at the first projection, on the torch
+    `device` (a GPU: the 1.5B in about a minute and a half instead of most of an hour on the
+    CPU; float32 sums in another order, so not bit-identical codes), holding only the packed
+    results; it needs the source's tokenizer for the calibration text."""
     from .convert.names import rtn
     from .errors import ConvertError
     from .quant import pack_value_shuffle
@@ -193,6 +216,7 @@ def projection_quantizer(name: str, config, tokenizer_spec, get, where: str):
         return rtn
     if tokenizer_spec is None:
         raise ConvertError(f"{where}: --quantizer {name} needs the source's tokenizer")
+    check_device(device)
     table: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def quantize_gptq(logical: str, array: np.ndarray, label: str):
@@ -201,7 +225,7 @@ def projection_quantizer(name: str, config, tokenizer_spec, get, where: str):
 
         if not table:
             windows = calibrate.calibration_windows(Tokenizer.from_spec(tokenizer_spec))
-            table.update(calibrate.quantize_model(config, get, windows))
+            table.update(calibrate.quantize_model(config, get, windows, device=device))
         q, scales = table.pop(logical)
         return pack_value_shuffle(q), scales
 

@@ -26,6 +26,7 @@ from nanoqwen.quant import (
 from nanoqwen.quantizers import (
     SCALE_SHRINK,
     _inverse_cholesky,
+    check_device,
     gptq_quantize,
     projection_quantizer,
     searched_scales,
@@ -176,6 +177,34 @@ def test_projection_quantizer_choices():
         projection_quantizer("awq", CFG, None, None, "x")
     with pytest.raises(ConvertError, match="needs the source's tokenizer"):
         projection_quantizer("gptq", CFG, None, None, "x")
+
+
+def test_check_device():
+    """`pack --device`: cpu passes; what torch cannot run here fails before the pack starts."""
+    check_device("cpu")
+    with pytest.raises(ConvertError, match="not a torch device"):
+        check_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConvertError, match="no such device here"):
+            check_device("cuda")
+    else:
+        with pytest.raises(ConvertError, match="CUDA device"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
+    with pytest.raises(ConvertError, match="no such device here"):
+        check_device("meta")
+    with pytest.raises(ConvertError, match="not a torch device"):
+        projection_quantizer("gptq", CFG, {"kind": "any"}, None, "x", device="gpu0")
+
+
+def test_pack_device_needs_a_calibrated_quantizer(tmp_path, capsys):
+    """`--device` with rtn or --synthetic is refused (it would be silently ignored)."""
+    from nanoqwen.cli import main
+
+    out = str(tmp_path / "t.nanoqwen")
+    assert main(["pack", str(tmp_path), "-o", out, "--device", "cuda"]) != 0
+    assert "--device applies to a calibrated quantizer" in capsys.readouterr().err
+    assert main(["pack", "--synthetic", "tiny", "-o", out, "--device", "cuda"]) != 0
+    assert "rtn only (no --device)" in capsys.readouterr().err
 
 
 def test_read_hf_gptq(tmp_path):

@@ -76,11 +76,13 @@ def _int8_head(config, tensors: Iterable[tuple[str, np.ndarray]]):
 def pack_source(
     source: str | os.PathLike[str], out: str | os.PathLike[str], progress: bool = True,
     with_tokenizer: bool = True, quantizer: str = "rtn", lm_head: str = "float16",
+    device: str = "cpu",
 ) -> PackSummary:  # fmt: skip
     """Pack an HF checkpoint directory or a .gguf file into `out`, its projections quantized
-    by `quantizer` (nanoqwen.quantizers.QUANTIZERS; recorded in the metadata as "quantizer"),
-    its head in `lm_head` format; or re-pack a .nanoqwen file with an fp16 head into `out`
-    with its head in `lm_head` format (everything else copied).
+    by `quantizer` (nanoqwen.quantizers.QUANTIZERS; recorded in the metadata as "quantizer";
+    a calibrated one runs on the torch `device`), its head in `lm_head` format; or re-pack a
+    .nanoqwen file with an fp16 head into `out` with its head in `lm_head` format (everything
+    else copied).
 
     with_tokenizer=False packs an HF directory without its tokenizer; a GGUF file without
     tokenizer metadata packs without one.
@@ -92,12 +94,12 @@ def pack_source(
     if src.is_dir():
         from .hf import read_hf
 
-        config, tokenizer, tensors = read_hf(src, with_tokenizer, quantizer)
+        config, tokenizer, tensors = read_hf(src, with_tokenizer, quantizer, device)
         kind = "hf"
     elif src.is_file() and src.suffix.lower() == ".gguf":
         from .gguf import read_gguf
 
-        config, tokenizer, tensors = read_gguf(src, quantizer)
+        config, tokenizer, tensors = read_gguf(src, quantizer, device)
         kind = "gguf"
     elif src.exists():
         raise ConvertError(f"{src}: not a Hugging Face checkpoint directory or a .gguf file")

@@ -124,9 +124,10 @@ def dequantize_tensor(tensor) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
-def read_gguf(path: Path, quantizer: str = "rtn"):
+def read_gguf(path: Path, quantizer: str = "rtn", device: str = "cpu"):
     """(config, tokenizer spec or None, stored-tensor iterator) for one GGUF file; projections
-    quantized by `quantizer` (a name of nanoqwen.quantizers.QUANTIZERS)."""
+    quantized by `quantizer` (a name of nanoqwen.quantizers.QUANTIZERS; a calibrated one on the
+    torch `device`)."""
     from ..quantizers import projection_quantizer
 
     reader = open_gguf(path)
@@ -144,5 +145,5 @@ def read_gguf(path: Path, quantizer: str = "rtn"):
     def get(name: str) -> np.ndarray:
         return dequantize_tensor(tensors[by_logical[name]])
 
-    quantize = projection_quantizer(quantizer, config, tokenizer, get, str(path))
+    quantize = projection_quantizer(quantizer, config, tokenizer, get, str(path), device)
     return config, tokenizer, convert_stream(config, items(), str(path), quantize)

@@ -95,9 +95,12 @@ def config_from_dir(directory: Path) -> ModelConfig:
         raise ConvertError(f"{path}: {exc}") from None
 
 
-def read_hf(directory: Path, with_tokenizer: bool = True, quantizer: str = "rtn"):
+def read_hf(
+    directory: Path, with_tokenizer: bool = True, quantizer: str = "rtn", device: str = "cpu"
+):  # fmt: skip
     """(config, tokenizer spec or None, stored-tensor iterator) for one HF directory;
-    projections quantized by `quantizer` (a name of nanoqwen.quantizers.QUANTIZERS)."""
+    projections quantized by `quantizer` (a name of nanoqwen.quantizers.QUANTIZERS; a
+    calibrated one on the torch `device`)."""
     from ..quantizers import projection_quantizer
 
     if not directory.is_dir():
@@ -122,5 +125,5 @@ def read_hf(directory: Path, with_tokenizer: bool = True, quantizer: str = "rtn"
     def get(name: str) -> np.ndarray:
         return read_tensor(*located[by_logical[name]])
 
-    quantize = projection_quantizer(quantizer, config, tokenizer, get, str(directory))
+    quantize = projection_quantizer(quantizer, config, tokenizer, get, str(directory), device)
     return config, tokenizer, convert_stream(config, items(), str(directory), quantize)
