@@ -297,3 +297,14 @@ def test_compare_steps_side_by_side():
     whole = next(line for line in lines if "whole step" in line)
     assert "200.0" in whole and "2.00x" in whole
     assert any(line.strip() == "o: gemv o | gemm o" for line in lines)
+
+
+def test_commit_id(monkeypatch):
+    """A record names $NANOQWEN_COMMIT when set (a GPU host's copy of the tree has a stale git),
+    else git's description of the checkout."""
+    from nanoqwen.harness.bench import commit_id
+
+    monkeypatch.setenv("NANOQWEN_COMMIT", "abc1234")
+    assert commit_id() == "abc1234"
+    monkeypatch.delenv("NANOQWEN_COMMIT")
+    assert commit_id() not in ("", "abc1234")

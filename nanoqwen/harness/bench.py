@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import subprocess
 import time
 
@@ -53,7 +54,12 @@ def copy_bandwidth(gpu, nbytes: int = COPY_BYTES, reps: int = 10) -> float:
     return 2 * nbytes / float(np.median(times[1:]))
 
 
-def _commit() -> str:
+def commit_id() -> str:
+    """The tree a record was measured on: $NANOQWEN_COMMIT when set (a copy of the tree whose
+    own git is stale, as on a lent GPU host that receives the working files only), else `git
+    describe` of the current directory."""
+    if os.environ.get("NANOQWEN_COMMIT"):
+        return os.environ["NANOQWEN_COMMIT"]
     try:
         cmd = ["git", "describe", "--always", "--dirty=+dirty"]  # +dirty: uncommitted changes
         return subprocess.run(cmd, capture_output=True, text=True, timeout=5).stdout.strip() or (
@@ -103,7 +109,7 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
     copy = copy_bandwidth(engine.gpu)
     return {
         "gpu": engine.gpu.name,
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": cfg.name,
         "prompt_len": prompt_len,
@@ -175,7 +181,7 @@ def run_prefix_bench(
             same.append(cold_tokens == warm_tokens)
     return {
         "gpu": engine.gpu.name,
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": engine.config.name,
         "workload": "prefix",

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from ..sampling import SamplingParams
 from ..speculative import SpecStats, SpeculativeConfig
-from .bench import _commit
+from .bench import commit_id
 from .workloads import Prompt
 
 
@@ -112,7 +112,7 @@ def run_spec_bench(
         "workload": workload,
         "backend": backend,
         "model": model,
-        "commit": _commit(),
+        "commit": commit_id(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "prompts": len(prompts),
         "gen_len": gen_len,
