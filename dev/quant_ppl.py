@@ -11,7 +11,8 @@ dequantized back (quant.dequantize_packed, what the reference reads from a file)
 tensor rounded to float16. Printed per quantizer: NLL per predicted token, perplexity, the
 perplexity gap to the source in %, top-1 agreement with the source's argmax, quantize seconds.
 
-Variants: rtn-signed (round to nearest on quant.signed_scales), and GPTQ_VARIANTS: options of
+Variants: rtn-signed (round to nearest on quant.signed_scales), rtn-g64 / rtn-signed-g64 (groups
+of 64: quality only, the format has no such file), and GPTQ_VARIANTS: options of
 quantizers.gptq_quantize (gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
 gptq-rtnscales / gptq-search: RTN's max|w| / 7 scales, searched_scales' clipped ones). Use
 --threads 1 on a shared machine, --device cuda on a GPU host (--gguf then names the files when
@@ -43,6 +44,8 @@ from nanoqwen.convert.gguf import (
 from nanoqwen.convert.names import source_names
 from nanoqwen.fetch import fetch_model
 from nanoqwen.quant import (
+    QMAX,
+    QMIN,
     dequantize_packed,
     pack_value_shuffle,
     quantize_onto,
@@ -101,10 +104,26 @@ def quantized_projections(quantizer: str, config, tokenizer, get, args) -> dict:
     if quantizer == "rtn-signed":
         scales = {n: signed_scales(get(n), n) for n in names}
         return {n: (pack_value_shuffle(quantize_onto(get(n), s, n)), s) for n, s in scales.items()}
+    if quantizer in ("rtn-g64", "rtn-signed-g64"):
+        return {n: rtn_g64(get(n), quantizer == "rtn-signed-g64") for n in names}
     windows = calibrate.calibration_windows(tokenizer, args.calib_tokens)
     options = GPTQ_VARIANTS[quantizer]
     table = calibrate.quantize_model(config, get, windows, True, args.device, **options)
     return {n: (pack_value_shuffle(q), s) for n, (q, s) in table.items()}
+
+
+def rtn_g64(w: np.ndarray, signed: bool) -> np.ndarray:
+    """Round to nearest in groups of 64 along K (a finer group than the format's 128, for the
+    quality half of issue #30's g64 question; no kernel reads it): float32 [N, K] dequantized,
+    fp16 scales max|w| / 7, or signed_scales' rule."""
+    groups = w.astype(np.float32).reshape(w.shape[0], -1, 64)
+    if signed:
+        raw = np.maximum(groups.max(axis=2) / QMAX, groups.min(axis=2) / QMIN)
+    else:
+        raw = np.abs(groups).max(axis=2) / QMAX
+    scale = raw.astype(np.float16).astype(np.float32)[:, :, None]
+    q = np.clip(np.rint(groups / np.where(scale > 0, scale, 1)), QMIN, QMAX)
+    return (q * scale).reshape(w.shape)
 
 
 def build_model(config, get, packed: dict | None, window: int, device) -> Qwen2Reference:
@@ -119,6 +138,8 @@ def build_model(config, get, packed: dict | None, window: int, device) -> Qwen2R
     def proj(name: str) -> torch.Tensor:
         if packed is None:
             return dense(name)
+        if isinstance(packed[name], np.ndarray):  # rtn_g64: already dequantized
+            return torch.from_numpy(packed[name]).to(device)
         return torch.from_numpy(dequantize_packed(*packed[name])).to(device)
 
     model = Qwen2Reference.__new__(Qwen2Reference)
