@@ -81,8 +81,17 @@ def quantize(w: np.ndarray, name: str = "weight") -> tuple[np.ndarray, np.ndarra
     Returns (q: int8 [N, K] in [-8, 7], scales: float16 [N, K/128]).
     """
     groups = _groups(w, name)
-    scales = _fp16_scales(np.abs(groups).max(axis=2) / QMAX, name)
+    scales = _rtn_scales(groups, name)
     return _round(groups, scales), scales
+
+
+def _rtn_scales(groups: np.ndarray, name: str) -> np.ndarray:
+    return _fp16_scales(np.abs(groups).max(axis=2) / QMAX, name)
+
+
+def rtn_scales(w: np.ndarray, name: str = "weight") -> np.ndarray:
+    """quantize's scales alone: float16 [N, K/128] = fp16(max|w| / 7) per group."""
+    return _rtn_scales(_groups(w, name), name)
 
 
 def signed_scales(w: np.ndarray, name: str = "weight") -> np.ndarray:

@@ -40,13 +40,13 @@ from __future__ import annotations
 import numpy as np
 
 from .config import GROUP_SIZE
-from .quant import QMAX, QMIN, QuantError, quantize, signed_scales
+from .quant import QMAX, QMIN, QuantError, rtn_scales, signed_scales
 
 QUANTIZERS = ("rtn", "gptq")
 DEFAULT_QUANTIZER = "rtn"
 NEEDS_CALIBRATION = ("gptq",)
 GPTQ_BLOCK = 128  # columns per lazy-batch update (the paper's B); any multiple of 1 is exact
-GPTQ_DAMP = 0.3  # of mean(diag H), on H's diagonal (real 0.5B: 0.03 +9.6%, 0.3 +7.9%, 1 +9.5%)
+GPTQ_DAMP = 0.3  # of mean(diag H), on H's diagonal: the best of 0.03..1 measured (EXPERIMENTS)
 TRI_INV_LEAF = 256  # triangular inverses this small go to one triangular solve
 SCALE_RULES = ("rtn", "signed", "search")  # gptq_quantize's static group scales
 SCALE_SHRINK = tuple(1.0 - 0.025 * i for i in range(9))  # searched_scales' factors, 1 .. 0.8
@@ -137,7 +137,8 @@ def gptq_quantize(
 
     if scales not in SCALE_RULES:
         raise QuantError(f"{name}: scale rule {scales!r} is not one of {SCALE_RULES}")
-    _, rtn_scales = quantize(w, name)  # validates shape, finiteness and the fp16 range
+    # Either rule validates shape, finiteness and the fp16 range.
+    base = rtn_scales(w, name) if scales == "rtn" else signed_scales(w, name)
     n, k = w.shape
     if tuple(hessian.shape) != (k, k):
         raise QuantError(f"{name}: Hessian shape {tuple(hessian.shape)}, expected {(k, k)}")
@@ -145,12 +146,7 @@ def gptq_quantize(
     H = torch.as_tensor(hessian, dtype=torch.float32, device=device).clone()
     dead = torch.diag(H) <= 0
     H[dead, dead] = 1.0
-    if scales == "rtn":
-        group_scales = rtn_scales
-    elif scales == "signed":
-        group_scales = signed_scales(w, name)
-    else:
-        group_scales = searched_scales(W, torch.diag(H), signed_scales(w, name))
+    group_scales = searched_scales(W, torch.diag(H), base) if scales == "search" else base
     s = torch.from_numpy(group_scales.astype(np.float32)).to(device)
     s = s.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
