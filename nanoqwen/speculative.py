@@ -47,9 +47,10 @@ predicts the token after feeding h[-1] and drafts[:i]):
     generator as the plain step does.
 
 Backends: `ReferenceBackend(speculative=SpeculativeConfig(...))` runs both rules as they are
-here; `engine.CudaBackend(speculative=...)` runs greedy generations speculatively inside its
-one-graph loop (engine/speculate.py; sampled ones run its plain loop). Both keep the last
-generation's SpecStats in `spec_stats`.
+here, drawing from a torch generator; `engine.CudaBackend(speculative=...)` runs both inside
+its one-graph loop (engine/speculate.py; speculate.cu's sample_rows for the sampled rule, with
+counter-based randoms from the seed: the same tokens as the reference in distribution, not
+draw for draw). Both keep the last generation's SpecStats in `spec_stats`.
 
 Where it is exposed: `LLM(..., speculative=...)` and the `--speculate {off,ngram}`, `--spec-k`,
 `--spec-ngram MIN:MAX` flags of generate, chat, serve and demo (`resolve` turns them into a

@@ -1,6 +1,6 @@
 """The host side of the cuda backend's speculative loop (nanoqwen/engine/speculate.py), on the
-CPU: positions and page reservation, the sampled-parameters fallback, the memory plan, the
-graph body's branches (with fakes), and an emulation of the device loop's K/V writes that
+CPU: positions and page reservation, the memory plan, the graph body's branches and its
+greedy / sampled ends (with fakes), and an emulation of the device loop's K/V writes that
 checks the reservation bound and the prefix-cache commit rule."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from nanoqwen.config import preset
 from nanoqwen.cuda.registry import StateWord
 from nanoqwen.engine import speculate as sp
 from nanoqwen.engine.memory import plan_memory
-from nanoqwen.sampling import SamplingParams
 from nanoqwen.speculative import SpeculativeConfig, cut, draft, step_limit
 
 SPEC = SpeculativeConfig(k=4)
@@ -26,13 +25,6 @@ def test_positions_and_reservation():
     for n in (1, 3, 4, 17, 4097):
         cap = sp.history_capacity(n)
         assert cap % 4 == 0 and n <= cap < n + 4 and cap >= 4
-
-
-def test_sampled_params_fall_back_to_the_plain_loop():
-    assert sp.speculates(SPEC, SamplingParams(temperature=0.0))
-    assert sp.speculates(SPEC, SamplingParams(temperature=0.7, top_k=1))  # top_k 1 is greedy
-    assert not sp.speculates(SPEC, SamplingParams(temperature=0.7))
-    assert not sp.speculates(None, SamplingParams(temperature=0.0))
 
 
 def test_stats_words():
@@ -100,10 +92,10 @@ class Recorder:
 def fake_spec_loop(log: list) -> sp.SpecLoop:
     """A SpecLoop over fake kernels and buffers (no Gpu)."""
     s = object.__new__(sp.SpecLoop)
-    s.spec, s.h, s.ndraft, s.stats = SPEC, 0x1000, 0x2000, 0x3000
+    s.spec, s.h, s.ndraft, s.stats, s.picks = SPEC, 0x1000, 0x2000, 0x3000, 0x6000
     s.kernels = Recorder(log, "spec")
     s.verify = Recorder(log, "verify")
-    s.verify.buf = {"tokens": 0x10, "pos": 0x20, "keys": 0x30}
+    s.verify.buf = {"tokens": 0x10, "pos": 0x20, "keys": 0x30, "logits": 0x40}
 
     class Loop:
         state = 0x4000
@@ -112,27 +104,35 @@ def fake_spec_loop(log: list) -> sp.SpecLoop:
         def word(self, w):
             return self.state + 4 * int(w)
 
-    s.e = type("E", (), {"loop": Loop(), "forward": Recorder(log, "forward")})()
+    forward = Recorder(log, "forward")
+    forward.logits = 0x50
+    s.e = type("E", (), {"loop": Loop(), "forward": forward})()
     return s
 
 
-def test_body_drafts_then_branches_then_accepts():
+BRANCHES = [
+    ("loop", "create_condition"),
+    ("loop", "spec.draft"),
+    ("loop", "if_else"),
+    ("then", "begin"),
+    ("then", "verify.step"),
+    ("then", "end"),
+    ("else", "begin"),
+    ("else", "forward.decode_step"),
+    ("else", "end"),
+]
+
+
+def body_log(greedy: bool) -> tuple[list, list, dict]:
+    """The fake loop body's log, its calls [(builder, what)], and {what: (args, kwargs)}."""
     log: list = []
-    fake_spec_loop(log).body(FakeBuilder(log, "loop"), "while-cond")
-    calls = [(b, what) for b, what, *_ in log]
-    assert calls == [
-        ("loop", "create_condition"),
-        ("loop", "spec.draft"),
-        ("loop", "if_else"),
-        ("then", "begin"),
-        ("then", "verify.step"),
-        ("then", "end"),
-        ("else", "begin"),
-        ("else", "forward.decode_step"),
-        ("else", "end"),
-        ("loop", "spec.accept"),
-    ]
-    by = {what: rest for _, what, *rest in log}
+    fake_spec_loop(log).body(FakeBuilder(log, "loop"), "while-cond", greedy)
+    return log, [(b, what) for b, what, *_ in log], {what: rest for _, what, *rest in log}
+
+
+def test_body_drafts_then_branches_then_accepts():
+    log, calls, by = body_log(greedy=True)
+    assert calls == [*BRANCHES, ("loop", "spec.accept")]
     assert log[0][2] == 0  # the branch condition defaults to the decode step
     draft_args = by["spec.draft"][0]
     assert draft_args[-1] == "cond@loop"  # draft_ngram sets the branch condition
@@ -142,6 +142,16 @@ def test_body_drafts_then_branches_then_accepts():
     accept_args = by["spec.accept"][0]
     assert accept_args[0] == 0x30 and accept_args[-1] == "while-cond"
     assert accept_args[5:7] == (0x5008, 0x5000)  # the host ring and the cancel flag
+
+
+def test_sampled_body_ends_on_sample_rows_and_accept_sampled():
+    _, calls, by = body_log(greedy=False)
+    assert calls == [*BRANCHES, ("loop", "spec.sample_rows"), ("loop", "spec.accept_sampled")]
+    # The verify step's logits, the decode step's (row 0 without drafts), the keys, tokens, d,
+    # the state; the picks.
+    assert by["spec.sample_rows"][0] == (0x40, 0x50, 0x30, 0x10, 0x2000, 0x4000, 0x6000)
+    assert by["spec.accept_sampled"][0] == (0x30, 0x10, 0x2000, 0x6000, 0x4000, 0x1000, 0x5008,
+                                            0x5000, 0x3000, "while-cond")  # fmt: skip
 
 
 # -- an emulation of the device loop's K/V writes --------------------------------------------------

@@ -585,11 +585,15 @@ MAX_HISTORY = 1 << 27
 
 
 def speculate_specs(g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
-    """The speculative step's drafting and acceptance kernels (speculate.cu)."""
+    """The speculative step's drafting and acceptance kernels (speculate.cu): greedy
+    generations accept with accept_greedy, sampled ones with sample_rows + accept_sampled."""
     return (
         KernelSpec("draft_ngram", SPECULATE, "draft_ngram", g.draft_threads,
                    tunables=("kDraftThreads", "kDraftLoads", "kVerifyRows")),
         KernelSpec("accept_greedy", SPECULATE, "accept_greedy", 32, tunables=("kVerifyRows",)),
+        KernelSpec("sample_rows", SPECULATE, "sample_rows", g.sample_threads,
+                   tunables=("kSampleThreads", "kSearchIters")),
+        KernelSpec("accept_sampled", SPECULATE, "accept_sampled", 32, tunables=("kVerifyRows",)),
     )  # fmt: skip
 
 

@@ -4,9 +4,10 @@ the device (no host round trip a step; nanoqwen.speculative states the rules).
 `SpeculateKernels(gpu, config, spec, capacity)` builds registry.speculate_specs for one
 SpeculativeConfig (K, n_min, n_max are launch arguments, fixed when a graph captures them) and
 one history capacity. Every pointer is a device address (int); every method takes `stream` (a
-cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). Greedy only: the
-kernels accept drafts by the rows' argmax, so the engine runs sampled generations through the
-plain loop (engine/speculate.py, `speculates`).
+cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). A step ends on
+`accept` (greedy: the rows' argmax) or on `sample_rows` + `accept_sampled` (speculative
+sampling against each row's sampling distribution); engine/speculate.py picks by the
+generation's parameters.
 """
 
 from __future__ import annotations
@@ -94,3 +95,32 @@ class SpeculateKernels(Launcher):
         """
         self.launch("accept_greedy", (1, 1, 1), keys, tokens, ndraft, state, h, host_ring,
                     cancel, stats, _cond_arg(cond), _I32(self.spec.k), stream=stream)  # fmt: skip
+
+    def sample_rows(self, logits: int, logits0: int, keys: int, tokens: int, ndraft: int,
+                    state: int, picks: int, stream=None) -> None:  # fmt: skip
+        """Each row's acceptance test and draw (speculative.accept, sampled; speculate.cu's
+        sample_rows has the rule and the random counters). Grid 1 + K, rows past d idle.
+
+        logits     fp32 [1 + K, V] the verify step's logits
+        logits0    fp32 [V]      the decode step's logits: row 0 of a step without drafts
+        keys       uint64 [1 + K] each row's argmax key (read, not re-zeroed)
+        tokens     int32 [1 + K] draft's rows; ndraft int32 [1] d
+        state      int32 [registry.STATE_WORDS]: reads STEP and the sampling words
+        picks      int32 [1 + K] out, rows 0 .. d: -1 (draft accepted) or the row's token
+        """
+        for name, ptr in (("logits", logits), ("logits0", logits0), ("picks", picks)):
+            if not ptr or ptr % 4:
+                raise NanoqwenError(f"sample_rows: {name} address {ptr:#x} is null or unaligned")
+        v = self.config.vocab_size  # nbytes: at least one row's logits are read
+        self.launch("sample_rows", (1 + self.spec.k, 1, 1), logits, logits0, keys, tokens,
+                    ndraft, state, picks, _I32(v), stream=stream, nbytes=4 * v)  # fmt: skip
+
+    def accept_sampled(self, keys: int, tokens: int, ndraft: int, picks: int, state: int,
+                       h: int, host_ring: int, cancel: int, stats: int, cond,
+                       stream=None) -> None:  # fmt: skip
+        """The step's tokens from sample_rows' picks: the accepted drafts and the first
+        row's pick; then what `accept` does with them (h, host ring, state, stats, cond;
+        the same arguments), keys re-zeroed. picks: int32 [1 + K] sample_rows' output."""
+        self.launch("accept_sampled", (1, 1, 1), keys, tokens, ndraft, picks, state, h,
+                    host_ring, cancel, stats, _cond_arg(cond), _I32(self.spec.k),
+                    stream=stream)  # fmt: skip

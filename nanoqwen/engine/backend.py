@@ -23,11 +23,12 @@ Life of a generation (batch 1):
               generated tokens whose K/V the graph wrote are committed to the prefix cache
               (ring tokens 0 .. count - 2: the last sampled token never runs through a decode
               step), so a chat's next turn, which resends the reply, reuses them too.
-    speculate with speculative=SpeculativeConfig(...), a greedy generation runs the
-              speculative graph instead (speculate.SpecLoop: n-gram drafts verified over
-              1 + K rows, several tokens a step, the same tokens as the plain loop); the ring,
-              cancellation, max_tokens, stop ids and the prefix-cache commit are the plain
-              loop's. Sampled parameters run the plain graph (spec_stats: 0 drafted).
+    speculate with speculative=SpeculativeConfig(...), every generation runs a speculative
+              graph instead (speculate.SpecLoop: n-gram drafts verified over 1 + K rows,
+              several tokens a step; greedy: the same tokens as the plain loop, sampled:
+              speculative sampling, each token distributed as the plain loop draws it); the
+              ring, cancellation, max_tokens, stop ids and the prefix-cache commit are the
+              plain loop's.
 
 The seam: `forward` (decode_step, layer, prefill, the activations), `loop` (the state, the
 sampler, the graph), `kernels` / `prefill_kernels` (the launchers), `weights`, `kv`; and the
@@ -54,7 +55,7 @@ from .decode_loop import DecodeLoop, DecodeState
 from .forward import Forward
 from .kv_cache import KVCache
 from .memory import check_memory
-from .speculate import SpecLoop, kv_positions, reserved_tokens, speculates
+from .speculate import SpecLoop, kv_positions, reserved_tokens
 from .weights import check_speculation_head, upload_weights
 
 
@@ -74,10 +75,10 @@ class CudaBackend:
         """file: an open NanoqwenFile; geometry: the kernels' (registry.Geometry; dev/
         kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels;
         prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full pages;
-        speculative: greedy generations verify n-gram drafts (speculate.py; None: one token
-        a step). `spec_stats` holds the last generation's SpecStats. `speculative` may be set
+        speculative: generations verify n-gram drafts (speculate.py; None: one token a
+        step). `spec_stats` holds the last generation's SpecStats. `speculative` may be set
         to None between generations, which then run the plain loop on the same engine
-        (dev/speculate_e2e.py); otherwise the speculative graph built at load runs."""
+        (dev/speculate_e2e.py); otherwise the speculative graphs run."""
         cfg = file.config
         self.config, self.file = cfg, file
         self.max_context = check_max_context(max_context, cfg)
@@ -229,7 +230,7 @@ class CudaBackend:
 
     def _generate(self, ids: np.ndarray, params: SamplingParams, stop_ids) -> Iterator[int]:
         T, h, f, loop = len(ids), self.config.hidden_size, self.forward, self.loop
-        spec = self.spec if speculates(self.speculative, params) else None
+        spec = self.spec if self.speculative else None
         pages = self.kv.pages
         table = pages.admit(ids)  # holds the longest cached prefix (kv_pages' reuse rule)
         S = self.cached_tokens = table.cached_tokens
@@ -261,7 +262,7 @@ class CudaBackend:
                     loop.build(lambda s, cond: self.decode_step(s, cond))
                     loop.launch()
                 else:
-                    spec.launch()
+                    spec.launch(params.greedy)
             graph_running = True
             yield from loop.stream_tokens(params.max_tokens, stop_ids)
             graph_running = False

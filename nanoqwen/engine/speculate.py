@@ -1,16 +1,27 @@
-"""Speculative greedy decoding inside the one-graph generation loop (nanoqwen.speculative has
-the rules; speculate.cu mirrors them on the device).
+"""Speculative decoding inside the one-graph generation loop, greedy and sampled
+(nanoqwen.speculative has the rules; speculate.cu mirrors them on the device).
 
 The device keeps the history h int32 [capacity]: the prompt ids staged into h[0 .. P - 1], the
 prefill's first token written at h[P] (its sampler's device ring is h + P), every later token
-appended by accept_greedy. The generation graph is one while loop whose body is
+appended by the step's accept kernel. The generation graph is one while loop whose body is
 
     draft_ngram     h, state -> tokens [1 + K], positions [1 + K], d; branch = d > 0
     if branch       the verify step over 1 + K rows at positions POS .. POS + K (verify.py;
                     rows past d are padding: the fed token again, one position further each)
     else            the decode step (M = 1, forward.py) with its argmax key into keys[0]
+    greedy:
     accept_greedy   keys, tokens, d -> h, host ring, TOKEN/POS/STEP/DONE, stats, keys zeroed,
                     the while condition = !DONE
+    sampled:
+    sample_rows     logits (the verify step's, or the decode step's when d = 0), keys, tokens,
+                    d, state -> picks [1 + K]: each row's acceptance test and draw
+    accept_sampled  picks, tokens, d -> what accept_greedy writes
+
+A generation's parameters pick one of two graphs, each captured at its first use: greedy
+generations keep the argmax path (one warp after the step's forward), sampled ones run
+speculative sampling (speculate.cu's sample_rows: the rule, and the random counters that make
+a seeded generation reproducible and a step without drafts draw exactly as the plain loop's
+sample_finish).
 
 Why a conditional node and a fixed M = 1 + K. gemv_rows, attention_rows and lm_head_rows take
 M as a launch argument (gemv_rows compiled in buckets of 8 and 16 rows, its grid checked per
@@ -21,9 +32,10 @@ the padding rows' attention and logits only (7B, context 512: M = 2 3043 us, 4 3
 `dev/verify_step.py`, docs/PERFORMANCE.md); a switch over d would capture the layers K times.
 The verify step costs about 2.1x the decode step at any M <= 8 on that record, so a step
 without a draft (most steps on text that does not repeat) must not pay it: the if-else runs
-the decode step there, the tuned M = 1 path. That branch ends on accept_greedy with d = 0,
-which is the greedy sampler (row 0's argmax, lowest id on ties) plus the history append, so
-one kernel advances the state in both branches.
+the decode step there, the tuned M = 1 path. That branch ends on the same accept kernels
+with d = 0, which are the plain sampler (greedy: row 0's argmax, lowest id on ties; sampled:
+sample_finish's draw) plus the history append, so the same kernels advance the state in both
+branches.
 
 Positions. Each verify step writes K/V at POS .. POS + K for every row, padding included, so
 the KV pool, the page table and the RoPE table cover `kv_positions` = max_context + K, and a
@@ -45,11 +57,10 @@ import numpy as np
 from ..config import ModelConfig
 from ..cuda.registry import Geometry, StateWord
 from ..cuda.speculate import SpeculateKernels
-from ..sampling import SamplingParams
 from ..speculative import SpecStats, SpeculativeConfig
 from .verify import Verify, verify_plan
 
-STATS_WORDS = 3  # accept_greedy's counters: steps, drafted, accepted
+STATS_WORDS = 3  # the accept kernels' counters: steps, drafted, accepted
 
 
 def history_capacity(max_context: int) -> int:
@@ -68,18 +79,13 @@ def reserved_tokens(prompt_len: int, max_tokens: int, spec: SpeculativeConfig | 
     return prompt_len + max_tokens + (spec.k if spec else 0)
 
 
-def speculates(spec: SpeculativeConfig | None, params: SamplingParams) -> bool:
-    """Whether a generation runs the speculative loop: greedy parameters only (the device
-    accepts drafts by argmax); sampled ones run the plain loop and report 0 drafted."""
-    return spec is not None and params.greedy
-
-
 def spec_buffers(
     config: ModelConfig, max_context: int, spec: SpeculativeConfig, geometry: Geometry
 ) -> list[int]:
-    """Bytes of SpecLoop's buffers: the history int32 [capacity], tokens and positions int32
-    [1 + K] (Verify's), d int32, stats int32 [3], then Verify's (verify.verify_plan)."""
-    return [history_capacity(max_context) * 4, 4, STATS_WORDS * 4,
+    """Bytes of SpecLoop's buffers: the history int32 [capacity], d int32, stats int32 [3],
+    sample_rows' picks int32 [1 + K], then Verify's (verify.verify_plan: tokens, positions,
+    logits, keys, ...)."""
+    return [history_capacity(max_context) * 4, 4, STATS_WORDS * 4, (1 + spec.k) * 4,
             *verify_plan(config, 1 + spec.k, geometry)]  # fmt: skip
 
 
@@ -101,7 +107,8 @@ class SpecLoop:
         self.h = gpu.alloc(self.capacity * 4, "speculation history").ptr
         self.ndraft = gpu.alloc(4, "speculation d").ptr
         self.stats = gpu.alloc(STATS_WORDS * 4, "speculation stats").ptr
-        self._graph = None
+        self.picks = gpu.alloc((1 + spec.k) * 4, "speculation picks").ptr
+        self._graphs: dict[bool, object] = {}  # greedy -> its captured generation graph
 
     def begin(self, ids: np.ndarray) -> None:
         """Queue a generation's history (the prompt ids into h) and zeroed stats (no sync)."""
@@ -112,8 +119,9 @@ class SpecLoop:
         """The prefill sampler's device ring: h + P, so the first token lands at h[P]."""
         return self.h + 4 * prompt_len
 
-    def body(self, s, cond) -> None:
-        """One loop iteration on builder `s` (cond: the while loop's condition)."""
+    def body(self, s, cond, greedy: bool) -> None:
+        """One loop iteration on builder `s` (cond: the while loop's condition), ending on
+        accept_greedy (greedy) or on sample_rows + accept_sampled."""
         e, v, sk = self.e, self.verify, self.kernels
         loop, host, b = e.loop, e.loop.host, v.buf
         branch = s.create_condition(default_value=0)
@@ -125,14 +133,21 @@ class SpecLoop:
         decode_s.begin_building()
         e.forward.decode_step(stream=decode_s, key=b["keys"])
         decode_s.end_building()
-        sk.accept(b["keys"], b["tokens"], self.ndraft, loop.state, self.h, host.ring_ptr,
-                  host.cancel_ptr, self.stats, cond, stream=s)  # fmt: skip
+        if greedy:
+            sk.accept(b["keys"], b["tokens"], self.ndraft, loop.state, self.h, host.ring_ptr,
+                      host.cancel_ptr, self.stats, cond, stream=s)  # fmt: skip
+            return
+        sk.sample_rows(b["logits"], e.forward.logits, b["keys"], b["tokens"], self.ndraft,
+                       loop.state, self.picks, stream=s)  # fmt: skip
+        sk.accept_sampled(b["keys"], b["tokens"], self.ndraft, self.picks, loop.state, self.h,
+                          host.ring_ptr, host.cancel_ptr, self.stats, cond, stream=s)  # fmt: skip
 
-    def launch(self) -> None:
-        """Capture the graph once, then run it from the current state (queued)."""
-        if self._graph is None:
-            self._graph = self.e.loop.capture(self.body)
-        self._graph.launch(self.gpu.stream)
+    def launch(self, greedy: bool) -> None:
+        """Capture the greedy or the sampled graph at its first use, then run it from the
+        current state (queued)."""
+        if greedy not in self._graphs:
+            self._graphs[greedy] = self.e.loop.capture(lambda s, cond: self.body(s, cond, greedy))
+        self._graphs[greedy].launch(self.gpu.stream)
 
     def read_stats(self) -> SpecStats:
         """The last generation's counters (synchronous)."""

@@ -9,6 +9,7 @@
 //                state on the device, writes the ring buffers, sets the while-loop condition
 #include "common.cuh"
 #include "kv_cache.cuh"
+#include "sampler.cuh"
 // From cuda_device_runtime_api.h (declared here: that header drags in host-only internals
 // under NVRTC). Sets a graph conditional node's value from device code.
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
@@ -16,9 +17,8 @@ extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, un
 // From the generated header (nanoqwen/cuda/registry.py): kMiscThreads (the token-parallel
 // kernels' block), kNormRows (rmsnorm_rows' rows a CTA, a warp each), kLmWarps, kLmMaxSlots and
 // kLmQ8MaxSlots (lm_head's warps a CTA and its most rows in flight a warp, fp16 and int8
-// rows), kSampleThreads, kSearchIters
-// (bisection steps for the top-k / top-p thresholds) and enum StateWord: the decode state's
-// int32 words in device memory (registry.StateWord), advanced by sample_finish.
+// rows), kSampleThreads (the sampler's block: sampler.cuh) and enum StateWord: the decode
+// state's int32 words in device memory (registry.StateWord), advanced by sample_finish.
 
 // ids int32 [T]; embed fp16 [V, kHidden]; x fp16 [T, kHidden]. Grid T, block kMiscThreads.
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
@@ -284,106 +284,9 @@ lm_head_argmax_q8(const half* __restrict__ x, const half* __restrict__ norm_w,
                      V);
 }
 
-// A counter-based random number in [0, 1): splitmix64 of (seed, step). Deterministic per
-// (seed, step), so a seeded generation is reproducible on the device.
-__device__ __forceinline__ float uniform01(unsigned long long seed, int step) {
-  unsigned long long z = seed + 0x9E3779B97F4A7C15ull * (unsigned long long)(step + 1);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return (float)(z >> 40) * (1.0f / 16777216.0f);
-}
-
-// Sampling over logits (temperature > 0): keep tokens with logit >= tk (top-k threshold) and
-// probability mass order >= tp (top-p threshold), both found by bisection on the logit value
-// (ties at a threshold are kept), then one draw by inverse CDF over the kept set in id order.
-__device__ int sample_token(const float* logits, int V, float m, const int* state) {
-  const float temp = __int_as_float(state[kTemp]);
-  const int top_k = state[kTopK];
-  const float top_p = __int_as_float(state[kTopP]);
-  const float inv_t = 1.f / temp;
-  __shared__ float red[kSampleThreads / kWarp];
-  __shared__ int pick;
-  // Top-k threshold: the largest value thr with count(l >= thr) >= k.
-  float lo = -3.0e38f, hi = m;  // count(l >= hi) >= 1 always
-  if (top_k > 0 && top_k < V) {
-    float a = m - 1.f;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) a = fminf(a, logits[i]);
-    // bisection on [min, m]
-    __shared__ float mn_s[kSampleThreads / kWarp];
-    float mn = warp_max(-a);
-    if (threadIdx.x % kWarp == 0) mn_s[threadIdx.x / kWarp] = mn;
-    __syncthreads();
-    mn = mn_s[0];
-    for (int i = 1; i < kSampleThreads / kWarp; ++i) mn = fmaxf(mn, mn_s[i]);
-    __syncthreads();
-    lo = -mn;
-    for (int it = 0; it < kSearchIters; ++it) {
-      const float mid = 0.5f * (lo + hi);
-      float c = 0.f;
-      for (int i = threadIdx.x; i < V; i += blockDim.x) c += logits[i] >= mid ? 1.f : 0.f;
-      c = block_sum<kSampleThreads / kWarp>(c, red);
-      if (c >= top_k) lo = mid; else hi = mid;
-    }
-    hi = m;
-  } else {
-    lo = -3.0e38f;
-  }
-  const float tk = lo;  // keep l >= tk
-  float z = 0.f;
-  for (int i = threadIdx.x; i < V; i += blockDim.x)
-    if (logits[i] >= tk) z += exp2f((logits[i] - m) * inv_t * kLog2e);
-  z = block_sum<kSampleThreads / kWarp>(z, red);
-  float tp = tk;
-  if (top_p < 1.f) {
-    // Largest thr >= tk with mass(l >= thr) >= top_p * z.
-    float plo = tk < -1e37f ? m - 200.f * temp : tk, phi = m;
-    for (int it = 0; it < kSearchIters; ++it) {
-      const float mid = 0.5f * (plo + phi);
-      float s = 0.f;
-      for (int i = threadIdx.x; i < V; i += blockDim.x)
-        if (logits[i] >= mid && logits[i] >= tk) s += exp2f((logits[i] - m) * inv_t * kLog2e);
-      s = block_sum<kSampleThreads / kWarp>(s, red);
-      if (s >= top_p * z) plo = mid; else phi = mid;
-    }
-    tp = fmaxf(plo, tk);
-  }
-  // Inverse CDF over the kept set, in id order: each thread owns a contiguous range.
-  const int per = (V + blockDim.x - 1) / blockDim.x;
-  const int b = threadIdx.x * per, e = min(V, b + per);
-  float mine = 0.f;
-  for (int i = b; i < e; ++i)
-    if (logits[i] >= tp) mine += exp2f((logits[i] - m) * inv_t * kLog2e);
-  __shared__ float part[kSampleThreads];
-  part[threadIdx.x] = mine;
-  if (threadIdx.x == 0) pick = -1;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int i = 0; i < blockDim.x; ++i) total += part[i];
-    const unsigned long long seed =
-        ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
-    float u = uniform01(seed, state[kStep]) * total, run = 0.f;
-    int owner = blockDim.x - 1;
-    for (int i = 0; i < blockDim.x; ++i) {
-      if (run + part[i] > u && part[i] > 0.f) { owner = i; break; }
-      run += part[i];
-    }
-    const int ob = owner * per, oe = min(V, ob + per);
-    int last = -1;
-    for (int i = ob; i < oe; ++i) {
-      if (logits[i] < tp) continue;
-      last = i;
-      run += exp2f((logits[i] - m) * inv_t * kLog2e);
-      if (run > u) break;
-    }
-    pick = last;
-  }
-  __syncthreads();
-  return pick;
-}
-
-// Picks the next token and advances the decode state (one CTA of kSampleThreads).
+// Picks the next token and advances the decode state (one CTA of kSampleThreads): with
+// temperature > 0 and top_k != 1 one draw from the kept set (sampler.cuh) with the counter
+// `step`, else the argmax (lowest id on ties).
 // logits   fp32 [V]; key: u64 argmax key from lm_head_argmax (re-zeroed here)
 // state    int32 [kEos0 + kMaxEos]  (StateWord)
 // ring     int32 [max_new]  device copy of the generated ids (ring[step] = token)
@@ -396,14 +299,21 @@ sample_finish(const float* __restrict__ logits, unsigned long long* key, int* st
               unsigned long long cond, int V) {
   pdl_wait();
   const unsigned long long k = *key;
-  const int greedy_id = (int)(0xFFFFFFFFu - (uint32_t)(k & 0xFFFFFFFFull));
   const float temp = __int_as_float(state[kTemp]);
-  int token = greedy_id;
-  if (temp > 0.f && state[kTopK] != 1) {
-    uint32_t b = (uint32_t)(k >> 32);
-    b = (b & 0x80000000u) ? (b & 0x7FFFFFFFu) : ~b;
-    const int s = sample_token(logits, V, __uint_as_float(b), state);
-    if (s >= 0) token = s;
+  const int top_k = state[kTopK];
+  int token = argmax_key_id(k);
+  if (temp > 0.f && top_k != 1) {
+    __shared__ float part[kSampleThreads];
+    const KeptSet s = kept_set(logits, V, argmax_key_value(k), temp, top_k,
+                               __int_as_float(state[kTopP]));
+    kept_parts(logits, V, s, -1, part);
+    if (threadIdx.x == 0) {
+      const unsigned long long seed =
+          ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
+      const int pick = draw_parts(logits, V, s, -1, part, parts_total(part),
+                                  uniform01(seed, (unsigned long long)state[kStep]));
+      if (pick >= 0) token = pick;  // -1: no kept weight (total 0), the argmax stands
+    }
   }
   if (threadIdx.x == 0) {
     const int step = state[kStep];

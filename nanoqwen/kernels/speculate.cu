@@ -6,6 +6,10 @@
 // accept_greedy  after the verify forward: keep the drafts that agree with the rows' argmax
 //                and the model's next token, cut at an eos id and at max_new, append them to
 //                h and the host ring, advance the decode state, set the while-loop condition
+// sample_rows    (sampled generations) each row's acceptance test of its draft against the
+//                row's sampling distribution p, and the token the step ends on if it stops
+//                at that row: a draw from p without the draft (rejected), or from p (row d)
+// accept_sampled the tokens sample_rows' picks give, then accept_greedy's tail (emit_step)
 //
 // The history. h int32 [capacity] holds the prompt and every generated token, h[0 .. len - 1],
 // with len = state[kPos] + 1: the token the step feeds (state[kToken]) sits at position POS,
@@ -18,16 +22,18 @@
 // within max_tokens and d <= capacity - len - 1 keeps h[len + d] (and the KV slots of positions
 // POS .. POS + d) inside the capacity. limit <= 0: no drafts.
 #include "common.cuh"
+#include "sampler.cuh"
 // From cuda_device_runtime_api.h (declared here: that header drags in host-only internals
 // under NVRTC). Sets a graph conditional node's value from device code.
 extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, unsigned int value);
 
 // From the generated header (nanoqwen/cuda/registry.py): kDraftThreads (draft_ngram's block),
 // kDraftLoads (its 16-byte history loads in flight a thread), kVerifyRows (the verify step's
-// most rows, 1 + K), enum StateWord and kMaxEos.
+// most rows, 1 + K), kSampleThreads (sample_rows' block: sampler.cuh), enum StateWord and
+// kMaxEos.
 constexpr int kHistVec = 4;  // history words a 16-byte load brings
 static_assert(kDraftThreads % kWarp == 0 && kDraftThreads <= 1024, "whole warps, one CTA");
-static_assert(kVerifyRows <= kWarp, "accept_greedy: a lane a verify row");
+static_assert(kVerifyRows <= kWarp, "accept_greedy, accept_sampled: a lane a row");
 
 __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v) {
 #pragma unroll
@@ -132,16 +138,54 @@ draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __res
   }
 }
 
-// The step's tokens from the verify rows' argmax (speculative.accept, greedy), then the state
-// advanced as sample_finish advances it, several tokens at once. One warp, lane r for row r.
-//
-// Row r's argmax id is target[r] = 0xFFFFFFFF - low word of keys[r] (argmax_key: the lowest id
-// on ties). Drafts agree while tokens[1 + r] == target[r]; with `agree` of them agreeing the
-// step emits target[0 .. agree] (an agreeing draft is its row's target), cut after the first eos
-// id (state words kEos0..) and to max_new - step tokens. The host ring carries them one slot a
-// token as sample_finish does: host_ring[step + t] = token t, then one count word
-// host_ring[-1] = step + e after a system fence, so the host (HostRing, stream_tokens) sees a
-// step's e tokens appear together and needs no other protocol.
+// The end of every speculative step, shared by accept_greedy and accept_sampled (one warp, lane
+// t for the step's token t): the step emits token[0 .. agree] (lane t's `token`, valid for
+// t <= agree), cut after the first eos id (state words kEos0..) and to max_new - step tokens;
+// the state advanced as sample_finish advances it, several tokens at once. The host ring carries
+// them one slot a token as sample_finish does: host_ring[step + t] = token t, then one count
+// word host_ring[-1] = step + e after a system fence, so the host (HostRing, stream_tokens) sees
+// a step's e tokens appear together and needs no other protocol. keys[0 .. K] are re-zeroed
+// for the next step (lm_head_rows and lm_head take an atomic max into them).
+__device__ __forceinline__ void emit_step(int token, int agree, int d, unsigned long long* keys,
+                                          int* state, int* h, volatile int* host_ring,
+                                          const volatile int* cancel, int* stats,
+                                          unsigned long long cond, int K) {
+  const int lane = threadIdx.x;
+  const int step = state[kStep], pos = state[kPos];
+  bool eos = false;
+  for (int i = 0; i < state[kNumEos]; ++i) eos |= token == state[kEos0 + i];
+  const unsigned stops = __ballot_sync(0xffffffffu, eos && lane <= agree);
+  // At least one token, as sample_finish always writes one (the loop never runs a step with
+  // max_new - step < 1: the previous step set DONE).
+  const int e = max(1, min(stops ? __ffs(stops) : agree + 1, state[kMaxNew] - step));
+  if (lane < e) {
+    h[pos + 1 + lane] = token;
+    if (host_ring) host_ring[step + lane] = token;
+    __threadfence_system();  // this lane's token is visible to the host before the count
+  }
+  const int last = __shfl_sync(0xffffffffu, token, e - 1);
+  __syncwarp();
+  if (lane <= K) keys[lane] = 0ull;
+  if (lane == 0) {
+    const bool done = step + e >= state[kMaxNew] || stops != 0 || (cancel && *cancel);
+    state[kToken] = last;
+    state[kPos] = pos + e;
+    state[kStep] = step + e;
+    state[kDone] = done ? 1 : 0;
+    if (stats) {
+      stats[0] += 1;
+      stats[1] += d;
+      stats[2] += agree;
+    }
+    if (host_ring) host_ring[-1] = step + e;  // word before the ring: tokens written so far
+    if (cond) cudaGraphSetConditional(cond, done ? 0u : 1u);
+  }
+}
+
+// The step's tokens from the verify rows' argmax (speculative.accept, greedy). One warp, lane r
+// for row r. Row r's argmax id is target[r] (argmax_key_id of keys[r]: the lowest id on ties).
+// Drafts agree while tokens[1 + r] == target[r]; with `agree` of them agreeing the step emits
+// target[0 .. agree] (an agreeing draft is its row's target), then emit_step.
 //
 // Arguments:
 //   keys      u64 [1 + K]     lm_head_rows' argmax key per row (re-zeroed here for the next
@@ -156,43 +200,101 @@ draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __res
 //                             the eos / max_new cut (speculative.SpecStats)
 //   cond      graph conditional handle of the generation while-loop (0 = none): set to !done
 //   K         int 1 .. kVerifyRows - 1
-// Grid 1, block kWarp. Greedy only: the launcher refuses sampled generations.
+// Grid 1, block kWarp. Greedy generations (the engine runs accept_sampled for the others).
 extern "C" __global__ void __launch_bounds__(kWarp)
 accept_greedy(unsigned long long* keys, const int* __restrict__ tokens,
               const int* __restrict__ ndraft, int* state, int* h, volatile int* host_ring,
               const volatile int* cancel, int* stats, unsigned long long cond, int K) {
   pdl_wait();
   const int lane = threadIdx.x;
-  const int d = *ndraft, step = state[kStep], pos = state[kPos];
-  const int target = lane <= K ? (int)(0xFFFFFFFFu - (uint32_t)(keys[lane] & 0xFFFFFFFFull)) : 0;
+  const int d = *ndraft;
+  const int target = lane <= K ? argmax_key_id(keys[lane]) : 0;
   const unsigned miss = __ballot_sync(0xffffffffu, lane < d && tokens[1 + lane] != target);
   const int agree = miss ? __ffs(miss) - 1 : d;
-  bool eos = false;
-  for (int i = 0; i < state[kNumEos]; ++i) eos |= target == state[kEos0 + i];
-  const unsigned stops = __ballot_sync(0xffffffffu, eos && lane <= agree);
-  // At least one token, as sample_finish always writes one (the loop never runs a step with
-  // max_new - step < 1: the previous step set DONE).
-  const int e = max(1, min(stops ? __ffs(stops) : agree + 1, state[kMaxNew] - step));
-  if (lane < e) {
-    h[pos + 1 + lane] = target;
-    if (host_ring) host_ring[step + lane] = target;
-    __threadfence_system();  // this lane's token is visible to the host before the count
-  }
-  const int token = __shfl_sync(0xffffffffu, target, e - 1);
-  __syncwarp();
-  if (lane <= K) keys[lane] = 0ull;
-  if (lane == 0) {
-    const bool done = step + e >= state[kMaxNew] || stops != 0 || (cancel && *cancel);
-    state[kToken] = token;
-    state[kPos] = pos + e;
-    state[kStep] = step + e;
-    state[kDone] = done ? 1 : 0;
-    if (stats) {
-      stats[0] += 1;
-      stats[1] += d;
-      stats[2] += agree;
+  emit_step(target, agree, d, keys, state, h, host_ring, cancel, stats, cond, K);
+}
+
+// Speculative sampling's per-row work (speculative.accept, sampled), one CTA a row r <= d,
+// rows past d idle. p_r is row r's sampling distribution (sampler.cuh's kept set: temperature,
+// top-k, top-p as sample_finish applies them), u_a and u_d two uniforms (sampler.cuh's
+// counters: the draft at row r is proposed as generated token STEP + r, so u_a =
+// uniform01(seed, kAcceptCounter + STEP + r) and u_d = uniform01(seed, STEP + r)):
+//
+//   r < d   the draft x = tokens[1 + r] is accepted when u_a < p_r(x): picks[r] = -1; else
+//           picks[r] = a draw with u_d from p_r without x, renormalised ((p - q)+ for the
+//           point-mass draft q), the token the step ends on if row r is the first rejection
+//   r = d   picks[d] = a draw with u_d from p_d: the token after d accepted drafts
+//
+// Every row decides alone (its test needs no other row's outcome), so the rows run in
+// parallel and accept_sampled takes the first pick >= 0. A step without drafts (d = 0, the
+// decode step's logits) draws exactly as sample_finish: the same kept set, the same counter.
+// A consumed uniform's counter is never consumed again: a step that emits e tokens consults
+// counters STEP .. STEP + e - 1 (tests and one draw), and the next step starts at STEP + e.
+//
+// Arguments:
+//   logits    fp32 [1 + K, V]  the verify step's logits (lm_head_rows), row r at r * V
+//   logits0   fp32 [V]         the decode step's logits: row 0 when d = 0 (the no-draft
+//                              branch ran the decode step, not the verify step)
+//   keys      u64 [1 + K]      each row's argmax key (its largest logit: the kept set's m)
+//   tokens    int32 [1 + K]    draft_ngram's rows (tokens[1 .. d] the drafts)
+//   ndraft    int32 *          d
+//   state     int32 [kEos0 + kMaxEos]  reads STEP, TEMP, TOP_K, TOP_P, SEED_LO, SEED_HI
+//   picks     int32 [1 + K]    out, rows 0 .. d: -1 (draft accepted) or the row's token
+//   V         int              vocabulary size
+// Grid 1 + K, block kSampleThreads. Sampled generations only (temperature > 0, top_k != 1).
+extern "C" __global__ void __launch_bounds__(kSampleThreads)
+sample_rows(const float* __restrict__ logits, const float* __restrict__ logits0,
+            const unsigned long long* __restrict__ keys, const int* __restrict__ tokens,
+            const int* __restrict__ ndraft, const int* __restrict__ state,
+            int* __restrict__ picks, int V) {
+  __shared__ float part[kSampleThreads];
+  pdl_wait();
+  pdl_trigger();
+  const int r = blockIdx.x, d = *ndraft;
+  if (r > d) return;  // the whole CTA: no barrier below is split
+  const float* row = d == 0 ? logits0 : logits + (size_t)r * V;
+  const unsigned long long key = keys[r];
+  const int draft = r < d ? tokens[1 + r] : -1;
+  const KeptSet s = kept_set(row, V, argmax_key_value(key), __int_as_float(state[kTemp]),
+                             state[kTopK], __int_as_float(state[kTopP]));
+  kept_parts(row, V, s, draft, part);  // without the draft: the residual's weights
+  if (threadIdx.x == 0) {
+    const unsigned long long seed =
+        ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
+    const unsigned long long t = (unsigned long long)(state[kStep] + r);  // the token index
+    const float rest = parts_total(part);
+    if (draft >= 0) {
+      const float w = kept_weight(row[draft], s);
+      if (uniform01(seed, kAcceptCounter + t) < w / (rest + w)) {
+        picks[r] = -1;
+        return;
+      }
     }
-    if (host_ring) host_ring[-1] = step + e;  // word before the ring: tokens written so far
-    if (cond) cudaGraphSetConditional(cond, done ? 0u : 1u);
+    // A rejected draft has p < 1, so rest > 0; rest = 0 at row d (no kept weight) falls back
+    // to the argmax, as sample_finish does.
+    const int pick = draw_parts(row, V, s, draft, part, rest, uniform01(seed, t));
+    picks[r] = pick >= 0 ? pick : argmax_key_id(key);
   }
+}
+
+// The step's tokens from sample_rows' picks (speculative.accept, sampled), then emit_step. One
+// warp, lane r for row r: agree = the first row r <= d with picks[r] >= 0 (row d always has
+// one), and the step emits tokens[1 .. agree] (the accepted drafts) and picks[agree].
+//
+// Arguments: accept_greedy's, and
+//   picks     int32 [1 + K]   sample_rows' rows 0 .. d
+// keys are only re-zeroed (sample_rows read them). Grid 1, block kWarp.
+extern "C" __global__ void __launch_bounds__(kWarp)
+accept_sampled(unsigned long long* keys, const int* __restrict__ tokens,
+               const int* __restrict__ ndraft, const int* __restrict__ picks, int* state,
+               int* h, volatile int* host_ring, const volatile int* cancel, int* stats,
+               unsigned long long cond, int K) {
+  pdl_wait();
+  const int lane = threadIdx.x;
+  const int d = *ndraft;
+  const int pick = lane <= d ? picks[lane] : -1;
+  const int agree = __ffs(__ballot_sync(0xffffffffu, pick >= 0)) - 1;
+  const int last = __shfl_sync(0xffffffffu, pick, agree);
+  const int token = lane < agree ? tokens[1 + lane] : last;
+  emit_step(token, agree, d, keys, state, h, host_ring, cancel, stats, cond, K);
 }

@@ -1,0 +1,342 @@
+"""CPU (no GPU): speculative sampling on the device (speculate.cu's sample_rows and
+accept_sampled over sampler.cuh, which sample_finish shares), emulated in numpy line by line in
+float32, against nanoqwen.speculative's rule: the kept set's p against sampling.probabilities,
+the accept / reject decisions for given uniforms, the residual draw's distribution, whole steps
+over counter-based randoms keeping each emitted token's distribution, the counters never
+reused; and the launchers' arguments. dev/speculate_sampled_check.py runs the kernels on a GPU
+against the plain loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nanoqwen.config import preset
+from nanoqwen.cuda import registry
+from nanoqwen.cuda.jit import KERNEL_DIR
+from nanoqwen.cuda.speculate import SpeculateKernels
+from nanoqwen.errors import NanoqwenError
+from nanoqwen.sampling import SamplingParams, probabilities
+from nanoqwen.speculative import SpeculativeConfig
+
+THREADS = registry.DEFAULT_GEOMETRY.sample_threads  # kSampleThreads
+ITERS = registry.DEFAULT_GEOMETRY.search_iters  # kSearchIters
+ACCEPT_COUNTER = 1 << 32  # sampler.cuh's kAcceptCounter
+F = np.float32
+LOG2E = F(1.4426950408889634)
+MASK64 = (1 << 64) - 1
+
+# Pearson chi-square critical values at significance 1e-3, by degrees of freedom (no scipy
+# here). Fresh seeds each run: a correct rule passes a check with probability 0.999.
+CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+# -- sampler.cuh, emulated ---------------------------------------------------------------------
+def uniform01(seed: int, counter: int) -> float:
+    """splitmix64 of (seed, counter), the top 24 bits as a float in [0, 1) (exact in float32)."""
+    z = (seed + 0x9E3779B97F4A7C15 * (counter + 1)) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    z ^= z >> 31
+    return float(F(z >> 40) * F(1.0 / 16777216.0))
+
+
+def kept_set(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """kept_set + kept_weight: (kept bool [V]: logit >= tp, the weights float32 [V], 0 outside
+    the kept set)."""
+    v, m = len(logits), F(logits.max())
+    temp, top_p = F(params.temperature), F(params.top_p)
+    inv_t = F(1) / temp
+
+    def weights(kept):
+        return np.where(kept, np.exp2((logits - m) * inv_t * LOG2E), F(0)).astype(F)
+
+    lo, hi = F(-3.0e38), m
+    if 0 < params.top_k < v:
+        lo = min(F(m - F(1)), F(logits.min()))
+        for _ in range(ITERS):
+            mid = F(0.5) * (lo + hi)
+            if (logits >= mid).sum() >= params.top_k:
+                lo = mid
+            else:
+                hi = mid
+    tk = tp = lo
+    if top_p < 1:
+        z = weights(logits >= tk).sum(dtype=F)
+        plo, phi = (F(m - F(200) * temp) if tk < -1e37 else tk), m
+        for _ in range(ITERS):
+            mid = F(0.5) * (plo + phi)
+            if weights((logits >= mid) & (logits >= tk)).sum(dtype=F) >= top_p * z:
+                plo = mid
+            else:
+                phi = mid
+        tp = max(plo, tk)
+    return logits >= tp, weights(logits >= tp)
+
+
+def kept_parts(w: np.ndarray, exclude: int) -> np.ndarray:
+    """part float32 [THREADS]: thread t's sequential sum over ids [t * per, (t + 1) * per),
+    `exclude` left out."""
+    per = -(-len(w) // THREADS)
+    padded = np.zeros(per * THREADS, F)
+    padded[: len(w)] = w
+    if exclude >= 0:
+        padded[exclude] = 0
+    return np.add.accumulate(padded.reshape(THREADS, per), axis=1, dtype=F)[:, -1]
+
+
+def draw_parts(kept, w: np.ndarray, exclude: int, part: np.ndarray, u01: float) -> int:
+    """draw_parts (one thread): the owner thread by a sequential float32 running sum over the
+    parts (cumsum is sequential: run + part[i] is its element i), then the walk over its ids."""
+    per = -(-len(w) // THREADS)
+    run_to = np.cumsum(part, dtype=F)
+    u = F(u01) * run_to[-1]  # parts_total: the same sequential sum
+    hit = np.flatnonzero((run_to > u) & (part > 0))
+    owner = int(hit[0]) if hit.size else THREADS - 1
+    run = (run_to[owner] - part[owner] if owner else F(0)) if hit.size else run_to[-1]
+    last = -1
+    for i in range(owner * per, min(len(w), owner * per + per)):
+        if not kept[i] or i == exclude:
+            continue
+        last = i
+        run = F(run + w[i])
+        if run > u:
+            break
+    return last
+
+
+def sample_row(kept, w: np.ndarray, draft: int, seed: int, t: int, argmax: int) -> int:
+    """sample_rows' thread-0 tail for one row: -1 (draft accepted) or the row's token. t: the
+    token index STEP + r."""
+    part = kept_parts(w, draft)
+    rest = np.cumsum(part, dtype=F)[-1]
+    if draft >= 0:
+        wd = w[draft]
+        if uniform01(seed, ACCEPT_COUNTER + t) < F(wd / F(rest + wd)):
+            return -1
+    pick = draw_parts(kept, w, draft, part, uniform01(seed, t))
+    return pick if pick >= 0 else argmax
+
+
+def accept_sampled(picks: list[int], tokens: list[int], d: int) -> tuple[list[int], int]:
+    """accept_sampled before emit_step: (the step's tokens before the cuts, agree)."""
+    agree = next(r for r in range(d + 1) if picks[r] >= 0)
+    return [*tokens[1 : 1 + agree], picks[agree]], agree
+
+
+def run_step(rows, drafts, seed, step):
+    """One sampled step as the device runs it: rows = [(kept, w, argmax)] of rows 0 .. d."""
+    d = len(drafts)
+    picks = [sample_row(kept, w, drafts[r] if r < d else -1, seed, step + r, a)
+             for r, (kept, w, a) in enumerate(rows)]  # fmt: skip
+    return accept_sampled(picks, [-5, *drafts], d)
+
+
+# -- the tests ---------------------------------------------------------------------------------
+PARAMS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.5, top_k=3, top_p=0.5),
+    SamplingParams(temperature=2.0, top_k=1000, top_p=0.9),
+]
+
+
+def random_logits(rng, v: int) -> np.ndarray:
+    return (rng.standard_normal(v) * rng.uniform(0.5, 4.0)).astype(F)
+
+
+@pytest.mark.parametrize("v", [17, 111, 4097, 151936])
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"t{p.temperature}k{p.top_k}p{p.top_p}")
+def test_kept_set_is_probabilities(v, params):
+    """The device's p (bisection thresholds, ties kept) is sampling.probabilities' p. Random
+    logits have no ties; a top-p cut can still differ where the mass before the boundary token
+    is within float32 noise of top_p (then only that token may differ)."""
+    rng = np.random.default_rng()
+    for _ in range(3):
+        logits = random_logits(rng, v)
+        _, w = kept_set(logits, params)
+        got = w.astype(np.float64) / w.sum(dtype=np.float64)
+        want = probabilities(torch.from_numpy(logits), params).double().numpy()
+        differ = np.flatnonzero((got > 0) != (want > 0))
+        if differ.size:
+            order = np.argsort(-want, kind="stable")
+            before = np.cumsum(want[order]) - want[order]
+            rank = {int(t): i for i, t in enumerate(order)}
+            assert differ.size == 1 and abs(before[rank[int(differ[0])]] - params.top_p) < 1e-5
+            continue
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_accept_decisions_follow_the_rule():
+    """u < p(draft) with the device's p decides as speculative.accept's u < p(draft) for every
+    uniform not within float32 noise of p: drafts of every rank, inside and outside the kept
+    set, uniforms around p on both sides."""
+    rng = np.random.default_rng()
+    checked = 0
+    for params in PARAMS:
+        for v in (17, 4097):
+            logits = random_logits(rng, v)
+            _, w = kept_set(logits, params)
+            want = probabilities(torch.from_numpy(logits), params).double().numpy()
+            order = np.argsort(-want, kind="stable")
+            for draft in {int(order[0]), int(order[1]), int(order[v // 2]), int(order[-1])}:
+                rest = kept_parts(w, draft).sum(dtype=F)
+                p_dev = F(w[draft] / F(rest + w[draft]))
+                p = want[draft]
+                us = [*rng.random(20), p * (1 - 1e-3), p * (1 + 1e-3), 0.0, 1 - 2**-24]
+                for u in us:
+                    if abs(u - p) < 1e-6:
+                        continue
+                    assert (F(u) < p_dev) == (u < p), (params, draft, u, p, p_dev)
+                    checked += 1
+    assert checked > 400
+
+
+@pytest.mark.parametrize("params", PARAMS[:4], ids=lambda p: f"t{p.temperature}k{p.top_k}")
+def test_draws_follow_p_and_the_residual(params):
+    """Inverse-CDF draws on a grid of N uniforms hit each token N * q times, +-1 (an interval
+    of length L holds N L +- 1 grid points): q = p for the plain draw, p without the draft
+    renormalised for the residual; the draft itself never."""
+    rng = np.random.default_rng()
+    n = 4000
+    grid = (np.arange(n) + 0.5) / n
+    for v in (17, 111, 1500):
+        logits = random_logits(rng, v)
+        kept, w = kept_set(logits, params)
+        p = w.astype(np.float64) / w.sum(dtype=np.float64)
+        draft = int(np.argmax(p))  # the largest residual change
+        # A lone kept token has p = 1: always accepted, it has no residual.
+        for exclude in (-1, draft) if kept.sum() > 1 else (-1,):
+            q = p.copy()
+            if exclude >= 0:
+                q[exclude] = 0
+            q /= q.sum()
+            part = kept_parts(w, exclude)
+            picks = np.array([draw_parts(kept, w, exclude, part, u) for u in grid])
+            counts = np.bincount(picks, minlength=v)
+            assert np.all(np.abs(counts - n * q) <= 1.01 + 1e-3 * n * q), (v, exclude)
+            if exclude >= 0:
+                assert counts[exclude] == 0
+
+
+def assert_distribution(tokens: list[int], p: np.ndarray) -> None:
+    """Counts against len(tokens) * p: nothing outside p's support, Pearson chi-square under
+    the 1e-3 critical value (cells expecting < 5 pooled)."""
+    n = len(tokens)
+    counts = np.bincount(tokens, minlength=len(p))
+    assert counts[p == 0].sum() == 0, (counts, p)
+    small = (p > 0) & (n * p < 5)
+    observed = [*counts[(p > 0) & ~small]] + ([counts[small].sum()] if small.any() else [])
+    expected = n * np.array([*p[(p > 0) & ~small]] + ([p[small].sum()] if small.any() else []))
+    assert len(expected) >= 2, "too few cells for a test"
+    chi2 = float(((np.array(observed) - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRITICAL[len(expected) - 1], (chi2, observed, expected)
+
+
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[1], PARAMS[3]], ids=["t1", "k50p95", "p8"])
+@pytest.mark.parametrize("draft_rank", [0, 3])
+def test_steps_keep_each_tokens_distribution(params, draft_rank):
+    """Whole steps with two drafts over vocab 8, one seed each (fresh seeds every run): the
+    first token follows p0 whatever the draft; given the first draft accepted the second
+    follows p1; given both, the bonus token follows p2. A draw that reused the acceptance
+    test's uniform (or its counter), or redrew from p after a rejection, fails it."""
+    rng = np.random.default_rng()
+    logits = (rng.standard_normal((3, 8)) * 1.5).astype(F)
+    rows, p = [], []
+    for row in logits:
+        kept, w = kept_set(row, params)
+        rows.append((kept, w, int(np.argmax(row))))
+        p.append(w.astype(np.float64) / w.sum(dtype=np.float64))
+    drafts = [int(np.argsort(-p[0], kind="stable")[draft_rank]), int(np.argmax(p[1]))]
+    emitted: list[list[int]] = [[], [], []]
+    base = int(rng.integers(0, 2**62))
+    step = int(rng.integers(1, 1000))
+    for s in range(4000):
+        out, _ = run_step(rows, drafts, base + 7919 * s, step)
+        for i, token in enumerate(out):
+            emitted[i].append(token)
+    for i in range(3):
+        if i == 0 or len(emitted[i]) >= 300:
+            assert_distribution(emitted[i], p[i])
+
+
+def test_counters_are_never_consulted_twice():
+    """A generation's consulted uniforms (the prefill's draw at counter 0, then each step's
+    acceptance tests of rows 0 .. min(agree, d - 1) and its draw at row agree) have distinct
+    counters: each decision sees a fresh uniform."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        seen = {0}  # the prefill's sample_finish: step 0
+        step = 1
+        while step < 500:
+            d = int(rng.integers(0, 9))
+            agree = int(rng.integers(0, d + 1))
+            tests = [ACCEPT_COUNTER + step + r for r in range(min(agree + 1, d))]
+            used = [*tests, step + agree]
+            assert not seen.intersection(used) and len(set(used)) == len(used)
+            seen.update(used)
+            step += agree + 1
+
+
+def test_uniform01_is_in_range_and_seeded():
+    rng = np.random.default_rng()
+    seed = int(rng.integers(0, 2**63))
+    us = np.array([uniform01(seed, c) for c in range(20000)])
+    assert us.min() >= 0 and us.max() < 1 and abs(us.mean() - 0.5) < 0.01
+    assert uniform01(seed, 5) == uniform01(seed, 5) != uniform01(seed + 1, 5)
+    assert uniform01(seed, 5) != uniform01(seed, ACCEPT_COUNTER + 5)
+
+
+def test_threshold_code_has_one_home():
+    """The kept-set rule lives in sampler.cuh alone; the plain sampler and speculative
+    sampling both include it."""
+    sources = {p.name: p.read_text() for p in KERNEL_DIR.glob("*.cu*")}
+    for name, text in sources.items():
+        defines = "KeptSet kept_set(" in text or "float uniform01(" in text
+        assert defines == (name == "sampler.cuh"), name
+    assert '#include "sampler.cuh"' in sources["decode_misc.cu"]
+    assert '#include "sampler.cuh"' in sources["speculate.cu"]
+
+
+# -- the launchers -------------------------------------------------------------------------------
+def fake_kernels(k: int, calls: list) -> SpeculateKernels:
+    """SpeculateKernels without a Gpu: launches are recorded."""
+    sk = object.__new__(SpeculateKernels)
+    sk.spec, sk.config = SpeculativeConfig(k=k), preset("tiny")
+    sk.launch = lambda key, grid, *args, **kw: calls.append((key, grid, args, kw))
+    return sk
+
+
+def test_sample_rows_launch():
+    calls: list = []
+    sk = fake_kernels(5, calls)
+    sk.sample_rows(0x1000, 0x2000, 0x30, 0x40, 0x50, 0x60, 0x70, stream="s")
+    key, grid, args, kw = calls[0]
+    assert key == "sample_rows" and grid == (6, 1, 1)  # a CTA a row, 1 + K
+    assert args[:7] == (0x1000, 0x2000, 0x30, 0x40, 0x50, 0x60, 0x70)
+    assert args[7] == preset("tiny").vocab_size and args[7].dtype == np.int32
+    assert kw["stream"] == "s"
+    for bad in ((0, 0x2000, 0x70), (0x1000, 0, 0x70), (0x1000, 0x2000, 0), (0x1002, 0x2000, 0x70)):
+        logits, logits0, picks = bad
+        with pytest.raises(NanoqwenError, match="null or unaligned"):
+            sk.sample_rows(logits, logits0, 0x30, 0x40, 0x50, 0x60, picks)
+
+
+def test_accept_sampled_launch():
+    calls: list = []
+    fake_kernels(3, calls).accept_sampled(0x30, 0x40, 0x50, 0x70, 0x60, 0x80, 0x90, 0xA0,
+                                          0xB0, 0)  # fmt: skip
+    key, grid, args, _ = calls[0]
+    assert key == "accept_sampled" and grid == (1, 1, 1)
+    assert args[:9] == (0x30, 0x40, 0x50, 0x70, 0x60, 0x80, 0x90, 0xA0, 0xB0)
+    assert args[9] == 0 and args[10] == 3 and args[10].dtype == np.int32  # no cond; K
+
+
+def test_sampled_specs_are_registered():
+    specs = {s.key: s for s in registry.speculate_specs()}
+    assert specs["sample_rows"].threads == THREADS  # sampler.cuh runs in kSampleThreads
+    assert specs["accept_sampled"].threads == 32  # a lane a row
+    assert registry.DEFAULT_GEOMETRY.verify_rows <= 32
