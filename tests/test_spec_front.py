@@ -303,6 +303,27 @@ def test_spec_bench_on_the_reference(tiny_model):
     assert res["speculative_tokens_per_s"] == pytest.approx(1e3 / res["speculative_ms_per_token"])
 
 
+def test_spec_bench_sampled_on_the_reference(tiny_model):
+    """Sampled modes: the parameters reach both modes (seeded per prompt, so a rerun draws
+    the same), the identity is not compared, the acceptance still adds up."""
+    spec = SpeculativeConfig(k=4)
+
+    def open_llm(config):
+        return LLM(tiny_model, backend="reference", max_context=2048, speculative=config)
+
+    prompts = workloads.build("edit", 2, seed=0)
+    sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95)
+    runs = [run_spec_bench(open_llm, "edit", prompts, spec, gen_len=12, warmup=0, runs=1,
+                           sampling=sampling) for _ in range(2)]  # fmt: skip
+    res = runs[0]
+    assert res["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.95}
+    assert res["identical"] is None and res["first_difference"] is None
+    assert all(p["identical"] is None for p in res["per_prompt"])
+    a = res["acceptance"]
+    assert a["steps"] + a["accepted"] == sum(p["speculative_tokens"] - 1 for p in res["per_prompt"])
+    assert [p["tokens"] for p in res["per_prompt"]] == [p["tokens"] for p in runs[1]["per_prompt"]]
+
+
 def test_bench_command_writes_json(tiny_model, tmp_path, capsys):
     out = tmp_path / "chat.json"
     rc = main(["bench", str(tiny_model), "--workload", "chat", "--backend", "reference",

@@ -9,11 +9,12 @@ conversation): TTFT of a --prompt-len prefix + --new-len new tokens with the pre
 the request before (a warm one, and the cold one that filled the cache), against the same
 request cold, and whether both give the same tokens.
 
---workload edit|fim|chat: speculative decoding against plain greedy on real prompts built from
-the Python standard library's source (nanoqwen/harness/workloads.py): --requests prompts,
+--workload edit|fim|chat: speculative decoding against plain decoding on real prompts built
+from the Python standard library's source (nanoqwen/harness/workloads.py): --requests prompts,
 each generated plain then speculative (--spec-k, --spec-ngram) on the same --backend (the
-reference too): effective tokens/s and ms/token of each, the speed-up, accepted drafts a step,
-and whether the outputs are token-identical (nanoqwen/harness/spec_bench.py)."""
+reference too), greedy or sampled (--temperature, --top-k, --top-p): effective tokens/s and
+ms/token of each, the speed-up, accepted drafts a step, and (greedy) whether the outputs are
+token-identical (nanoqwen/harness/spec_bench.py)."""
 
 import sys
 
@@ -39,6 +40,16 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="edit/fim/chat: which prompts")
     p.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
                    help="edit/fim/chat: the backend (e2e and prefix need cuda)")  # fmt: skip
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="edit/fim/chat: sample both modes at this temperature (0: greedy)",
+    )
+    p.add_argument(
+        "--top-k", type=int_range(0), default=0, help="edit/fim/chat: with --temperature"
+    )
+    p.add_argument("--top-p", type=float, default=1.0, help="edit/fim/chat: with --temperature")
     add_speculative_arguments(p, method=False)
     p.add_argument("--new-len", type=int_range(1), default=64,
                    help="prefix workload: new tokens after the --prompt-len prefix")  # fmt: skip
@@ -171,6 +182,7 @@ def _speculative(args) -> int:
     from ..harness.spec_bench import print_spec_result, run_spec_bench
     from ..harness.workloads import build
     from ..llm import LLM
+    from ..sampling import SamplingParams
     from .generate import speculative_config
 
     if args.kernels or args.plot or args.baseline:
@@ -182,9 +194,10 @@ def _speculative(args) -> int:
         return LLM(args.file, backend=args.backend, max_context=args.max_context,
                    speculative=config)  # fmt: skip
 
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     res = run_spec_bench(open_llm, args.workload, prompts, spec, args.gen_len, args.warmup,
-                         args.runs)  # fmt: skip
+                         args.runs, sampling)  # fmt: skip
     print_spec_result(res)
     if args.json:
         save(res, args.json)
-    return 0 if res["identical"] else 1
+    return 0 if res["identical"] is not False else 1

@@ -1,7 +1,9 @@
-"""`nanoqwen bench --workload edit|fim|chat`: speculative against plain greedy decoding.
+"""`nanoqwen bench --workload edit|fim|chat`: speculative against plain decoding, greedy or
+sampled.
 
 Protocol: the workload's prompts (nanoqwen.harness.workloads: real stdlib source, seeded), each
-generated greedily up to `gen_len` tokens (the tokenizer's EOS ends one early) first by a plain
+generated up to `gen_len` tokens (the tokenizer's EOS ends one early), greedily or with the
+given sampling parameters (prompt i seeded with i, in both modes), first by a plain
 backend, then by a speculative one of the same kind and file (each opened alone, so a backend
 that builds its decode graph for its configuration at load is measured as it serves). Each
 mode first runs `warmup` untimed generations of the first prompt, then every prompt `runs`
@@ -10,8 +12,9 @@ its first token are the same work in both modes, so they are left out); ms/token
 over the prompts of the median decode time over runs, divided by the sum of their decode tokens
 (tokens - 1), and effective tokens/s is its inverse. The speed-up is plain ms/token over
 speculative ms/token. Acceptance: the speculative backend's SpecStats summed over the timed
-generations. Identity: each prompt's speculative tokens against its plain tokens; on a
-mismatch, the first differing index.
+generations. Identity (greedy only: sampled modes draw other tokens from the same
+distributions, so their replies, and their lengths, differ): each prompt's speculative tokens
+against its plain tokens; on a mismatch, the first differing index.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import datetime
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..sampling import SamplingParams
 from ..speculative import SpecStats, SpeculativeConfig
@@ -44,17 +48,19 @@ def timed_generation(backend, ids: list[int], params: SamplingParams, stop_ids):
     return tokens, time.perf_counter() - first
 
 
-def run_mode(llm, prompts: list[Prompt], gen_len: int, warmup: int, runs: int) -> dict:
-    """One mode over every prompt: per prompt its prompt length, tokens, median decode seconds;
-    and the summed SpecStats (zeros without speculation)."""
+def run_mode(llm, prompts: list[Prompt], sampling: SamplingParams, warmup: int,
+             runs: int) -> dict:  # fmt: skip
+    """One mode over every prompt (`sampling` with prompt i's seed i): per prompt its prompt
+    length, tokens, median decode seconds; and the summed SpecStats (zeros without
+    speculation)."""
     backend = llm.backend
     stop_ids = frozenset(llm.tokenizer.eos_token_ids)
-    params = SamplingParams(max_tokens=gen_len)  # temperature 0: greedy
     ids = [llm.prepare(**p.prepare_args()) for p in prompts]
     for _ in range(warmup):
-        timed_generation(backend, ids[0], params, stop_ids)
+        timed_generation(backend, ids[0], replace(sampling, seed=0), stop_ids)
     stats, rows = SpecStats(), []
-    for prompt_ids in ids:
+    for i, prompt_ids in enumerate(ids):
+        params = replace(sampling, seed=i)
         seconds, tokens = [], None
         for _ in range(runs):
             tokens, s = timed_generation(backend, prompt_ids, params, stop_ids)
@@ -82,28 +88,31 @@ def run_spec_bench(
     gen_len: int,
     warmup: int = 1,
     runs: int = 1,
+    sampling: SamplingParams | None = None,
 ) -> dict:
-    """The workload plain (open_llm(None)) then speculative (open_llm(spec)); the result dict
-    (module docstring; `print_spec_result` shows it)."""
+    """The workload plain (open_llm(None)) then speculative (open_llm(spec)), greedy or with
+    `sampling`'s temperature, top-k and top-p; the result dict (module docstring;
+    `print_spec_result` shows it)."""
+    sampling = replace(sampling or SamplingParams(), max_tokens=gen_len, stop=())
     modes = {}
     for name, config in (("plain", None), ("speculative", spec)):
         llm = open_llm(config)
         try:
-            modes[name] = run_mode(llm, prompts, gen_len, warmup, runs)
+            modes[name] = run_mode(llm, prompts, sampling, warmup, runs)
             backend, model = llm.backend_name, llm.model_name
         finally:
             llm.close()
     plain, fast = modes["plain"], modes["speculative"]
     per_prompt, mismatch = [], None
     for i, (p, a, b) in enumerate(zip(prompts, plain["rows"], fast["rows"], strict=True)):
-        diff = first_difference(a["tokens"], b["tokens"])
+        diff = first_difference(a["tokens"], b["tokens"]) if sampling.greedy else None
         if diff is not None and mismatch is None:
             mismatch = {"prompt": i, "index": diff}
         per_prompt.append({
             "source": p.source, "prompt_tokens": a["prompt_tokens"],
             "tokens": len(a["tokens"]), "speculative_tokens": len(b["tokens"]),
             "plain_decode_s": a["decode_s"], "speculative_decode_s": b["decode_s"],
-            "identical": diff is None,
+            "identical": diff is None if sampling.greedy else None,
         })  # fmt: skip
     plain_ms, plain_rate = _rate(plain["rows"])
     spec_ms, spec_rate = _rate(fast["rows"])
@@ -124,6 +133,11 @@ def run_spec_bench(
             "n_min": spec.n_min,
             "n_max": spec.n_max,
         },  # fmt: skip
+        "sampling": {
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k,
+            "top_p": sampling.top_p,
+        },  # fmt: skip
         "plain_ms_per_token": plain_ms,
         "plain_tokens_per_s": plain_rate,
         "speculative_ms_per_token": spec_ms,
@@ -137,7 +151,7 @@ def run_spec_bench(
             "tokens_per_step": stats.tokens_per_step,
             "rate": stats.acceptance,
         },
-        "identical": mismatch is None,
+        "identical": mismatch is None if sampling.greedy else None,  # None: not comparable
         "first_difference": mismatch,
         "per_prompt": per_prompt,
     }
@@ -148,6 +162,10 @@ def print_spec_result(res: dict) -> None:
     print(f"workload {res['workload']}  backend {res['backend']}  model {res['model']}  "
           f"{res['prompts']} prompts  gen {res['gen_len']}  runs {res['runs']}  "
           f"{s['method']} k={s['k']} n={s['n_min']}:{s['n_max']}")  # fmt: skip
+    smp = res["sampling"]
+    if smp["temperature"] > 0:
+        print(f"  sampled: temperature {smp['temperature']} top-k {smp['top_k']} "
+              f"top-p {smp['top_p']}, prompt i seeded with i")  # fmt: skip
     print(f"  {'mode':12} {'ms/token':>10} {'tokens/s':>10}")
     print(f"  {'plain':12} {res['plain_ms_per_token']:10.3f} {res['plain_tokens_per_s']:10.1f}")
     print(f"  {'speculative':12} {res['speculative_ms_per_token']:10.3f} "
@@ -155,7 +173,9 @@ def print_spec_result(res: dict) -> None:
     print(f"  speed-up {res['speedup']:.2f}x; {a['accepted_per_step']:.2f} accepted drafts a "
           f"step ({a['tokens_per_step']:.2f} tokens a step; {a['accepted']} of {a['drafted']} "
           f"drafted, {a['steps']} steps)")  # fmt: skip
-    if res["identical"]:
+    if res["identical"] is None:
+        print("  outputs identical: not compared (sampled: other draws, the same distributions)")
+    elif res["identical"]:
         print("  outputs identical: yes")
     else:
         d = res["first_difference"]
