@@ -95,10 +95,12 @@ class SpeculativeConfig:
     [1, MAX_DRAFT_TOKENS]; n-gram sizes n_min..n_max tried longest first, 1 <= n_min <= n_max."""
 
     # n-grams of 3+ tokens: single-token matches also draft on open-ended chat, where the
-    # drafts are rarely accepted and each verify step costs more than a decode step; the
-    # measured choice is in docs/EXPERIMENTS.md (Speculative decoding).
+    # drafts are rarely accepted and each verify step costs more than a decode step. K at its
+    # most: an edit copies runs longer than 8 tokens, and 16 rows cost little more than 9
+    # (the real 1.5B's verify step: 1352 against 1212 us). The measured choices are in
+    # docs/EXPERIMENTS.md (Speculative decoding).
     method: str = "ngram"
-    k: int = 8
+    k: int = MAX_DRAFT_TOKENS
     n_min: int = 3
     n_max: int = 5
 
