@@ -70,9 +70,6 @@ EVAL_FILES = (
 GPTQ_VARIANTS = {
     "gptq": {},
     "gptq-noact": {"act_order": False},
-    "gptq-norefit": {"refits": 0},
-    "gptq-refit2": {"refits": 2},
-    "gptq-refit3": {"refits": 3},
     "gptq-damp0.01": {"damp": 0.01},
     "gptq-damp0.03": {"damp": 0.03},
     "gptq-damp0.1": {"damp": 0.1},

@@ -47,7 +47,6 @@ DEFAULT_QUANTIZER = "rtn"
 NEEDS_CALIBRATION = ("gptq",)
 GPTQ_BLOCK = 128  # columns per lazy-batch update (the paper's B); any multiple of 1 is exact
 GPTQ_DAMP = 0.3  # of mean(diag H), on H's diagonal: the best of 0.03..1 measured (EXPERIMENTS)
-GPTQ_REFITS = 1  # rounds of refit_scales after GPTQ's rounding (0: the static scales kept)
 TRI_INV_LEAF = 256  # triangular inverses this small go to one triangular solve
 SCALE_RULES = ("rtn", "signed", "search")  # gptq_quantize's static group scales
 SCALE_SHRINK = tuple(1.0 - 0.025 * i for i in range(9))  # searched_scales' factors, 1 .. 0.8
@@ -116,67 +115,6 @@ def searched_scales(w, weight, base: np.ndarray, shrink=SCALE_SHRINK) -> np.ndar
     return best.cpu().numpy().astype(np.float16)
 
 
-def _gptq_codes(W, U, s):
-    """GPTQ's column loop: codes float32 [N, K] for W float32 [N, K] (columns already in the
-    visiting order; W is consumed) on static per-column scales s float32 [N, K], spreading each
-    column's rounding error through U, the upper Cholesky factor of the damped H^-1."""
-    import torch
-
-    k = W.shape[1]
-    inv_s = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-    Q = torch.zeros_like(W)
-    for i1 in range(0, k, GPTQ_BLOCK):
-        i2 = min(i1 + GPTQ_BLOCK, k)
-        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
-        E1 = torch.zeros_like(W1)
-        for i in range(i2 - i1):
-            col = W1[:, i]
-            q = torch.clamp(torch.round(col * inv_s[:, i1 + i]), QMIN, QMAX)
-            Q[:, i1 + i] = q
-            err = (col - q * s[:, i1 + i]) / U1[i, i]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            E1[:, i] = err
-        W[:, i2:] -= E1 @ U[i1:i2, i2:]
-    return Q
-
-
-def refit_scales(W, Q, scales, H):
-    """Group scales re-solved for fixed codes: per row n, the fp16 scales s_n minimising the
-    weighted error (w_n - Q_n(s_n)) H (w_n - Q_n(s_n))^T, where Q_n(s) puts scale s_g on group
-    g's codes. A row's scales are kept when the fp16-rounded solution does not lower it.
-
-    W, Q: float32 [N, K] (weights, codes); scales: float16 numpy [N, G]; H: float32 [K, K]; all
-    on one torch device. Returns float16 numpy [N, G].
-
-    Solved for the change d = s - s_old against the residual D = W - Q(s_old), in float32 sums
-    but well scaled: the normal equations M_n d_n = c_n with M_n[g, h] = Q_{n,g} H_{g,h}
-    Q_{n,h}^T (the G x G block of the codes' Gram matrix) and c_n[g] = Q_{n,g} (D H)_{n,g}^T;
-    the error then drops by 2 d.c - d.M.d, evaluated in float64 on the rounded d."""
-    import torch
-
-    n, k = W.shape
-    g = k // GROUP_SIZE
-    s_old = torch.from_numpy(scales.astype(np.float32)).to(W.device)
-    D = W - Q * s_old.repeat_interleave(GROUP_SIZE, dim=1)
-    c = (Q * (D @ H)).view(n, g, GROUP_SIZE).sum(-1)  # [N, G]
-    M = torch.empty(n, g, g, dtype=torch.float32, device=W.device)
-    for j in range(g):
-        cols = slice(j * GROUP_SIZE, (j + 1) * GROUP_SIZE)
-        M[:, j, :] = (Q * (Q[:, cols] @ H[cols, :])).view(n, g, GROUP_SIZE).sum(-1)
-    M, c = M.double(), c.double()
-    diag = torch.diagonal(M, dim1=1, dim2=2)
-    # A group of zero codes has no scale to fit: a unit diagonal pins its change to 0. A
-    # relative ridge keeps nearly collinear groups solvable.
-    ridge = 1e-9 * diag.amax(-1, keepdim=True) + (diag <= 0)
-    d = torch.linalg.solve(M + torch.diag_embed(ridge), c.unsqueeze(-1)).squeeze(-1)
-    s_new = (s_old.double() + d).half()
-    d = s_new.double() - s_old.double()
-    gain = 2 * (d * c).sum(-1) - torch.einsum("ng,ngh,nh->n", d, M, d)
-    keep = ~(gain > 0) | ~torch.isfinite(s_new).all(-1)  # NaN gains keep the old scales too
-    s_new[keep] = s_old[keep].half()
-    return s_new.cpu().numpy()
-
-
 def gptq_quantize(
     w: np.ndarray,
     hessian,
@@ -185,18 +123,15 @@ def gptq_quantize(
     damp: float = GPTQ_DAMP,
     scales: str = "signed",
     device="cpu",
-    refits: int = GPTQ_REFITS,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """GPTQ-quantize one projection onto static group scales, then refit the scales.
+    """GPTQ-quantize one projection onto static group scales.
 
     w: float [N, K], K % 128 == 0; hessian: float [K, K] (numpy or torch, any device),
     symmetric positive semi-definite (X^T X of the projection's input, any positive scale).
     scales (SCALE_RULES): rtn = quant.quantize's max|w| / 7; signed = quant.signed_scales;
-    search = searched_scales from signed, weighted by diag H. refits: rounds of refit_scales
-    (against the undamped H); each round after the first re-runs GPTQ's rounding on the
-    refitted scales first, and the result of least weighted error is returned. Returns (q: int8
-    [N, K] in [-8, 7], scales: float16 [N, K/128]) as quant.quantize does. Runs in float32 on
-    torch `device`; deterministic on a given device (no randomness, no atomics).
+    search = searched_scales from signed, weighted by diag H. Returns (q: int8 [N, K] in
+    [-8, 7], scales: float16 [N, K/128]) as quant.quantize does. Runs in float32 on torch
+    `device`; deterministic on a given device (no randomness, no atomics).
     """
     import torch  # here, not at the top: `nanoqwen pack --help` must not pay torch's import
 
@@ -212,28 +147,29 @@ def gptq_quantize(
     dead = torch.diag(H) <= 0
     H[dead, dead] = 1.0
     group_scales = searched_scales(W, torch.diag(H), base) if scales == "search" else base
-    perm = torch.arange(k, device=device)
-    if act_order:
-        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-    H_damped = H + damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype, device=device)
-    U = _inverse_cholesky(H_damped[perm][:, perm])
-    best, best_err = None, None
-    for _ in range(max(1, refits)):
-        s = torch.from_numpy(group_scales.astype(np.float32)).to(device)
-        s = s.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
-        Q = _gptq_codes(W[:, perm].clone(), U, s[:, perm])[:, torch.argsort(perm)]
-        if refits:
-            group_scales = refit_scales(W, Q, group_scales, H_damped)
-        if refits > 1:  # keep the best round: a new rounding may undo more than it wins
-            D = W - Q * torch.from_numpy(group_scales.astype(np.float32)).to(
-                device
-            ).repeat_interleave(GROUP_SIZE, dim=1)
-            err = float((D * (D @ H_damped)).sum())
-            if best_err is not None and err >= best_err:
-                break
-            best, best_err = (Q, group_scales), err
-    if best is not None:
-        Q, group_scales = best
+    s = torch.from_numpy(group_scales.astype(np.float32)).to(device)
+    s = s.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        W, H, s = W[:, perm], H[perm][:, perm], s[:, perm]
+    H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype, device=device)
+    U = _inverse_cholesky(H)
+    inv_s = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    Q = torch.zeros_like(W)
+    for i1 in range(0, k, GPTQ_BLOCK):
+        i2 = min(i1 + GPTQ_BLOCK, k)
+        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
+        E1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            col = W1[:, i]
+            q = torch.clamp(torch.round(col * inv_s[:, i1 + i]), QMIN, QMAX)
+            Q[:, i1 + i] = q
+            err = (col - q * s[:, i1 + i]) / U1[i, i]
+            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            E1[:, i] = err
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
     return Q.cpu().numpy().astype(np.int8), group_scales
 
 
