@@ -13,7 +13,8 @@ perplexity gap to the source in %, top-1 agreement with the source's argmax, qua
 
 Variants: rtn-signed (round to nearest on quant.signed_scales), rtn-g64 / rtn-signed-g64 (groups
 of 64: quality only, the format has no such file), and GPTQ_VARIANTS: options of
-quantizers.gptq_quantize (gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
+calibrate.quantize_model and quantizers.gptq_quantize (gptq-plain: plain sequential GPTQ, no
+float target; gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
 gptq-rtnscales / gptq-search: RTN's max|w| / 7 scales, searched_scales' clipped ones). Use
 --threads 1 on a shared machine, --device cuda on a GPU host (--gguf then names the files when
 it has no network). Every score is saved under --results; --reuse takes saved ones instead of
@@ -70,6 +71,7 @@ EVAL_FILES = (
 GPTQ_VARIANTS = {
     "gptq": {},
     "gptq-noact": {"act_order": False},
+    "gptq-plain": {"float_target": False},
     "gptq-damp0.01": {"damp": 0.01},
     "gptq-damp0.03": {"damp": 0.03},
     "gptq-damp0.1": {"damp": 0.1},

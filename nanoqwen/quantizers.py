@@ -5,8 +5,9 @@ scales, ValueShuffle). They differ only in which codes q (and scales) they pick.
           the weight; the fast default.
     gptq  GPTQ error feedback (Frantar et al. 2022) with the activations' Hessian H = X^T X of
           each projection's input, collected on calibration text by a sequential forward pass
-          (nanoqwen.calibrate), onto sign-aware scales (quant.signed_scales). Opt-in: it needs
-          a forward pass of the model (0.5B: 11 min on one core; `device` takes it to a GPU).
+          (nanoqwen.calibrate) that targets the float model's outputs, onto sign-aware scales
+          (quant.signed_scales). Opt-in: it needs forward passes of the float and the quantized
+          model (0.5B: ~25 min on one core; `device` takes it to a GPU).
 
 Why error feedback and not a scale search: our sources are mostly Q4_K_M GGUFs, whose weights
 already sit on Q4_K's grid (per-32 sub-block scales and minimums). Re-quantizing onto a g128
