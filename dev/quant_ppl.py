@@ -15,7 +15,7 @@ Variants: rtn-signed (round to nearest on quant.signed_scales), rtn-g64 / rtn-si
 of 64: quality only, the format has no such file), and GPTQ_VARIANTS: options of
 calibrate.quantize_model and quantizers.gptq_quantize (gptq-plain: plain sequential GPTQ, no
 float target; gptq-noact: columns in natural order; gptq-damp0.01: damping 0.01;
-gptq-rtnscales / gptq-search: RTN's max|w| / 7 scales, searched_scales' clipped ones). Use
+gptq-rtnscales: RTN's max|w| / 7 scales). Use
 --threads 1 on a shared machine, --device cuda on a GPU host (--gguf then names the files when
 it has no network). Every score is saved under --results; --reuse takes saved ones instead of
 computing them, so parallel runs (one per quantizer, one for the source) merge into one table:
@@ -77,7 +77,6 @@ GPTQ_VARIANTS = {
     "gptq-damp0.1": {"damp": 0.1},
     "gptq-damp1": {"damp": 1.0},
     "gptq-rtnscales": {"scales": "rtn"},
-    "gptq-search": {"scales": "search"},
 }
 assert not set(EVAL_FILES) & set(calibrate.CALIBRATION_FILES)
 

@@ -15,9 +15,9 @@ symmetric grid cannot land on that grid, so every group carries an irreducible r
 about a quarter of a step; clipping the scale (a per-group MSE or activation-weighted search)
 only trades that rounding error for clipping error (measured on the real 1.5B: a per-group MSE
 search worse than RTN, an activation-weighted one barely better; inside GPTQ on the real 0.5B,
-searched_scales' diag(H)-weighted clip +10.5% against +8.4% unclipped, damp 0.1). GPTQ instead
-pushes each column's rounding error onto the columns not yet quantized, weighted by H^-1, so the
-errors cancel in the product W X that the model actually uses.
+a diag(H)-weighted clip of each group's scale +10.5% against +8.4% unclipped, damp 0.1). GPTQ
+instead pushes each column's rounding error onto the columns not yet quantized, weighted by
+H^-1, so the errors cancel in the product W X that the model actually uses.
 
 Choices of `gptq_quantize` (figures in docs/EXPERIMENTS.md, section Quantization):
 - static group scales: every group's scale comes from the original weight before any update,
@@ -49,8 +49,7 @@ NEEDS_CALIBRATION = ("gptq",)
 GPTQ_BLOCK = 128  # columns per lazy-batch update (the paper's B); any multiple of 1 is exact
 GPTQ_DAMP = 0.3  # of mean(diag H), on H's diagonal: the best of 0.03..1 measured (EXPERIMENTS)
 TRI_INV_LEAF = 256  # triangular inverses this small go to one triangular solve
-SCALE_RULES = ("rtn", "signed", "search")  # gptq_quantize's static group scales
-SCALE_SHRINK = tuple(1.0 - 0.025 * i for i in range(9))  # searched_scales' factors, 1 .. 0.8
+SCALE_RULES = ("rtn", "signed")  # gptq_quantize's static group scales
 
 
 def weighted_error(w: np.ndarray, wq: np.ndarray, hessian: np.ndarray) -> float:
@@ -90,32 +89,6 @@ def _inverse_cholesky(h):
     return _triangular_inverse(lower).flip(0, 1)
 
 
-def searched_scales(w, weight, base: np.ndarray, shrink=SCALE_SHRINK) -> np.ndarray:
-    """Per group, the scale among fp16(base * f), f in `shrink`, whose round-to-nearest codes
-    give the least sum_k weight[k] * (w[n, k] - w'[n, k])^2 over the group's 128 columns.
-
-    w: float32 tensor [N, K]; weight: float32 tensor [K] (diag H: each input's energy);
-    base: float16 [N, K/128]. Returns float16 [N, K/128]. Ties keep the earlier factor."""
-    import torch
-
-    n, k = w.shape
-    groups = w.view(n, k // GROUP_SIZE, GROUP_SIZE)
-    weight = weight.view(1, k // GROUP_SIZE, GROUP_SIZE)
-    base_t = torch.from_numpy(base.astype(np.float32)).to(w.device)
-    best, best_err = None, None
-    for f in shrink:
-        s = (base_t * f).half().float()[:, :, None]  # the fp16 scale the file will hold
-        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-        q = torch.clamp(torch.round(groups * inv), QMIN, QMAX)
-        err = (weight * (groups - q * s) ** 2).sum(-1)  # [N, K/128]
-        if best is None:
-            best, best_err = s[:, :, 0].clone(), err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, s[:, :, 0], best), torch.minimum(err, best_err)
-    return best.cpu().numpy().astype(np.float16)
-
-
 def gptq_quantize(
     w: np.ndarray,
     hessian,
@@ -129,8 +102,8 @@ def gptq_quantize(
 
     w: float [N, K], K % 128 == 0; hessian: float [K, K] (numpy or torch, any device),
     symmetric positive semi-definite (X^T X of the projection's input, any positive scale).
-    scales (SCALE_RULES): rtn = quant.quantize's max|w| / 7; signed = quant.signed_scales;
-    search = searched_scales from signed, weighted by diag H. Returns (q: int8 [N, K] in
+    scales (SCALE_RULES): rtn = quant.quantize's max|w| / 7; signed = quant.signed_scales.
+    Returns (q: int8 [N, K] in
     [-8, 7], scales: float16 [N, K/128]) as quant.quantize does. Runs in float32 on torch
     `device`; deterministic on a given device (no randomness, no atomics).
     """
@@ -147,8 +120,7 @@ def gptq_quantize(
     H = torch.as_tensor(hessian, dtype=torch.float32, device=device).clone()
     dead = torch.diag(H) <= 0
     H[dead, dead] = 1.0
-    group_scales = searched_scales(W, torch.diag(H), base) if scales == "search" else base
-    s = torch.from_numpy(group_scales.astype(np.float32)).to(device)
+    s = torch.from_numpy(base.astype(np.float32)).to(device)
     s = s.repeat_interleave(GROUP_SIZE, dim=1)  # [N, K]
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     if perm is not None:
@@ -171,7 +143,7 @@ def gptq_quantize(
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
-    return Q.cpu().numpy().astype(np.int8), group_scales
+    return Q.cpu().numpy().astype(np.int8), base
 
 
 def check_device(device: str) -> None:
