@@ -15,9 +15,9 @@ runs alongside on the same windows, and each projection is quantized towards the
 output on the float input, not towards its float weight's output on the quantized input (what
 plain sequential GPTQ matches, leaving the predecessors' error in place). GPTQ then runs on
 _float_target's weight, the least-squares fit of that output on the quantized input (damped),
-with the same Hessian: each projection also corrects the error its predecessors left. Real
-0.5B, 4 windows: perplexity gap +6.6% against +7.9% without (rtn +18.2%); it costs a second
-forward pass and a second K x K product per projection group (the 0.5B's pass ~2.2x as long).
+with the same Hessian: each projection also corrects the error its predecessors left. It costs
+a second forward pass and a second K x K product per projection group; what it gains is in
+docs/EXPERIMENTS.md (Quantization).
 
 The arithmetic is the reference model's (nanoqwen.reference: rms_norm, attention through a paged
 KV cache, the SwiGLU MLP) in float32 on a torch device (the CPU by default). Only one layer's

@@ -96,9 +96,9 @@ class SpeculativeConfig:
 
     # n-grams of 3+ tokens: single-token matches also draft on open-ended chat, where the
     # drafts are rarely accepted and each verify step costs more than a decode step. K at its
-    # most: an edit copies runs longer than 8 tokens, and 16 rows cost little more than 9
-    # (the real 1.5B's verify step: 1352 against 1212 us). The measured choices are in
-    # docs/EXPERIMENTS.md (Speculative decoding).
+    # most: an edit copies runs longer than a few tokens, and the verify step's cost grows
+    # little with its rows. The measured choices are in docs/EXPERIMENTS.md (Speculative
+    # decoding).
     method: str = "ngram"
     k: int = MAX_DRAFT_TOKENS
     n_min: int = 3
