@@ -1,12 +1,16 @@
 """CPU (no GPU): speculative sampling on the device (speculate.cu's sample_rows and
 accept_sampled over sampler.cuh, which sample_finish shares), emulated in numpy line by line in
-float32, against nanoqwen.speculative's rule: the kept set's p against sampling.probabilities,
+float32 (the thresholds' selection in exact integers), against nanoqwen.speculative's rule: the
+kept set's thresholds against the rule by brute force on every route of the selection and on
+adversarial rows, the kept set's p against sampling.probabilities,
 the accept / reject decisions for given uniforms, the residual draw's distribution, whole steps
 over counter-based randoms keeping each emitted token's distribution, the counters never
 reused; and the launchers' arguments. dev/speculate_sampled_check.py runs the kernels on a GPU
 against the plain loop."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -21,7 +25,10 @@ from nanoqwen.sampling import SamplingParams, probabilities
 from nanoqwen.speculative import SpeculativeConfig
 
 THREADS = registry.DEFAULT_GEOMETRY.sample_threads  # kSampleThreads
-ITERS = registry.DEFAULT_GEOMETRY.search_iters  # kSearchIters
+CANDIDATES = registry.DEFAULT_GEOMETRY.sample_candidates  # kSampleCandidates
+BINS, DIGIT_BITS = 2048, 11  # sampler.cuh's kSelectBins, kDigitBits
+MASS_SCALE = 2.0**40  # kMassScale
+FLOOR_NATS = 32.0  # kMassFloorNats
 ACCEPT_COUNTER = 1 << 32  # sampler.cuh's kAcceptCounter
 F = np.float32
 LOG2E = F(1.4426950408889634)
@@ -42,37 +49,122 @@ def uniform01(seed: int, counter: int) -> float:
     return float(F(z >> 40) * F(1.0 / 16777216.0))
 
 
-def kept_set(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def order_keys(x: np.ndarray) -> np.ndarray:
+    """order_key: float32 -> uint32, monotone."""
+    b = np.asarray(x, F).view(np.uint32)
+    return np.where(b & 0x80000000, ~b, b | 0x80000000).astype(np.uint32)
+
+
+def key_values(k: np.ndarray) -> np.ndarray:
+    """key_value: uint32 -> float32 (key 0: a NaN)."""
+    k = np.asarray(k, np.uint32)
+    return np.where(k & 0x80000000, k & 0x7FFFFFFF, ~k).astype(np.uint32).view(F)
+
+
+def mass_weights(logits: np.ndarray, m, inv_t) -> np.ndarray:
+    """mass_weight: exp2f(...) * 2^40 truncated, uint64 (NaN -> 0, as cvt.rzi does)."""
+    w = np.exp2((logits - m) * inv_t * LOG2E).astype(F).astype(np.float64) * MASS_SCALE
+    return np.floor(np.nan_to_num(w, nan=0.0)).astype(np.uint64)
+
+
+def mass_target(top_p: F, z: int) -> int:
+    """ceil(top_p * Z) in double, as mass_target."""
+    return math.ceil(float(top_p) * float(z))
+
+
+def first_reaching(w: np.ndarray, base: int, target: int) -> int:
+    """find_crossing: the first item where base + the inclusive prefix of w reaches target."""
+    hit = np.flatnonzero(base + np.cumsum(w, dtype=np.uint64) >= np.uint64(target))
+    return int(hit[0]) if hit.size else -1
+
+
+def candidates(keys: np.ndarray, klow: int) -> np.ndarray:
+    """gather_candidates: the keys >= klow sorted descending (ids ascending among ties)."""
+    return np.sort(keys[keys >= klow])[::-1]
+
+
+def select_key(keys, logits, m, inv_t, mass: bool, target: int, top_p, klo: int, cap: int):
+    """select_key: (K or None, the sorted candidates or None, the target used)."""
+    khi = int(order_keys(np.array([m]))[0])
+    s = max(0, (khi - klo).bit_length() - DIGIT_BITS)
+    fw = mass_weights(logits, m, inv_t) if mass else np.ones(len(keys), np.uint64)
+    above_w = above_n = 0
+    while True:
+        inside = (keys >= klo) & (keys <= khi)
+        bins = (khi - keys[inside].astype(np.int64)) >> s
+        count = np.bincount(bins, minlength=BINS).astype(np.uint64)
+        weight = np.zeros(BINS, np.uint64)
+        np.add.at(weight, bins, fw[inside])
+        if target == 0:
+            target = mass_target(top_p, int(weight.sum(dtype=np.uint64)))
+        b = first_reaching(weight, above_w, target)
+        before_n = int(count[:b].sum())
+        if above_n + before_n + int(count[b]) <= cap:
+            klow = max(klo, khi - ((b + 1) << s) + 1, 0)
+            return None, candidates(keys, klow), target
+        if s == 0:
+            return khi - b, None, target
+        above_w += int(weight[:b].sum(dtype=np.uint64))
+        above_n += before_n
+        khi -= b << s
+        klo = max(klo, khi - ((1 << s) - 1), 0)
+        s = max(0, s - DIGIT_BITS)
+
+
+def local_maxima(keys: np.ndarray) -> np.ndarray:
+    """local_maxima: thread t's largest key among ids t, t + THREADS, ..., sorted descending
+    (threads without ids: key 0)."""
+    per = -(-len(keys) // THREADS)
+    padded = np.zeros(per * THREADS, np.uint32)
+    padded[: len(keys)] = keys
+    return np.sort(padded.reshape(per, THREADS).max(axis=0))[::-1]
+
+
+def thresholds(logits: np.ndarray, params: SamplingParams, cap: int = CANDIDATES):
+    """kept_set's (tk, tp) keys (0: every logit kept), with kSampleCandidates = cap."""
+    v, m = len(logits), F(logits.max())
+    temp, top_p, k = F(params.temperature), F(params.top_p), params.top_k
+    inv_t = F(1) / temp
+    keys = order_keys(logits)
+    by_k, by_p = 0 < k < v, top_p < 1
+    tk, resident = 0, None
+    if by_k:
+        klo = int(local_maxima(keys)[k - 1]) if k <= THREADS else 0
+        key, cands, _ = select_key(keys, logits, m, inv_t, False, k, top_p, klo, cap)
+        tk, resident = (int(cands[k - 1]), cands) if cands is not None else (key, None)
+    tp = tk
+    if by_p:
+        if resident is not None:
+            ck = resident[resident >= tk]
+            fw = mass_weights(key_values(ck), m, inv_t)
+            target = mass_target(top_p, int(fw.sum(dtype=np.uint64)))
+            tp = int(ck[first_reaching(fw, 0, target)])
+        else:
+            klo, target = tk, 0
+            if not by_k:
+                lmax = local_maxima(keys)
+                target = mass_target(top_p, int(mass_weights(logits, m, inv_t).sum()))
+                j = first_reaching(mass_weights(key_values(lmax), m, inv_t), 0, target)
+                floor = order_keys(np.array([m - F(FLOOR_NATS) * temp]))[0]
+                klo = int(lmax[j] if j >= 0 else floor)
+            key, cands, target = select_key(keys, logits, m, inv_t, True, target, top_p, klo, cap)
+            if cands is not None:
+                fw = mass_weights(key_values(cands), m, inv_t)
+                key = int(cands[first_reaching(fw, 0, target)])
+            tp = key
+    return tk, tp
+
+
+def kept_set(logits: np.ndarray, params: SamplingParams, cap: int = CANDIDATES):
     """kept_set + kept_weight: (kept bool [V]: logit >= tp, the weights float32 [V], 0 outside
     the kept set)."""
-    v, m = len(logits), F(logits.max())
-    temp, top_p = F(params.temperature), F(params.top_p)
-    inv_t = F(1) / temp
-
-    def weights(kept):
-        return np.where(kept, np.exp2((logits - m) * inv_t * LOG2E), F(0)).astype(F)
-
-    lo, hi = F(-3.0e38), m
-    if 0 < params.top_k < v:
-        lo = min(F(m - F(1)), F(logits.min()))
-        for _ in range(ITERS):
-            mid = F(0.5) * (lo + hi)
-            if (logits >= mid).sum() >= params.top_k:
-                lo = mid
-            else:
-                hi = mid
-    tk = tp = lo
-    if top_p < 1:
-        z = weights(logits >= tk).sum(dtype=F)
-        plo, phi = (F(m - F(200) * temp) if tk < -1e37 else tk), m
-        for _ in range(ITERS):
-            mid = F(0.5) * (plo + phi)
-            if weights((logits >= mid) & (logits >= tk)).sum(dtype=F) >= top_p * z:
-                plo = mid
-            else:
-                phi = mid
-        tp = max(plo, tk)
-    return logits >= tp, weights(logits >= tp)
+    m, inv_t = F(logits.max()), F(1) / F(params.temperature)
+    if params.top_p < 1 or 0 < params.top_k < len(logits):
+        tp = key_values(np.uint32(max(thresholds(logits, params, cap))))[()]
+    else:
+        tp = F(-3.0e38)  # temperature only: no threshold work
+    kept = logits >= tp
+    return kept, np.where(kept, np.exp2((logits - m) * inv_t * LOG2E), F(0)).astype(F)
 
 
 def kept_parts(w: np.ndarray, exclude: int) -> np.ndarray:
@@ -151,7 +243,7 @@ def random_logits(rng, v: int) -> np.ndarray:
 @pytest.mark.parametrize("v", [17, 111, 4097, 151936])
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"t{p.temperature}k{p.top_k}p{p.top_p}")
 def test_kept_set_is_probabilities(v, params):
-    """The device's p (bisection thresholds, ties kept) is sampling.probabilities' p. Random
+    """The device's p (exact selections, ties kept) is sampling.probabilities' p. Random
     logits have no ties; a top-p cut can still differ where the mass before the boundary token
     is within float32 noise of top_p (then only that token may differ)."""
     rng = np.random.default_rng()
@@ -168,6 +260,82 @@ def test_kept_set_is_probabilities(v, params):
             assert differ.size == 1 and abs(before[rank[int(differ[0])]] - params.top_p) < 1e-5
             continue
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+def exact_rule(logits: np.ndarray, params: SamplingParams) -> tuple[int, int]:
+    """sampler.cuh's rule by brute force over all logits sorted: (tk, tp) keys. tk: the k-th
+    largest key; tp: the first sorted key >= tk where the fixed-point prefix mass reaches
+    ceil(top_p * mass(l >= tk))."""
+    keys = np.sort(order_keys(logits))[::-1]
+    m, inv_t = F(logits.max()), F(1) / F(params.temperature)
+    tk = int(keys[params.top_k - 1]) if 0 < params.top_k < len(logits) else 0
+    if params.top_p >= 1:
+        return tk, tk
+    inside = keys[keys >= tk]
+    fw = mass_weights(key_values(inside), m, inv_t)
+    target = mass_target(F(params.top_p), int(fw.sum(dtype=np.uint64)))
+    return tk, int(inside[first_reaching(fw, 0, target)])
+
+
+def adversarial_logits(rng, v: int) -> dict[str, np.ndarray]:
+    """Ties at and around the k-th value, few distinct values, one value everywhere, a peaked
+    row, a flat row, huge and tiny spreads."""
+    base = random_logits(rng, v)
+    few = rng.choice(np.array([-3.0, 0.5, 2.25, 7.0], F), v)
+    ties = base.copy()
+    ties[rng.choice(v, min(v, 200), replace=False)] = F(np.sort(base)[-min(v, 40)])
+    peaked = base.copy()
+    peaked[rng.integers(v)] = F(base.max() + 25)
+    return {
+        "random": base,
+        "ties_at_k": ties,
+        "few_values": few.astype(F),
+        "all_equal": np.full(v, F(1.5)),
+        "peaked": peaked,
+        "flat": (rng.standard_normal(v) * 0.05).astype(F),
+        "wide": (rng.standard_normal(v) * 40).astype(F),
+        "negative": (rng.standard_normal(v) * 0.5 - 30).astype(F),
+    }
+
+
+EXACT_PARAMS = [
+    *PARAMS,
+    SamplingParams(temperature=0.1, top_k=50, top_p=0.95),
+    SamplingParams(temperature=1.0, top_k=40),
+    SamplingParams(temperature=0.8, top_k=1500, top_p=0.9),  # top-k above kSampleThreads
+    SamplingParams(temperature=1.0, top_k=2, top_p=0.999),
+    SamplingParams(temperature=0.3, top_p=0.5),
+]
+
+
+@pytest.mark.parametrize("v", [17, 1000, 4097, 151936])
+@pytest.mark.parametrize(
+    "params", EXACT_PARAMS, ids=lambda p: f"t{p.temperature}k{p.top_k}p{p.top_p}"
+)
+def test_thresholds_are_the_exact_rule(v, params):
+    """Every route of the selection (the default candidate cap; caps of 1 and 37, which force
+    the histogram levels down to single keys) gives exactly the brute-force rule's keys, on
+    random and adversarial rows (exact: counts and fixed-point masses are integers)."""
+    rng = np.random.default_rng()
+    for name, logits in adversarial_logits(rng, v).items():
+        want = exact_rule(logits, params)
+        for cap in (CANDIDATES, 37, 1):
+            assert thresholds(logits, params, cap) == want, (name, cap)
+
+
+def test_kept_set_keeps_ties_and_degenerate_settings():
+    """Ties at the k-th value are all kept; top_k above the distinct values keeps them all;
+    top_k = 1 keeps the maximal logits; top_p = 1 with top_k off keeps every logit."""
+    rng = np.random.default_rng()
+    logits = rng.choice(np.array([0.0, 1.0, 2.0, 3.0], F), 5000).astype(F)
+    kept, _ = kept_set(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert kept.sum() == (logits == 3).sum() and kept.sum() > 3
+    kept, _ = kept_set(logits, SamplingParams(temperature=1.0, top_k=4999))
+    assert kept.all()  # the 4999th largest is 0.0, the least value: every logit ties or passes
+    kept, _ = kept_set(logits, SamplingParams(temperature=0.5, top_k=1))
+    assert np.array_equal(kept, logits == 3)
+    kept, w = kept_set(logits, SamplingParams(temperature=2.0))
+    assert kept.all() and np.all(w > 0)
 
 
 def test_accept_decisions_follow_the_rule():

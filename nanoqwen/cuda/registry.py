@@ -108,14 +108,15 @@ class Geometry:
     mr_min_pairs: int = 8  # host only
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
     # flight a warp (fp16 rows; int8 rows, half the bytes, so twice as many keep the same
-    # bytes in flight), the sampler's block and bisection steps.
+    # bytes in flight), the sampler's block and the most candidates its thresholds sort in
+    # shared memory (sampler.cuh: 8 bytes each, beside 24 KB of histogram bins).
     misc_threads: int = 256
     lm_warps: int = 8
     lm_max_slots: int = 4
     lm_q8_max_slots: int = 8
     lm_ring: int = 200 * 1024  # host only: the shared memory lm_head's slots may take
     sample_threads: int = 1024
-    search_iters: int = 32
+    sample_candidates: int = 2048
     # decode_attention.cu: consumer warps (one producer more), the most splits along the
     # sequence, pages in flight a CTA, CTAs a cluster merges, the fewest pages a cluster rank
     # owns, the merge's independent loads a thread, and the grid's target size.
@@ -562,7 +563,7 @@ def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[K
                    lm_head_smem_bytes(config, g, int8=True),
                    tunables=("kLmWarps", "kLmQ8MaxSlots")),
         KernelSpec("sample", MISC, "sample_finish", g.sample_threads,
-                   tunables=("kSampleThreads", "kSearchIters")),
+                   tunables=("kSampleThreads", "kSampleCandidates")),
         KernelSpec("attention", ATTENTION, "attn_decode", g.attn_threads, attn_smem,
                    tunables=_ATTN_TUNABLES),
     )  # fmt: skip
@@ -592,7 +593,7 @@ def speculate_specs(g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
                    tunables=("kDraftThreads", "kDraftLoads", "kVerifyRows")),
         KernelSpec("accept_greedy", SPECULATE, "accept_greedy", 32, tunables=("kVerifyRows",)),
         KernelSpec("sample_rows", SPECULATE, "sample_rows", g.sample_threads,
-                   tunables=("kSampleThreads", "kSearchIters")),
+                   tunables=("kSampleThreads", "kSampleCandidates")),
         KernelSpec("accept_sampled", SPECULATE, "accept_sampled", 32, tunables=("kVerifyRows",)),
     )  # fmt: skip
 

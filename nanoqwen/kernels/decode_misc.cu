@@ -293,7 +293,9 @@ lm_head_argmax_q8(const half* __restrict__ x, const half* __restrict__ norm_w,
 // host_ring int32 [max_new] mapped pinned host memory (may be null): the host streams from it
 // cancel   int32 * mapped pinned host flag (may be null): nonzero stops after this token
 // cond     graph conditional handle of the generation while-loop (0 = none): set to !done
-extern "C" __global__ void __launch_bounds__(kSampleThreads)
+// One block an SM in the bounds: without it ptxas aimed at two (32 registers) and spilled
+// kept_set's selection state (ptxas -v: 168 bytes; with it 64 registers, none).
+extern "C" __global__ void __launch_bounds__(kSampleThreads, 1)
 sample_finish(const float* __restrict__ logits, unsigned long long* key, int* state, int* ring,
               volatile int* host_ring, const volatile int* cancel,
               unsigned long long cond, int V) {
