@@ -24,8 +24,10 @@ KV cache, the SwiGLU MLP) in float32 on a torch device (the CPU by default). Onl
 float weights are held at a time (`get` reads them on demand), plus the hidden states of the
 calibration windows.
 
-Calibration text: the opening WINDOW tokens of Python standard-library files (CALIBRATION_FILES,
-found in the running interpreter's stdlib). dev/quant_ppl.py evaluates on other files.
+Calibration text: consecutive WINDOW-token windows of Python standard-library files
+(CALIBRATION_FILES, found in the running interpreter's stdlib), the opening window of every file
+first, then the second of those long enough, and so on. dev/quant_ppl.py evaluates on other
+files.
 """
 
 from __future__ import annotations
@@ -84,9 +86,10 @@ CALIBRATION_FILES = (
     "trace.py",
     "warnings.py",
 )
-# 32 windows: more tokens than the widest input (down_proj's K: 4864 on the 0.5B, 8960 on the
-# 1.5B), whose Hessian 4096 tokens leave rank-deficient (0.5B: gap +12.2% at 4096, EXPERIMENTS).
-DEFAULT_CALIBRATION_TOKENS = 16384
+# 80 windows, 4.6x the widest input of the 1.5B (down_proj's K, 8960; 2.2x the 7B's 18944): a
+# Hessian from few more tokens than K is rank-deficient and GPTQ fits its few directions (the
+# 1.5B's gap +7.6% at 16384 tokens, +6.3% at 40960: docs/EXPERIMENTS.md, Quantization).
+DEFAULT_CALIBRATION_TOKENS = 40960
 
 # Logical projection groups that share one input, in the order the forward reaches them.
 _QKV, _GATE_UP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
@@ -109,9 +112,22 @@ def stdlib_windows(tokenizer, files: tuple[str, ...], count: int) -> np.ndarray:
 
 
 def calibration_windows(tokenizer, tokens: int = DEFAULT_CALIBRATION_TOKENS) -> np.ndarray:
-    """int64 [tokens / WINDOW, WINDOW] calibration windows (CALIBRATION_FILES)."""
+    """int64 [tokens / WINDOW, WINDOW] calibration windows: window j of every CALIBRATION_FILES
+    file long enough for it, j = 0, 1, ... (so the text spreads over every file before any
+    file gives a second window)."""
     count = max(1, tokens // WINDOW)
-    return stdlib_windows(tokenizer, CALIBRATION_FILES, count)
+    files = list(stdlib_token_ids(tokenizer, CALIBRATION_FILES, WINDOW))
+    windows = []
+    for j in range(max((len(ids) // WINDOW for ids in files), default=0)):
+        for ids in files:
+            if len(ids) >= (j + 1) * WINDOW:
+                windows.append(ids[j * WINDOW : (j + 1) * WINDOW])
+                if len(windows) == count:
+                    return np.asarray(windows, dtype=np.int64)
+    raise ConvertError(
+        f"calibration: found {len(windows)} of {count} {WINDOW}-token windows in the Python "
+        f"standard-library files under {stdlib_root()}"
+    )
 
 
 def _tensor(get: Getter, name: str, device) -> torch.Tensor:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from test_convert import CFG, grid_weights, write_hf
 
-from nanoqwen.calibrate import WINDOW, _float_target, quantize_model
+from nanoqwen import calibrate
+from nanoqwen.calibrate import WINDOW, _float_target, calibration_windows, quantize_model
 from nanoqwen.config import PROJECTIONS
 from nanoqwen.convert.hf import read_hf
 from nanoqwen.errors import ConvertError
@@ -232,3 +233,21 @@ def test_quantize_model_float_target():
         np.testing.assert_array_equal(again[name][1], s)
         same = name.startswith("layers.0.") and name[9:] in ("q_proj", "k_proj", "v_proj")
         assert same == (np.array_equal(plain[name][0], q) and np.array_equal(plain[name][1], s))
+
+
+def test_calibration_windows_take_every_file_before_a_second_window(monkeypatch):
+    """Window j of every file long enough, then window j + 1: three files of 2.5, 1 and 2
+    windows give their openings, then the first and the third file's second windows; asking
+    for more than the text holds is a ConvertError naming the count."""
+    lengths = {"a": 5 * WINDOW // 2, "b": WINDOW, "c": 2 * WINDOW}
+    texts = {f: [ord(f) * 10000 + i for i in range(n)] for f, n in lengths.items()}
+    monkeypatch.setattr(calibrate, "CALIBRATION_FILES", tuple(texts))
+    monkeypatch.setattr(calibrate, "stdlib_token_ids", lambda _tok, files, _n: iter(
+        texts[f] for f in files))  # fmt: skip
+    w = calibration_windows(None, 5 * WINDOW)
+    assert w.shape == (5, WINDOW) and w.dtype == np.int64
+    starts = [(chr(int(row[0]) // 10000), int(row[0]) % 10000) for row in w]
+    assert starts == [("a", 0), ("b", 0), ("c", 0), ("a", WINDOW), ("c", WINDOW)]
+    assert all((np.diff(row) == 1).all() for row in w)  # consecutive tokens of one file
+    with pytest.raises(ConvertError, match="found 5 of 6"):
+        calibration_windows(None, 6 * WINDOW)
