@@ -193,8 +193,9 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   __shared__ __align__(8) unsigned long long recv_bar;
 
   // Cluster cl of this kv head; rank = %cluster_ctarank for clusters of (1, kAttnCluster, 1).
-  const int kvh = blockIdx.x, rank = blockIdx.y % kAttnCluster;
-  int cl = blockIdx.y / kAttnCluster;
+  const int kvh = blockIdx.x;
+  int cl = blockIdx.y / kAttnCluster;  // batched: the launch's cluster, then attn_batch_slot's
+  const int rank = blockIdx.y % kAttnCluster;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const uint32_t ring_s = smem_addr(ring);
   if (tid == 0) {
@@ -226,14 +227,15 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     b = slot.b, cl = slot.cl, ncl = slot.ncl, L = slot.L;
   } else {
     L = *pos + 1;
+  }
+  const int P = (L + kPageTokens - 1) / kPageTokens;
+  if constexpr (!kBatched) {
     // grid y: the launch's split cap; a cluster covers kAttnCluster * kAttnMinPages pages at
     // least
     constexpr int kClusterPages = kAttnCluster * kAttnMinPages;
     const int max_cl = min((int)gridDim.y, kAttnSplits) / kAttnCluster;
-    const int pages_l = (L + kPageTokens - 1) / kPageTokens;
-    ncl = min(max_cl, (pages_l + kClusterPages - 1) / kClusterPages);
+    ncl = min(max_cl, (P + kClusterPages - 1) / kClusterPages);
   }
-  const int P = (L + kPageTokens - 1) / kPageTokens;
   if (cl >= ncl) return;  // uniform over the cluster: an empty one
   const int cb = cl * P / ncl, ce = (cl + 1) * P / ncl;  // >= 1 page (ncl <= P)
   const int pb = cb + rank * (ce - cb) / kAttnCluster;
