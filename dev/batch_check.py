@@ -1,7 +1,7 @@
 """The batched decode step (issue #28, engine/batch.py) on a .nanoqwen file: checked against
 the single-stream engine, then timed by batch size (sm_90 GPU, one command).
 
-    PYTHONPATH=. python3 dev/batch_check.py FILE --out DIR [--parts correct,timing]
+    PYTHONPATH=. python3 dev/batch_check.py FILE --out DIR [--parts correct,timing,speculative]
         [--steps 64] [--long 8192]
 
 Parts (each runs on its own: a failing part is logged and the others still run):
@@ -27,6 +27,10 @@ timing   (runs first) B = 1, 2, 4, 8, 16 sequences at context 512, and 16 with o
          and the whole decode_batch call (host staging, launch, sync: wall clock, median of
          20), against the plain decode step (forward + sampler) at the same context in the
          same run: us, ratio, aggregate tokens/s.
+
+speculative  a backend built with speculative=SpeculativeConfig() (after the first one is
+         closed) runs three repetitive prompts through decode_batch: one token a sequence a
+         step, the tokens compared with the plain backend's run of the same (reported).
 
 Output: the log and DIR/batch_check.json (top level: {"parts": ..., "correct": ...,
 "timing": ..., "result": "PASS" | "FAIL"}); the last line is RESULT PASS or RESULT FAIL.
@@ -404,11 +408,53 @@ def check_timing(e: CudaBackend, args, log) -> dict:
             "ok": e.block_manager.pages_held == 0}  # fmt: skip
 
 
+def small_run(e: CudaBackend) -> dict:
+    """Three repetitive prompts (n-gram drafts would find matches), greedy, prefilled and run
+    16 decode_batch steps together: each step must return one token a sequence and advance
+    each kv_len by one. Returns the tokens and whether every step did."""
+    pattern = list(range(100, 140))
+    prompts = [pattern * 6, pattern[:20] * 9 + [7], [5, 6, 7, 8] * 30]
+    d = Driver(e)
+    seqs = [Seq(p, SamplingParams(max_tokens=1 << 20), name=f"rep{i}", target=1 << 20)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    for s in seqs:
+        d.admit(s)
+        while not d.prefill_step(s):
+            pass
+    one_a_step = True
+    for _ in range(16):
+        before = [s.kv_len for s in seqs]
+        out = d.decode(seqs)
+        one_a_step &= len(out) == len(seqs) and all(
+            s.kv_len == b + 1 for s, b in zip(seqs, before, strict=True)
+        )
+    for s in seqs:
+        d.leave(s)
+    return {"tokens": [s.tokens for s in seqs], "one_token_a_step": one_a_step}
+
+
+def check_speculative(f, max_context: int, kv_tokens: int, plain: dict, log) -> dict:
+    """A backend built with speculative=... answers decode_batch one token a step, the same
+    tokens as the plain backend's (the batch path has no drafts)."""
+    from nanoqwen.speculative import SpeculativeConfig
+
+    e = CudaBackend(f, max_context, kv_tokens=kv_tokens, speculative=SpeculativeConfig())
+    try:
+        got = small_run(e)
+    finally:
+        e.close()
+    same = got["tokens"] == plain["tokens"]
+    log(f"  speculative engine: one token a step {got['one_token_a_step']}, tokens equal to "
+        f"the plain engine's {same}")  # fmt: skip
+    return {"ok": got["one_token_a_step"] and plain["one_token_a_step"], "same_tokens": same}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", help=".nanoqwen model file")
     ap.add_argument("--out", required=True, help="directory for the log and batch_check.json")
-    ap.add_argument("--parts", default="correct,timing", help="comma list: correct,timing")
+    ap.add_argument("--parts", default="correct,timing,speculative",
+                    help="comma list: correct,timing,speculative")  # fmt: skip
     ap.add_argument("--steps", type=int, default=64, help="decode steps of the longest rows")
     ap.add_argument("--long", type=int, default=8192, help="the long sequence's prompt")
     ap.add_argument("--kv-tokens", type=int, default=65536, help="the KV pool's positions")
@@ -439,7 +485,13 @@ def main() -> int:
                 run_part("timing", results, log, lambda: check_timing(e, args, log))
             if "correct" in parts:
                 run_part("correct", results, log, lambda: check_correct(e, args, log))
+            plain = None
+            if "speculative" in parts:
+                plain = run_part("plain_small", results, log, lambda: small_run(e))
             e.close()
+            if plain is not None:
+                run_part("speculative", results, log, lambda: check_speculative(
+                    f, max_context, args.kv_tokens, plain, log))  # fmt: skip
     ok = results.get("load") is not None and all(
         (results.get(p) or {}).get("ok", False) for p in parts
     )
