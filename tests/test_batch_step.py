@@ -210,3 +210,13 @@ def test_spare_clusters_are_the_single_streams(name):
     assert spare_clusters(cfg, g) * g.attn_cluster == max(
         g.attn_cluster, per_head // g.attn_cluster * g.attn_cluster
     )
+
+
+def test_memory_command_with_pool_and_batch(capsys):
+    from nanoqwen.cli import main
+
+    assert main(["memory", "--model", "7b", "--context", "8192", "--kv-tokens", "131072"]) == 0
+    out = capsys.readouterr().out
+    assert "batch " in out and "7.00 GiB" in out  # 131072 + 16 positions of 56 KB
+    assert main(["memory", "--model", "7b", "--max-batch", "0"]) == 0
+    assert "batch " not in capsys.readouterr().out

@@ -148,7 +148,7 @@ def test_memory_command(capsys):
     out = capsys.readouterr().out
     assert "kv_cache" in out and "fits; the longest context that fits: 32768" in out
     assert main(["memory", "--model", "32b", "--free-gib", "24"]) == 1
-    largest = memory.largest_context(preset("32b"), 24 * GIB)
+    largest = memory.largest_context(preset("32b"), 24 * GIB, max_batch=16)  # the default
     assert f"does NOT fit; the longest context that fits: {largest}" in capsys.readouterr().out
     assert main(["memory", "--model", "32b", "--context", "40000"]) == 2
     assert "max_position_embeddings" in capsys.readouterr().err

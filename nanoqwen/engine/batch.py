@@ -266,6 +266,7 @@ class BatchStep:
         words = np.ctypeslib.as_array((ctypes.c_int32 * self.layout.words).from_address(host))
         words[:] = 0
         self.stager = RowStager(words, self.layout, kv.pad_page)
+        self._tokens = np.empty(max_batch + 1, np.int32)  # the host's copy of buf["out"]
         self._graphs: dict[int, object] = {}
 
     def word(self, at: int) -> int:
@@ -326,8 +327,7 @@ class BatchStep:
         with self.gpu.guard("batch step"):
             m = self.stage(seqs)
             self.graph(m).launch(self.gpu.stream)
-            out = np.empty(len(seqs), np.int32)
-            return self.gpu.download(self.buf["out"], out).tolist()
+            return self.gpu.download(self.buf["out"], self._tokens[: len(seqs)]).tolist()
 
     def sample_first(self, seq, logits: int, key: int) -> None:
         """Queue the draw of a sequence's next token from one row's logits fp32 [V] and argmax
@@ -339,7 +339,7 @@ class BatchStep:
 
     def read_first(self) -> int:
         """The token sample_first drew (synchronous)."""
-        out = np.empty(1, np.int32)
+        out = self._tokens[self.layout.rows :]
         return int(self.gpu.download(self.buf["out"] + 4 * self.layout.rows, out)[0])
 
     def forget(self, seq) -> None:

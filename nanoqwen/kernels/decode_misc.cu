@@ -7,6 +7,8 @@
 //                lm_head_argmax_q8 the same over an int8 W_lm with a scale a row
 // sample_finish  picks the token (greedy or temperature/top-k/top-p), advances the decode
 //                state on the device, writes the ring buffers, sets the while-loop condition
+// sample_batch   the same rule per row of the batched decode step, each row with its own
+//                parameters and draw counter (the host keeps each sequence's state)
 #include "common.cuh"
 #include "kv_cache.cuh"
 #include "sampler.cuh"
