@@ -1,7 +1,7 @@
 """The batched decode step (issue #28, engine/batch.py) on a .nanoqwen file: checked against
 the single-stream engine, then timed by batch size (sm_90 GPU, one command).
 
-    PYTHONPATH=. python3 dev/batch_check.py FILE --out DIR [--parts correct,timing,speculative]
+    PYTHONPATH=. python3 dev/batch_check.py FILE --out DIR [--parts timing,sampler,correct,...]
         [--steps 64] [--long 8192]
 
 Parts (each runs on its own: a failing part is logged and the others still run):
@@ -28,6 +28,9 @@ timing   (runs first) B = 1, 2, 4, 8, 16 sequences at context 512, and 16 with o
          20), against the plain decode step (forward + sampler) at the same context in the
          same run: us, ratio, aggregate tokens/s.
 
+sampler  sample_batch against sample_finish on the same logits: 16 rows of mixed parameters
+         (greedy, temperature, top-k, top-p; seeds and draw counters of their own) in one
+         launch, each row the plain sampler's token for its state words, bit for bit.
 speculative  a backend built with speculative=SpeculativeConfig() (after the first one is
          closed) runs three repetitive prompts through decode_batch: one token a sequence a
          step, the tokens compared with the plain backend's run of the same (reported).
@@ -401,6 +404,68 @@ def check_timing(e: CudaBackend, args, log) -> dict:
             "ok": e.block_manager.pages_held == 0}  # fmt: skip
 
 
+def argmax_keys(rows: np.ndarray) -> np.ndarray:
+    """u64 [R]: common.cuh's argmax_key of each row's largest logit (lowest id on ties)."""
+    ids = rows.argmax(axis=1)
+    bits = rows[np.arange(len(rows)), ids].view(np.uint32).astype(np.uint64)
+    keys = np.where(bits & 0x80000000, ~bits & 0xFFFFFFFF, bits | 0x80000000)
+    return (keys << np.uint64(32)) | (np.uint64(0xFFFFFFFF) - ids.astype(np.uint64))
+
+
+def check_sampler(e: CudaBackend, log) -> dict:
+    """sample_batch against sample_finish (the plain loop's sampler) on the same logits: 16
+    rows of mixed parameters (greedy, temperature alone, top-k, top-p, both; seeds and draw
+    counters of their own) drawn in one launch must give, row by row, the token the plain
+    sampler gives with that row's state words; 8 rounds of fresh logits."""
+    from nanoqwen.cuda.registry import STATE_WORDS
+
+    V, gpu, R = e.config.vocab_size, e.gpu, 16
+    rng = np.random.default_rng(5)
+    kinds = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 40, 1.0), (0.9, 0, 0.9), (1.2, 100, 0.8),
+             (0.5, 1, 1.0), (1.0, 2000, 0.95), (2.0, 0, 0.5)]  # fmt: skip
+    logits_d = gpu.alloc(R * V * 4, "check logits")
+    keys_d = gpu.alloc(R * 8, "check keys")
+    params_d = gpu.alloc(R * STATE_WORDS * 4, "check params")
+    tokens_d = gpu.alloc(R * 4, "check tokens")
+    state_d = gpu.alloc(STATE_WORDS * 4, "check state")
+    ring_d = gpu.alloc(1024 * 4, "check ring")
+    mismatches, draws = 0, 0
+    try:
+        for _ in range(8):
+            scale = rng.uniform(0.5, 4.0, (R, 1))
+            rows = (rng.standard_normal((R, V)) * scale).astype(np.float32)
+            params = np.zeros((R, STATE_WORDS), np.int32)
+            states = []
+            for r in range(R):
+                temp, top_k, top_p = kinds[r % len(kinds)]
+                st = DecodeState(step=int(rng.integers(0, 1000)), temperature=temp, top_k=top_k,
+                                 top_p=top_p, seed=int(rng.integers(0, 1 << 62)),
+                                 max_new=1 << 20)  # fmt: skip
+                st.to_words(params[r])
+                states.append(st)
+            keys = argmax_keys(rows)
+            gpu.upload(logits_d.ptr, rows)
+            gpu.upload(keys_d.ptr, keys)
+            gpu.upload(params_d.ptr, params)
+            with gpu.guard("sample_batch"):
+                e.batch.batch.sample(logits_d.ptr, keys_d.ptr, params_d.ptr, tokens_d.ptr, R)
+            got = gpu.download(tokens_d.ptr, np.empty(R, np.int32))
+            for r, st in enumerate(states):
+                gpu.upload(state_d.ptr, st.to_words())
+                gpu.upload(keys_d.ptr, keys[r : r + 1])
+                with gpu.guard("sample_finish"):
+                    e.kernels.sample(logits_d.ptr + r * V * 4, keys_d.ptr, state_d.ptr,
+                                     ring_d.ptr, 0, 0, 0)  # fmt: skip
+                want = gpu.download(state_d.ptr, np.empty(STATE_WORDS, np.int32))
+                draws += 1
+                mismatches += int(want[0] != got[r])  # StateWord.TOKEN
+    finally:
+        for b in (logits_d, keys_d, params_d, tokens_d, state_d, ring_d):
+            b.free()
+    log(f"  sample_batch against sample_finish: {draws - mismatches}/{draws} rows equal")
+    return {"ok": mismatches == 0, "rows": draws, "mismatches": mismatches}
+
+
 def small_run(e: CudaBackend) -> dict:
     """Three repetitive prompts (n-gram drafts would find matches), greedy, prefilled and run
     16 decode_batch steps together: each step must return one token a sequence and advance
@@ -446,8 +511,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", help=".nanoqwen model file")
     ap.add_argument("--out", required=True, help="directory for the log and batch_check.json")
-    ap.add_argument("--parts", default="correct,timing,speculative",
-                    help="comma list: correct,timing,speculative")  # fmt: skip
+    ap.add_argument("--parts", default="timing,sampler,correct,speculative",
+                    help="comma list: timing,sampler,correct,speculative")  # fmt: skip
     ap.add_argument("--steps", type=int, default=64, help="decode steps of the longest rows")
     ap.add_argument("--long", type=int, default=8192, help="the long sequence's prompt")
     ap.add_argument("--kv-tokens", type=int, default=65536, help="the KV pool's positions")
@@ -476,6 +541,8 @@ def main() -> int:
             # needs no page held, and a failed correctness part might leave some
             if "timing" in parts:
                 run_part("timing", results, log, lambda: check_timing(e, args, log))
+            if "sampler" in parts:
+                run_part("sampler", results, log, lambda: check_sampler(e, log))
             if "correct" in parts:
                 run_part("correct", results, log, lambda: check_correct(e, args, log))
             plain = None
