@@ -173,12 +173,14 @@ __device__ __forceinline__ AttnSlot attn_batch_slot(const int* pos, int rows, in
 // are unused and the code is the same as without them. The batched kernel's bound asks for 2
 // CTAs an SM, not 3: its plan holds two registers more over the main loop (b, cl), which at
 // the 128 registers of 3 CTAs spilled (ptxas -v: 20 bytes); 137 registers fit 2 CTAs of 5
-// warps, and at D = 128 the 96 KB ring lets no more than 2 reside anyway. kBatched = true: `rows` sequences of one
-// query token each (grid (kKVHeads, (rows + spare) x C): attn_batch_slot), sequence b's q, out,
-// pos, page table and scratch at b's stride: q/out rows [b kHeads + h], pos[b], pages + b
-// page_stride, part_ml/part_acc as [rows][kHeads][kAttnSplits][2 | D], counters [rows][kKVHeads].
+// warps, and at D = 128 the 96 KB ring lets no more than 2 reside anyway.
+// kBatched = true: `rows` sequences of one query token each (grid (kKVHeads, (rows + spare) x
+// C): attn_batch_slot), sequence b's q, out, pos, page table and scratch at b's stride: q/out
+// rows [b kHeads + h], pos[b], pages + b page_stride, part_ml/part_acc as
+// [rows][kHeads][kAttnSplits][2 | D], counters [rows][kKVHeads].
 template <bool kBatched>
-__global__ void __launch_bounds__(kAttnThreads, kBatched ? 2 : 3) __cluster_dims__(1, kAttnCluster, 1)
+__global__ void __launch_bounds__(kAttnThreads, kBatched ? 2 : 3)
+    __cluster_dims__(1, kAttnCluster, 1)
 attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,
             const int* __restrict__ pages, const int* pos, float* part_ml, float* part_acc,
             int* counters, half* __restrict__ out, int rows, int page_stride) {
@@ -299,7 +301,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     const float scale = kLog2e * rsqrtf((float)D);
     uint32_t qa[kAttnDK][2];  // A fragment {a0, a2} per k-step; a1 = a3 = 0 (rows 8..15)
     {
-      const uint32_t* qrow = reinterpret_cast<const uint32_t*>(q + (size_t)(b * kHeads + kvh * G + r) * D);
+      const uint32_t* qrow =
+          reinterpret_cast<const uint32_t*>(q + (size_t)(b * kHeads + kvh * G + r) * D);
 #pragma unroll
       for (int s = 0; s < kAttnDK; ++s) {
         qa[s][0] = r < G ? qrow[8 * s + c] : 0u;
