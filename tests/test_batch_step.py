@@ -220,3 +220,82 @@ def test_memory_command_with_pool_and_batch(capsys):
     assert "batch " in out and "7.00 GiB" in out  # 131072 + 16 positions of 56 KB
     assert main(["memory", "--model", "7b", "--max-batch", "0"]) == 0
     assert "batch " not in capsys.readouterr().out
+
+
+class _FakeGpu:
+    def ensure_ok(self):
+        pass
+
+
+class _RowsByToken:
+    """BatchStep's surface for decode_batch: each row's token = its fed token + 1000."""
+
+    def __init__(self):
+        self.rows = []
+
+    def step(self, seqs):
+        self.rows.append([s.slot for s in seqs])
+        return [last_token(s) + 1000 for s in seqs]
+
+    def forget(self, seq):
+        self.rows.append(("forget", seq.slot))
+
+
+def _backend(max_batch=4, max_context=256):
+    from nanoqwen.engine.backend import CudaBackend
+
+    e = object.__new__(CudaBackend)  # the batch primitives' host logic, no device
+    e.gpu, e.batch, e.max_batch, e.max_context = _FakeGpu(), _RowsByToken(), max_batch, max_context
+    return e
+
+
+def test_decode_batch_rows_by_slot_tokens_in_order():
+    e, bm = _backend(), BlockManager(64, prefix_caching=False)
+    seqs = [_seq(bm, [10 + i] * (3 + i), tokens=[20 + i]) for i in range(3)]
+    for s, slot in zip(seqs, (2, 0, 3), strict=True):
+        s.slot = slot
+    before = [s.kv_len for s in seqs]
+    out = e.decode_batch(seqs)
+    assert e.batch.rows == [[0, 2, 3]]  # rows in slot order
+    assert out == [1020, 1021, 1022]  # tokens in the order given
+    assert [s.kv_len for s in seqs] == [b + 1 for b in before]
+    e.release_slot(seqs[0])
+    assert e.batch.rows[-1] == ("forget", 2)
+
+
+def test_decode_batch_refuses_bad_calls():
+    e, bm = _backend(max_batch=2), BlockManager(64, prefix_caching=False)
+    a, b, c = (_seq(bm, [1, 2, 3]) for _ in range(3))
+    a.slot, b.slot, c.slot = 0, 0, 1
+    with pytest.raises(NanoqwenError, match="share a slot"):
+        e.decode_batch([a, b])
+    with pytest.raises(NanoqwenError, match=r"1\.\.2 sequences"):
+        e.decode_batch([a, b, c])
+    b.slot, b.kv_len = 1, 1
+    with pytest.raises(NanoqwenError, match="kv_len 1 must be len"):
+        e.decode_batch([a, b])
+    b.kv_len = 2
+    bm.release(b.table)  # no page for position 2
+    with pytest.raises(NanoqwenError, match="must be reserved"):
+        e.decode_batch([a, b])
+    e.batch = None
+    with pytest.raises(NanoqwenError, match="no batch path"):
+        e.decode_batch([a])
+    assert e.batch is None
+
+
+def test_prefill_chunk_refuses_bad_ranges():
+    from nanoqwen.errors import ContextError
+
+    e, bm = _backend(max_context=48), BlockManager(64, prefix_caching=False)
+    s = _seq(bm, list(range(32)))  # 32 positions reserved: 2 pages
+    s.kv_len = 0
+    with pytest.raises(NanoqwenError, match="kv_len 0 < end 33 <= 32"):
+        e.prefill_chunk(s, 33, sample=False)
+    with pytest.raises(NanoqwenError, match="covers 32 positions; 33 must be reserved"):
+        e.prefill_chunk(s, 32, sample=True)  # the sampled token's position too
+    long = _seq(bm, list(range(50)))
+    long.kv_len = 0
+    with pytest.raises(ContextError, match="longer than max_context 48"):
+        e.prefill_chunk(long, 50, sample=False)
+    assert s.kv_len == 0 and long.kv_len == 0
