@@ -219,9 +219,9 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   // and the current token's K/V row are (the q/k/v GEMV), so they are read after the wait.
   pdl_trigger();
   // b: the sequence (batched; else 0). Its q/out/scratch rows are addressed through the query
-  // head index b kHeads + h and its counter through b kKVHeads + kvh rather than by offset
-  // pointers, which would hold six 64-bit registers over the main loop where the kernel
-  // parameters stay in the constant bank.
+  // head index b kHeads + h and its counter through b kKVHeads + kvh: one register over the
+  // main loop, where offset pointers would be six 64-bit ones beside parameters that stay in
+  // the constant bank.
   int L, ncl, b = 0;
   if constexpr (kBatched) {
     // The batch's positions are staged by the host before the step: read before the wait too.
