@@ -7,6 +7,7 @@
     launcher.py  compile + load a set of registry specs; the one launch path
     decode.py    the decode kernels' launchers
     prefill.py   the prefill kernels' launchers
+    batch.py     the batched decode step's own kernels' launchers
 
 Nothing here imports cuda-core at module import time, so CPU-only code can import the package.
 """

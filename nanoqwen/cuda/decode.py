@@ -247,7 +247,7 @@ class DecodeKernels(Launcher):
         """
         c = self.config
         self.launch("attention", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages, pos,
-                    part_ml, part_acc, counters, out, stream=stream,
+                    part_ml, part_acc, counters, out, _I32(1), _I32(0), stream=stream,
                     per_token=c.kv_size * 2 * 2)  # fmt: skip
 
     def attention_scratch(self) -> AttentionScratch:

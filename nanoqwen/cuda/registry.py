@@ -565,7 +565,20 @@ def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[K
         KernelSpec("sample", MISC, "sample_finish", g.sample_threads,
                    tunables=("kSampleThreads", "kSampleCandidates")),
         KernelSpec("attention", ATTENTION, "attn_decode", g.attn_threads, attn_smem,
-                   tunables=_ATTN_TUNABLES),
+                   targs=(False,), tunables=_ATTN_TUNABLES),
+    )  # fmt: skip
+
+
+def batch_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
+    """The batched decode step's own kernels (engine/batch.py; its GEMVs are rows_specs', its
+    lm_head verify_specs'): attention over B sequences of one token each (attn_decode<true>)
+    and the per-row sampler (decode_misc.cu's sample_batch)."""
+    attn_smem = g.attn_stages * 2 * PAGE_TOKENS * config.head_dim * 2
+    return (
+        KernelSpec("attention_batch", ATTENTION, "attn_decode", g.attn_threads, attn_smem,
+                   targs=(True,), tunables=_ATTN_TUNABLES),
+        KernelSpec("sample_batch", MISC, "sample_batch", g.sample_threads,
+                   tunables=("kSampleThreads", "kSampleCandidates")),
     )  # fmt: skip
 
 
@@ -626,11 +639,13 @@ def prefill_specs(
 
 def kernel_table(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """Every kernel of the engine for `config`: the decode step's, the multi-row step's (M-row
-    GEMVs, attention, lm_head), speculation's drafting and acceptance, then the prefill's."""
+    GEMVs, attention, lm_head), the batched step's, speculation's drafting and acceptance, then
+    the prefill's."""
     return (
         decode_specs(config, g)
         + rows_specs(config, g)
         + verify_specs(config, g)
+        + batch_specs(config, g)
         + speculate_specs(g)
         + prefill_specs(config, g)
     )

@@ -23,6 +23,15 @@ Life of a generation (batch 1):
               generated tokens whose K/V the graph wrote are committed to the prefix cache
               (ring tokens 0 .. count - 2: the last sampled token never runs through a decode
               step), so a chat's next turn, which resends the reply, reuses them too.
+    batch     continuous batching (the scheduler in nanoqwen.batching drives it): the
+              block_manager admits a sequence, prefill_chunk runs its prompt in chunks
+              (forward.prefill into the sequence's table, the first token sampled from the
+              last row with the sequence's own params), decode_batch runs one token of up to
+              max_batch sequences through ONE pass over the weights (batch.BatchStep: a
+              graph per bucket of rows), release_slot forgets a leaving sequence's rows. The
+              KV pool (kv_tokens positions) is shared by every sequence; a sequence is at
+              most max_context positions long. Without speculative drafts; an int8 head
+              turns the batch path off (max_batch 0: lm_head_rows reads fp16 rows).
     speculate with speculative=SpeculativeConfig(...), every generation runs a speculative
               graph instead (speculate.SpecLoop: n-gram drafts verified over 1 + K rows,
               several tokens a step; greedy: the same tokens as the plain loop, sampled:
@@ -43,14 +52,17 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from ..backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
+from ..config import PAGE_TOKENS
 from ..cuda.decode import DecodeKernels
 from ..cuda.device import Gpu
 from ..cuda.launcher import Launch
 from ..cuda.prefill import PrefillKernels
-from ..cuda.registry import DEFAULT_GEOMETRY, Geometry
-from ..kv_pages import KVStats, PageTable
+from ..cuda.registry import DEFAULT_GEOMETRY, MAX_ROWS, Geometry, StateWord
+from ..errors import ContextError, NanoqwenError
+from ..kv_pages import BlockManager, KVStats, PageTable
 from ..sampling import SamplingParams
 from ..speculative import SpecStats, SpeculativeConfig
+from .batch import BatchStep
 from .decode_loop import DecodeLoop, DecodeState
 from .forward import Forward
 from .kv_cache import KVCache
@@ -71,6 +83,8 @@ class CudaBackend:
         pdl: bool = True,
         prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
+        kv_tokens: int | None = None,
+        max_batch: int = MAX_ROWS,
     ) -> None:
         """file: an open NanoqwenFile; geometry: the kernels' (registry.Geometry; dev/
         kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels;
@@ -78,7 +92,10 @@ class CudaBackend:
         speculative: generations verify n-gram drafts (speculate.py; None: one token a
         step). `spec_stats` holds the last generation's SpecStats. `speculative` may be set
         to None between generations, which then run the plain loop on the same engine
-        (dev/speculate_e2e.py); otherwise the speculative graphs run."""
+        (dev/speculate_e2e.py); otherwise the speculative graphs run. kv_tokens: the KV
+        pool's positions, shared by every sequence (None: max_context); max_batch: the most
+        sequences of one decode_batch (1..16; 0: no batch path, nothing of it allocated or
+        compiled; an int8 head forces 0)."""
         cfg = file.config
         self.config, self.file = cfg, file
         self.max_context = check_max_context(max_context, cfg)
@@ -87,21 +104,34 @@ class CudaBackend:
         self.speculative = speculative
         self.spec_stats = SpecStats()
         positions = kv_positions(self.max_context, speculative)
+        if kv_tokens is not None and kv_tokens < 1:
+            raise NanoqwenError(f"kv_tokens must be >= 1, got {kv_tokens}")
+        pool = kv_positions(kv_tokens or self.max_context, speculative)
+        if not 0 <= max_batch <= MAX_ROWS:
+            raise NanoqwenError(f"max_batch must be 0..{MAX_ROWS}, got {max_batch}")
+        self.max_batch = max_batch if file.lm_head == "float16" else 0
         self.gpu = Gpu()
         free, total = self.gpu.mem_info()  # the context exists; nothing of ours yet
         self._free_at_start = free
         self.plan = check_memory(cfg, self.max_context, free, total, self.gpu.num_sms, geometry,
-                                 speculative, file.lm_head)  # fmt: skip
-        self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl, rows=bool(speculative))
+                                 speculative, file.lm_head, kv_tokens,
+                                 self.max_batch)  # fmt: skip
+        self.kernels = DecodeKernels(self.gpu, cfg, geometry, pdl=pdl,
+                                     rows=bool(speculative or self.max_batch))  # fmt: skip
         # Built here, not at the first prompt: on a cold kernel cache NVRTC takes seconds,
         # which a server's first request would otherwise wait for.
         self.prefill_kernels = PrefillKernels(self.gpu, cfg, geometry, pdl=pdl)
         self.weights = upload_weights(self.gpu, file)
-        self.kv = KVCache(self.gpu, cfg, positions, prefix_caching)
-        self.loop = DecodeLoop(self.gpu, self.kernels, max_context, positions)
+        self.kv = KVCache(self.gpu, cfg, pool, prefix_caching)
+        self.loop = DecodeLoop(self.gpu, self.kernels, max_context, max(positions, pool))
         self.forward = Forward(self.gpu, cfg, self.kernels, self.prefill_kernels, self.weights,
                                self.kv, self.loop, positions)  # fmt: skip
         self.spec = SpecLoop(self, speculative) if speculative else None
+        self.batch = None
+        if self.max_batch:
+            self.batch = BatchStep(self.gpu, cfg, self.kernels, self.prefill_kernels,
+                                   self.weights, self.kv, self.forward.rope, self.max_batch,
+                                   self.max_context)  # fmt: skip
         self.cached_tokens = 0  # of the running (or last) generation's prompt
         self.gpu.sync("load")
 
@@ -282,6 +312,90 @@ class CudaBackend:
                     if spec is not None:
                         self.spec_stats = spec.read_stats()
                 pages.release(table)
+
+    # -- batch primitives (the contract of nanoqwen.batching; Sequence fields by duck typing) --
+    @property
+    def block_manager(self) -> BlockManager:
+        """The KV pool's pages (shared with generate(): run one or the other at a time)."""
+        return self.kv.pages
+
+    def _check_pages(self, seq, positions: int) -> None:
+        if positions > self.max_context:
+            raise ContextError(
+                f"a sequence of {positions} positions is longer than max_context {self.max_context}"
+            )
+        have = len(seq.table.pages) * PAGE_TOKENS if seq.table is not None else 0
+        if have < positions:
+            raise NanoqwenError(
+                f"the sequence's table covers {have} positions; {positions} must be reserved"
+            )
+
+    def prefill_chunk(self, seq, end: int, sample: bool) -> int | None:
+        """ids[seq.kv_len:end] (ids = prompt + tokens) at positions kv_len .. end - 1 into
+        seq.table's pages (forward.prefill at start kv_len: the earlier positions' K/V are
+        read from the pages); seq.kv_len = end. sample: the next token from the last row,
+        with seq.params as draw number len(seq.tokens) (the plain loop's counter), else
+        None. One sync."""
+        self.gpu.ensure_ok()
+        ids = [*seq.prompt, *seq.tokens]
+        start = seq.kv_len
+        if not 0 <= start < end <= len(ids):
+            raise NanoqwenError(f"prefill_chunk: need kv_len {start} < end {end} <= {len(ids)}")
+        self._check_pages(seq, end + 1 if sample else end)
+        if sample and self.batch is None:
+            raise NanoqwenError("prefill_chunk: sampling needs the batch path (max_batch > 0)")
+        T, f, token = end - start, self.forward, None
+        chunk = check_prompt(ids[start:end], self.config.vocab_size)
+        with self.gpu.guard("prefill_chunk"):
+            self.loop.stage_pages(seq.table.pages, self.kv.page_table)
+            self.loop.stage_ids(chunk, f.scratch(T)["ids"])
+            if sample:  # prefill(last_only)'s last layer reads state[POS] on the decode kernels
+                self.loop.host.staging[0] = end - 1
+                self.gpu.upload_async(self.loop.word(StateWord.POS), self.loop.host.staging_ptr,
+                                      4)  # fmt: skip
+            x = f.prefill(T, start=start, last_only=sample)
+            if sample:
+                f.head(x + (T - 1) * self.config.hidden_size * 2)
+                self.batch.sample_first(seq, f.logits, f.key)
+                token = self.batch.read_first()  # the sync
+            else:
+                self.gpu.sync("prefill_chunk")
+        seq.kv_len = end
+        return token
+
+    def decode_batch(self, seqs: Sequence) -> list[int]:
+        """One decode step of every sequence (distinct slots, kv_len == len(ids) - 1, pages
+        reserved for kv_len + 1): each feeds its last token at position kv_len and gets its
+        next token, sampled with its params as draw number len(seq.tokens); kv_len += 1.
+        Tokens in the order given. The rows run by slot order (batch.BatchStep)."""
+        self.gpu.ensure_ok()
+        if self.batch is None:
+            raise NanoqwenError(
+                "decode_batch: this engine has no batch path (max_batch 0, or an int8 lm_head)"
+            )
+        if not 1 <= len(seqs) <= self.max_batch:
+            raise NanoqwenError(f"decode_batch: 1..{self.max_batch} sequences, got {len(seqs)}")
+        if len({s.slot for s in seqs}) != len(seqs):
+            raise NanoqwenError("decode_batch: two sequences share a slot")
+        for s in seqs:
+            if s.kv_len != len(s.prompt) + len(s.tokens) - 1:
+                raise NanoqwenError(
+                    f"decode_batch: kv_len {s.kv_len} must be len(ids) - 1 = "
+                    f"{len(s.prompt) + len(s.tokens) - 1}"
+                )
+            self._check_pages(s, s.kv_len + 1)
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        rows = self.batch.step([seqs[i] for i in order])
+        out = [0] * len(seqs)
+        for r, i in enumerate(order):
+            out[i] = rows[r]
+            seqs[i].kv_len += 1
+        return out
+
+    def release_slot(self, seq) -> None:
+        """Forget the rows `seq` held (its pages are the caller's to commit and release)."""
+        if self.batch is not None:
+            self.batch.forget(seq)
 
     def close(self) -> None:
         """Wait for the GPU, then free everything (the Gpu owns every buffer)."""

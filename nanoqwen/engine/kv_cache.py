@@ -46,23 +46,25 @@ def kv_cache_from_device(raw: np.ndarray) -> np.ndarray:
 
 def kv_cache_buffers(config: ModelConfig, max_context: int) -> list[int]:
     """The bytes of KVCache's device buffers for `max_context` positions: a K and a V pool per
-    layer (fp16 [num_pages, n_kv, PAGE_TOKENS, head_dim]), then the page table (int32
-    [num_pages])."""
+    layer (fp16 [num_pages + 1, n_kv, PAGE_TOKENS, head_dim]: the last page is the padding
+    page), then the page table (int32 [num_pages])."""
     num_pages = -(-max_context // PAGE_TOKENS)
-    pool = num_pages * PAGE_TOKENS * config.kv_size * 2
+    pool = (num_pages + 1) * PAGE_TOKENS * config.kv_size * 2
     return [pool] * (2 * config.num_layers) + [num_pages * 4]
 
 
 class KVCache:
     """K and V pools for `max_context` tokens on `gpu` (engine.memory plans them beside the
     rest before anything is allocated); `pages` allocates them, `page_table` is the device's
-    int32 [num_pages] map of the sequence being computed."""
+    int32 [num_pages] map of the sequence being computed. One page more, `pad_page`, is in no
+    table the block manager hands out: the batched step's padding rows (engine/batch.py) write
+    their K/V there."""
 
     def __init__(
         self, gpu: Gpu, config: ModelConfig, max_context: int, prefix_caching: bool = True
     ) -> None:
         *pools, table_bytes = kv_cache_buffers(config, max_context)
-        self.num_pages = table_bytes // 4
+        self.num_pages = self.pad_page = table_bytes // 4
         layer_bytes = pools[0]
         self.nbytes = sum(pools)
         self.gpu = gpu

@@ -10,18 +10,28 @@
 // kAttnThreads = 5 warps, the K/V ring in dynamic shared memory (kAttnStages pages: 96 KB at
 // D = 128, 48 KB at D = 64), <= 136 registers.
 //
-// Arguments (device pointers; fp16 = IEEE half bits):
+// attn_decode<true>: the batched decode step's (engine/batch.py): `rows` sequences of one query
+// token each, every one with its own position, page table and split scratch, in one launch of
+// grid (kKVHeads, (rows + spare) x kAttnCluster): attn_batch_slot maps a cluster to a sequence
+// and one of its splits, a sequence's split count following its own length (one at least; a
+// long one beside short ones gets about what it would get alone). attn_decode<false> is the
+// single-stream step's kernel, the same code with sequence 0's plan (rows, page_stride unused).
+//
+// Arguments (device pointers; fp16 = IEEE half bits; batched: per sequence b at b's stride):
 //   q         fp16  [kHeads, kHeadDim]             query of the current token, RoPE applied
 //   kc, vc    fp16  this layer's caches (kv_cache.cuh: one contiguous, chunk-swizzled tile of
 //             kPageTokens x kHeadDim per page and kv head). Pages are fully allocated.
 //   pages     int32 [max_pages]                     logical page -> physical page
 //   pos       int32 *                               current position; L = *pos + 1 tokens valid
+//             (batched: int32 [rows], staged by the host before the step)
 //   part_ml   fp32  [kHeads, kAttnSplits, 2]        scratch: per cluster (max m in log2 units, l)
 //   part_acc  fp32  [kHeads, kAttnSplits, kHeadDim] scratch: per cluster unnormalized sum p * v
 //   counters  int32 [kKVHeads]                      zero before the first launch; every launch
 //             leaves them zero again (so a captured graph replays)
 //   out       fp16  [kHeads, kHeadDim] = softmax(q k^T / sqrt(D)) v; query head h reads kv head
 //             h / kGroupRatio
+//   rows      int   batched: sequences (1 .. gridDim.y / kAttnCluster); else unused
+//   page_stride int batched: ints between two sequences' page tables; else unused
 //
 // Splits. P = ceil(L / 16) pages are cut into ncl = min(S / C, ceil(P / (C kAttnMinPages)))
 // ranges of whole pages, one per cluster of C = kAttnCluster CTAs (grid y = S / C clusters of
@@ -126,10 +136,54 @@ __device__ __forceinline__ void st_async(uint32_t addr, float2 v, uint32_t bar) 
 }
 }  // namespace attn
 
-extern "C" __global__ void __launch_bounds__(kAttnThreads, 3) __cluster_dims__(1, kAttnCluster, 1)
+// The batched step's split plan (kBatched): which sequence and which of its clusters the
+// launch's cluster index g takes, over `rows` sequences with positions pos[0 .. rows - 1]. Each
+// sequence b wants want_b = min(kAttnSplits / C, ceil(P_b / (C kAttnMinPages))) clusters (the
+// single-stream rule at the stride's cap); it gets one, plus a share of the grid's spare
+// clusters (cap - rows, cap = gridDim.y / C) in proportion to its pages, at most want_b in all.
+// The shares sum to at most cap, so no sequence loses its cluster, and a long one beside short
+// ones gets about the clusters it would get alone (the launcher leaves the single-stream
+// step's cluster count spare). Sequences are laid out in order: b's clusters are g = first_b ..
+// first_b + ncl_b - 1. Every CTA computes the same plan from the same words.
+struct AttnSlot {
+  int b, cl, ncl, L;  // cl >= ncl: no work (the grid's spare clusters past the plan)
+};
+
+__device__ __forceinline__ int attn_want(int P) {
+  constexpr int kClusterPages = kAttnCluster * kAttnMinPages;
+  return min(kAttnSplits / kAttnCluster, (P + kClusterPages - 1) / kClusterPages);
+}
+
+__device__ __forceinline__ AttnSlot attn_batch_slot(const int* pos, int rows, int g) {
+  const int cap = gridDim.y / kAttnCluster;
+  int total = 0;
+  for (int b = 0; b < rows; ++b) total += pos[b] / kPageTokens + 1;
+  const int spare = cap - rows;
+  int first = 0;
+  for (int b = 0; b < rows; ++b) {
+    const int L = pos[b] + 1, P = (L + kPageTokens - 1) / kPageTokens;
+    const int ncl = 1 + min(attn_want(P) - 1, (int)((long long)spare * P / total));
+    if (g < first + ncl) return {b, g - first, ncl, L};
+    first += ncl;
+  }
+  return {0, 1, 0, 1};
+}
+
+// kBatched = false: the single-stream decode step (grid (kKVHeads, S)); rows and page_stride
+// are unused and the code is the same as without them. The batched kernel's bound asks for 2
+// CTAs an SM, not 3: its plan holds two registers more over the main loop (b, cl), which at
+// the 128 registers of 3 CTAs spilled (ptxas -v: 20 bytes); 137 registers fit 2 CTAs of 5
+// warps, and at D = 128 the 96 KB ring lets no more than 2 reside anyway.
+// kBatched = true: `rows` sequences of one query token each (grid (kKVHeads, (rows + spare) x
+// C): attn_batch_slot), sequence b's q, out, pos, page table and scratch at b's stride: q/out
+// rows [b kHeads + h], pos[b], pages + b page_stride, part_ml/part_acc as
+// [rows][kHeads][kAttnSplits][2 | D], counters [rows][kKVHeads].
+template <bool kBatched>
+__global__ void __launch_bounds__(kAttnThreads, kBatched ? 2 : 3)
+    __cluster_dims__(1, kAttnCluster, 1)
 attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,
             const int* __restrict__ pages, const int* pos, float* part_ml, float* part_acc,
-            int* counters, half* __restrict__ out) {
+            int* counters, half* __restrict__ out, int rows, int page_stride) {
   constexpr int G = kGroupRatio, D = kHeadDim;
   extern __shared__ __align__(128) unsigned char ring[];  // kAttnRingBytes (dynamic)
   __shared__ __align__(8) unsigned long long full_bar[kAttnStages], empty_bar[kAttnStages];
@@ -141,7 +195,9 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   __shared__ __align__(8) unsigned long long recv_bar;
 
   // Cluster cl of this kv head; rank = %cluster_ctarank for clusters of (1, kAttnCluster, 1).
-  const int kvh = blockIdx.x, cl = blockIdx.y / kAttnCluster, rank = blockIdx.y % kAttnCluster;
+  const int kvh = blockIdx.x;
+  int cl = blockIdx.y / kAttnCluster;  // batched: the launch's cluster, then attn_batch_slot's
+  const int rank = blockIdx.y % kAttnCluster;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const uint32_t ring_s = smem_addr(ring);
   if (tid == 0) {
@@ -162,12 +218,26 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   // not written by the preceding kernel, nor are the K/V pages before the current token's; q
   // and the current token's K/V row are (the q/k/v GEMV), so they are read after the wait.
   pdl_trigger();
-  const int L = *pos + 1;
+  // b: the sequence (batched; else 0). Its q/out/scratch rows are addressed through the query
+  // head index b kHeads + h and its counter through b kKVHeads + kvh: one register over the
+  // main loop, where offset pointers would be six 64-bit ones beside parameters that stay in
+  // the constant bank.
+  int L, ncl, b = 0;
+  if constexpr (kBatched) {
+    // The batch's positions are staged by the host before the step: read before the wait too.
+    const AttnSlot slot = attn_batch_slot(pos, rows, cl);
+    b = slot.b, cl = slot.cl, ncl = slot.ncl, L = slot.L;
+  } else {
+    L = *pos + 1;
+  }
   const int P = (L + kPageTokens - 1) / kPageTokens;
-  // grid y: the launch's split cap; a cluster covers kAttnCluster * kAttnMinPages pages at least
-  constexpr int kClusterPages = kAttnCluster * kAttnMinPages;
-  const int max_cl = min((int)gridDim.y, kAttnSplits) / kAttnCluster;
-  const int ncl = min(max_cl, (P + kClusterPages - 1) / kClusterPages);
+  if constexpr (!kBatched) {
+    // grid y: the launch's split cap; a cluster covers kAttnCluster * kAttnMinPages pages at
+    // least
+    constexpr int kClusterPages = kAttnCluster * kAttnMinPages;
+    const int max_cl = min((int)gridDim.y, kAttnSplits) / kAttnCluster;
+    ncl = min(max_cl, (P + kClusterPages - 1) / kClusterPages);
+  }
   if (cl >= ncl) return;  // uniform over the cluster: an empty one
   const int cb = cl * P / ncl, ce = (cl + 1) * P / ncl;  // >= 1 page (ncl <= P)
   const int pb = cb + rank * (ce - cb) / kAttnCluster;
@@ -184,6 +254,7 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   if (warp == kAttnConsumers) {
     // ---- producer warp: lane 0 copies the page's K tile, lane 1 its V tile.
     const half* src_base = (lane == 0 ? kc : vc) + (size_t)kvh * kAttnTileH;
+    if constexpr (kBatched) pages += (size_t)b * page_stride;
     const uint32_t dst_base = ring_s + (lane & 1) * kAttnTileH * 2;
     // Page ids 32 at a time, one batch ahead, so no page-table load sits on the issue path.
     int cur = pb + lane < pe ? pages[pb + lane] : 0;
@@ -230,7 +301,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     const float scale = kLog2e * rsqrtf((float)D);
     uint32_t qa[kAttnDK][2];  // A fragment {a0, a2} per k-step; a1 = a3 = 0 (rows 8..15)
     {
-      const uint32_t* qrow = reinterpret_cast<const uint32_t*>(q + (size_t)(kvh * G + r) * D);
+      const uint32_t* qrow =
+          reinterpret_cast<const uint32_t*>(q + (size_t)(b * kHeads + kvh * G + r) * D);
 #pragma unroll
       for (int s = 0; s < kAttnDK; ++s) {
         qa[s][0] = r < G ? qrow[8 * s + c] : 0u;
@@ -376,7 +448,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   // measurable.
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   for (int idx = tid; idx < G * kAttnCols; idx += kAttnThreads) {
-    const int g = idx / kAttnCols, d = rank * kAttnCols + idx % kAttnCols, hq = kvh * G + g;
+    const int g = idx / kAttnCols, d = rank * kAttnCols + idx % kAttnCols;
+    const int hq = b * kHeads + kvh * G + g;
     float mx = recv_ml[0][g].x;
 #pragma unroll
     for (int k = 1; k < kAttnCluster; ++k) mx = fmaxf(mx, recv_ml[k][g].x);
@@ -403,14 +476,15 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   // slice merges the ncl cluster partials; its acquire (and the barrier after it) orders the
   // other CTAs' slices before its loads.
   __syncthreads();  // this CTA's slice before its release
-  if (tid == 0) sm_last = atom_add_acq_rel(&counters[kvh], 1) == ncl * kAttnCluster - 1;
+  if (tid == 0)
+    sm_last = atom_add_acq_rel(&counters[b * kKVHeads + kvh], 1) == ncl * kAttnCluster - 1;
   __syncthreads();
   if (!sm_last) return;  // uniform
   // out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s: per output element,
   // online over batches of kAttnMergeLoads splits (the m, l and acc loads of a batch in flight
   // together).
   for (int idx = tid; idx < G * kD4; idx += kAttnThreads) {
-    const int g = idx / kD4, d4 = idx % kD4, hq = kvh * G + g;
+    const int g = idx / kD4, d4 = idx % kD4, hq = b * kHeads + kvh * G + g;
     const float2* ml = reinterpret_cast<const float2*>(part_ml) + hq * kAttnSplits;
     const float4* src = reinterpret_cast<const float4*>(part_acc) +
                         (size_t)hq * kAttnSplits * kD4 + d4;
@@ -445,5 +519,6 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     dst[0] = __floats2half2_rn(a.x * inv, a.y * inv);
     dst[1] = __floats2half2_rn(a.z * inv, a.w * inv);
   }
-  if (tid == 0) counters[kvh] = 0;  // every CTA of this launch has counted: re-arm for replay
+  // every CTA of this launch has counted: re-arm for replay
+  if (tid == 0) counters[b * kKVHeads + kvh] = 0;
 }

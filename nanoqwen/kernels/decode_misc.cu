@@ -7,6 +7,8 @@
 //                lm_head_argmax_q8 the same over an int8 W_lm with a scale a row
 // sample_finish  picks the token (greedy or temperature/top-k/top-p), advances the decode
 //                state on the device, writes the ring buffers, sets the while-loop condition
+// sample_batch   the same rule per row of the batched decode step, each row with its own
+//                parameters and draw counter (the host keeps each sequence's state)
 #include "common.cuh"
 #include "kv_cache.cuh"
 #include "sampler.cuh"
@@ -334,5 +336,48 @@ sample_finish(const float* __restrict__ logits, unsigned long long* key, int* st
       host_ring[-1] = step + 1;  // word before the ring: tokens written so far
     }
     if (cond) cudaGraphSetConditional(cond, done ? 0u : 1u);
+  }
+}
+
+// Per-row sampling of the batched decode step (engine/batch.py) and of a batch sequence's
+// first token (CudaBackend.prefill_chunk): row r picks by sample_finish's rule with its own
+// words, so a row's draw is the plain loop's draw for the same (seed, step): with temperature
+// > 0 and top_k != 1 one draw from the row's kept set (sampler.cuh) with counter params[r][kStep],
+// else the argmax key's id (greedy rows). Nothing else of a decode state is read or advanced:
+// the host keeps each sequence's state.
+// logits  fp32 [rows, V]                  row r at r * V (lm_head_rows)
+// keys    u64 [rows]                      each row's argmax key (re-zeroed here)
+// params  int32 [rows, kEos0 + kMaxEos]   row r's StateWord words; reads TEMP, TOP_K, TOP_P,
+//                                         SEED_LO, SEED_HI, STEP
+// tokens  int32 [rows]                    out: row r's token
+// Grid rows, block kSampleThreads (one CTA a row; the bound as sample_finish's: no spills).
+extern "C" __global__ void __launch_bounds__(kSampleThreads, 1)
+sample_batch(const float* __restrict__ logits, unsigned long long* keys,
+             const int* __restrict__ params, int* __restrict__ tokens, int V) {
+  pdl_wait();
+  pdl_trigger();
+  const int r = blockIdx.x;
+  const float* row = logits + (size_t)r * V;
+  const int* state = params + r * (kEos0 + kMaxEos);
+  const unsigned long long k = keys[r];
+  const float temp = __int_as_float(state[kTemp]);
+  const int top_k = state[kTopK];
+  int token = argmax_key_id(k);
+  if (temp > 0.f && top_k != 1) {  // uniform over the CTA: every barrier below is whole
+    __shared__ float part[kSampleThreads];
+    const KeptSet s = kept_set(row, V, argmax_key_value(k), temp, top_k,
+                               __int_as_float(state[kTopP]));
+    kept_parts(row, V, s, -1, part);
+    if (threadIdx.x == 0) {
+      const unsigned long long seed =
+          ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
+      const int pick = draw_parts(row, V, s, -1, part, parts_total(part),
+                                  uniform01(seed, (unsigned long long)state[kStep]));
+      if (pick >= 0) token = pick;  // -1: no kept weight (total 0), the argmax stands
+    }
+  }
+  if (threadIdx.x == 0) {
+    tokens[r] = token;
+    keys[r] = 0ull;
   }
 }

@@ -1,0 +1,346 @@
+"""The batched decode step: B sequences, one token each, each at its own position with its own
+page table and sampling parameters, through ONE pass over the weights (continuous batching:
+the scheduler in nanoqwen/batching.py calls CudaBackend.decode_batch, which lands here).
+
+Per step, for the B rows (row r: the r-th sequence by slot; buffers for max_batch rows):
+
+    embed        x[r] = embed[tokens[r]]
+    per layer    gemv_rows qkv (RMSNorm, bias, RoPE at pos[r], K/V into row r's pages: page
+                 tables [max_batch, pages_per_row], row r's at r * pages_per_row), attention
+                 over each row's own context (attn_decode<true>: a sequence's splits follow its
+                 own length), gemv_rows o (+ residual), gate/up (RMSNorm, SwiGLU), down
+                 (+ residual; the prefill's 16-token GEMM tile where gemv_rows would take K in
+                 many slices: verify.down_gemm's rule)
+    lm_head_rows final RMSNorm, logits [B, V], each row's argmax key
+    sample_batch each row's token by the plain sampler's rule with its own temperature /
+                 top-k / top-p / seed, the draw counter = the sequence's draw number
+                 (len(seq.tokens)), so a seeded row draws what the plain loop draws at that
+                 token, whatever else is in the batch; greedy rows take the argmax key
+
+The step is captured as one CUDA graph per bucket of rows (BATCH_BUCKETS up to max_batch) at
+its first use. B rows run in the smallest bucket m >= B; rows B .. m - 1 are padding: token 0
+at position 0, greedy, their page table's page 0 the pool's padding page (KVCache.pad_page,
+in no sequence's table), their outputs ignored. Per step the host writes the rows' state into
+pinned staging words (RowStager: the layout below), queues stream-ordered copies of what
+changed (the head of tokens, positions and parameters, and the new tail of each row's page
+table; no allocation), launches the bucket's graph, syncs once and reads B tokens.
+
+Staging words (int32, RowLayout; the device buffer "rows" has the same layout):
+
+    [tokens R][pos R][params R x STATE_WORDS][first STATE_WORDS][tables R x pages_per_row]
+
+R = max_batch; params row r holds StateWord words (TEMP, TOP_K, TOP_P, SEED_LO, SEED_HI, STEP
+read by sample_batch); `first` is prefill_chunk's row (a sequence's first token, sampled from
+the prefill's last row by the same kernel). The head (tokens, pos, params) goes up whole each
+step (R x 21 words); a row's table only from the first page not yet uploaded for the sequence
+that holds the row, so a steady batch copies a page id per row every 16 steps.
+
+max_batch is at most 16 (registry.MAX_ROWS: gemv_rows' largest bucket, to which an INT4 GEMV
+over the rows stays memory-bound). Issue #28's N = 32 would need two gemv_rows launches of 16
+rows per weight (two reads of the weights) or the prefill GEMM's 64-token tile for every
+projection; neither is here.
+
+The batch path runs without speculative drafts: a backend built with speculative=... still
+decodes one token a step per sequence here (its single-stream generate() keeps speculation).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import PAGE_TOKENS, ModelConfig
+from ..cuda.batch import BatchKernels, batch_attention_scratch_buffers
+from ..cuda.decode import DecodeKernels, VerifyKernels
+from ..cuda.prefill import PrefillKernels
+from ..cuda.registry import MAX_ROWS, STATE_WORDS, Geometry, StateWord
+from ..errors import NanoqwenError
+from .decode_loop import DecodeState
+from .kv_cache import KVCache
+from .verify import down_gemm
+from .weights import Weights
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
+assert BATCH_BUCKETS[-1] == MAX_ROWS
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The row counts a graph is captured for: BATCH_BUCKETS below max_batch, then max_batch."""
+    if not 1 <= max_batch <= MAX_ROWS:
+        raise ValueError(f"max_batch must be 1..{MAX_ROWS}, got {max_batch}")
+    return (*(b for b in BATCH_BUCKETS if b < max_batch), max_batch)
+
+
+def pick_bucket(b: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds b rows."""
+    for m in buckets:
+        if m >= b:
+            return m
+    raise ValueError(f"{b} rows: the largest bucket is {buckets[-1]}")
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Word offsets of the staging area (the module docstring's layout) for `rows` rows of
+    `pages_per_row` page ids each."""
+
+    rows: int
+    pages_per_row: int
+
+    @property
+    def tokens(self) -> int:
+        return 0
+
+    @property
+    def pos(self) -> int:
+        return self.rows
+
+    @property
+    def params(self) -> int:
+        return 2 * self.rows
+
+    @property
+    def first(self) -> int:
+        return self.params + self.rows * STATE_WORDS
+
+    @property
+    def head_words(self) -> int:
+        """tokens, pos, params: the words every step uploads."""
+        return self.first
+
+    @property
+    def tables(self) -> int:
+        return self.first + STATE_WORDS
+
+    @property
+    def words(self) -> int:
+        return self.tables + self.rows * self.pages_per_row
+
+
+def pages_per_row(max_context: int) -> int:
+    """A row's page table: every page a sequence of max_context positions holds."""
+    return -(-max_context // PAGE_TOKENS)
+
+
+def batch_buffers(config: ModelConfig, rows: int, max_context: int) -> dict[str, int]:
+    """Bytes of BatchStep's own buffers for `rows` rows: the staging words' device copy (int32
+    RowLayout.words), x fp16 [rows, H], q and attn fp16 [rows, q], mlp fp16 [rows, I], logits
+    fp32 [rows, V], keys u64 [rows + 1] (the last: spare), out int32 [rows + 1] (the last:
+    prefill_chunk's token)."""
+    c = config
+    return {
+        "rows": RowLayout(rows, pages_per_row(max_context)).words * 4,
+        "x": rows * c.hidden_size * 2,
+        "q": rows * c.q_size * 2,
+        "attn": rows * c.q_size * 2,
+        "mlp": rows * c.intermediate_size * 2,
+        "logits": rows * c.vocab_size * 4,
+        "keys": (rows + 1) * 8,
+        "out": (rows + 1) * 4,
+    }
+
+
+def batch_plan(config: ModelConfig, rows: int, max_context: int, geometry: Geometry) -> list[int]:
+    """Every device buffer BatchStep allocates, in bytes (engine.memory); the pinned staging
+    words are host memory."""
+    scratch = batch_attention_scratch_buffers(config, geometry, rows)
+    return [*batch_buffers(config, rows, max_context).values(), *scratch.values()]
+
+
+def sequence_seed(seq) -> int:
+    """The sequence's sampling seed, kept in seq.sampler (the contract's backend-owned slot):
+    params.seed, or a fresh one drawn at its first use; 64 bits."""
+    if seq.sampler is None:
+        seed = seq.params.seed
+        seq.sampler = seed if seed is not None else int(np.random.SeedSequence().entropy)
+    return int(seq.sampler) & ((1 << 64) - 1)
+
+
+def sampling_words(seq, out: np.ndarray) -> None:
+    """A sequence's sampler words (StateWord layout: sample_batch reads TEMP, TOP_K, TOP_P,
+    SEED_LO, SEED_HI, STEP) into `out` int32 [STATE_WORDS]; STEP = its draw number
+    len(seq.tokens)."""
+    p = seq.params
+    DecodeState(step=len(seq.tokens), top_k=p.top_k, temperature=p.temperature, top_p=p.top_p,
+                seed=sequence_seed(seq)).to_words(out)  # fmt: skip
+
+
+def last_token(seq) -> int:
+    """ids[seq.kv_len] with ids = prompt + tokens: the token a decode step feeds."""
+    n = len(seq.prompt)
+    return int(seq.prompt[seq.kv_len] if seq.kv_len < n else seq.tokens[seq.kv_len - n])
+
+
+_PAD = object()  # a row's owner while it is a padding row
+
+
+class RowStager:
+    """The rows' state in the staging words (int32 [layout.words]) and what each step must copy
+    to the device: per row the sequence that holds it and how many of its page ids the device
+    has (a new owner, a padding row, or a table that no longer matches uploads again)."""
+
+    def __init__(self, words: np.ndarray, layout: RowLayout, pad_page: int) -> None:
+        self.words, self.layout, self.pad_page = words, layout, pad_page
+        L = layout
+        self.tokens = words[L.tokens : L.tokens + L.rows]
+        self.pos = words[L.pos : L.pos + L.rows]
+        self.params = words[L.params : L.first].reshape(L.rows, STATE_WORDS)
+        self.first = words[L.first : L.tables]
+        self.tables = words[L.tables : L.words].reshape(L.rows, L.pages_per_row)
+        self._owner: list[object] = [None] * L.rows
+        self._uploaded = [0] * L.rows
+
+    def stage(self, seqs, m: int) -> list[tuple[int, int]]:
+        """Write rows 0 .. len(seqs) - 1 (seqs in row order) and padding rows up to m; returns
+        the copies (first word, words) to queue, the head first."""
+        L, copies = self.layout, [(0, self.layout.head_words)]
+        for r, seq in enumerate(seqs):
+            self.tokens[r], self.pos[r] = last_token(seq), seq.kv_len
+            if self._owner[r] is not seq:
+                sampling_words(seq, self.params[r])
+                self._owner[r], self._uploaded[r] = seq, 0
+            else:
+                self.params[r, StateWord.STEP] = len(seq.tokens)
+            pages, done = seq.table.pages, self._uploaded[r]
+            n = len(pages)
+            if n > L.pages_per_row:
+                raise NanoqwenError(
+                    f"a sequence holds {n} pages; a batch row's table takes {L.pages_per_row}"
+                )
+            if done and (done > n or self.tables[r, done - 1] != pages[done - 1]):
+                done = 0  # the table was rebuilt under the same sequence: upload it whole
+            if n > done:
+                self.tables[r, done:n] = pages[done:n]
+                copies.append((L.tables + r * L.pages_per_row + done, n - done))
+                self._uploaded[r] = n
+        for r in range(len(seqs), m):
+            self.tokens[r] = self.pos[r] = 0
+            self.params[r] = 0  # temperature 0: greedy
+            if self._owner[r] is not _PAD:
+                self.tables[r, 0] = self.pad_page
+                copies.append((L.tables + r * L.pages_per_row, 1))
+                self._owner[r], self._uploaded[r] = _PAD, 0
+        return copies
+
+    def forget(self, seq) -> None:
+        """Drop every row held by `seq` (its pages may go to others)."""
+        for r, owner in enumerate(self._owner):
+            if owner is seq:
+                self._owner[r], self._uploaded[r] = None, 0
+
+
+class BatchStep:
+    """The batched step over an engine's weights, KV cache and RoPE table, with its buffers for
+    max_batch rows (batch_buffers; `buf` maps each name to its device address). `kernels`
+    must be built with rows=True (gemv_rows); the head must be fp16 (lm_head_rows)."""
+
+    def __init__(
+        self,
+        gpu,
+        config: ModelConfig,
+        kernels: DecodeKernels,
+        prefill_kernels: PrefillKernels,
+        weights: Weights,
+        kv: KVCache,
+        rope: int,
+        max_batch: int,
+        max_context: int,
+    ) -> None:
+        self.gpu, self.config, self.kernels, self.prefill_kernels = (
+            gpu, config, kernels, prefill_kernels)  # fmt: skip
+        self.weights, self.kv, self.rope = weights, kv, rope
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.verify = VerifyKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)
+        self.batch = BatchKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)
+        self.down_gemm = {m: down_gemm(config, m, kernels.geometry) for m in self.buckets}
+        self.layout = RowLayout(max_batch, pages_per_row(max_context))
+        sizes = batch_buffers(config, max_batch, max_context)
+        self.buf = {k: gpu.alloc(n, f"batch {k}").ptr for k, n in sizes.items()}
+        gpu.memset(self.buf["keys"], 0, sizes["keys"])  # lm_head_rows takes an atomic max
+        self.attn_scratch = self.batch.scratch(max_batch)
+        host, _ = gpu.alloc_mapped(self.layout.words * 4)  # pinned: async copies' source
+        self._host = host
+        words = np.ctypeslib.as_array((ctypes.c_int32 * self.layout.words).from_address(host))
+        words[:] = 0
+        self.stager = RowStager(words, self.layout, kv.pad_page)
+        self._tokens = np.empty(max_batch + 1, np.int32)  # the host's copy of buf["out"]
+        self._graphs: dict[int, object] = {}
+
+    def word(self, at: int) -> int:
+        """Device address of staging word `at` in the device copy."""
+        return self.buf["rows"] + 4 * at
+
+    # -- the step ------------------------------------------------------------------------------
+    def forward(self, m: int, stream=None) -> None:
+        """Enqueue the step over the first m rows of the device copy (tokens, pos, params,
+        tables): logits into buf["logits"], the tokens into buf["out"]."""
+        b, k, w, kv, L = self.buf, self.kernels, self.weights, self.kv, self.layout
+        tokens, pos, tables = self.word(L.tokens), self.word(L.pos), self.word(L.tables)
+        stride = L.pages_per_row
+        k.embed(tokens, w.embed, b["x"], m, stream=stream)
+        for i, ly in enumerate(w.layers):
+            k.gemv_rows("qkv", m, b["x"], ly.input_norm, ly.qkv_w, ly.qkv_s, b["q"],
+                        bias=ly.qkv_b, pos=pos, rope=self.rope, pages=tables,
+                        page_stride=stride, kc=kv.k[i], vc=kv.v[i], stream=stream)  # fmt: skip
+            self.batch.attention(b["q"], kv.k[i], kv.v[i], tables, stride, pos, m,
+                                 self.attn_scratch, b["attn"], stream=stream)  # fmt: skip
+            k.gemv_rows("o", m, b["attn"], 0, ly.o_w, ly.o_s, b["x"], stream=stream)
+            k.gemv_rows("gate_up", m, b["x"], ly.post_norm, ly.gate_up_w, ly.gate_up_s,
+                        b["mlp"], stream=stream)  # fmt: skip
+            if self.down_gemm[m]:
+                c = self.config
+                self.prefill_kernels.gemm(b["mlp"], ly.down_w, ly.down_s, None, b["x"], m,
+                                          c.hidden_size, c.intermediate_size, residual=b["x"],
+                                          label="gemm down", stream=stream)  # fmt: skip
+            else:
+                k.gemv_rows("down", m, b["mlp"], 0, ly.down_w, ly.down_s, b["x"], stream=stream)
+        self.verify.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m,
+                                 stream=stream)  # fmt: skip
+        self.batch.sample(b["logits"], b["keys"], self.word(L.params), b["out"], m,
+                          stream=stream)  # fmt: skip
+
+    def graph(self, m: int):
+        """The bucket's graph of forward(m), captured and uploaded at its first use."""
+        graph = self._graphs.get(m)
+        if graph is None:
+            with self.gpu.guard(f"capture the batch step at {m} rows"):
+                gb = self.gpu.graph_builder()
+                self.forward(m, gb)
+                graph = gb.end_building().complete()
+                graph.upload(self.gpu.stream)
+            self._graphs[m] = graph
+        return graph
+
+    def stage(self, seqs) -> int:
+        """Write the rows' state and queue its copies (no sync); returns the bucket."""
+        m = pick_bucket(len(seqs), self.buckets)
+        for at, n in self.stager.stage(seqs, m):
+            self.gpu.upload_async(self.word(at), self._host + 4 * at, 4 * n)
+        return m
+
+    def step(self, seqs) -> list[int]:
+        """One decode step of `seqs` (row order; each feeds ids[kv_len] at position kv_len
+        into its table's pages): their next tokens. One sync."""
+        with self.gpu.guard("batch step"):
+            m = self.stage(seqs)
+            self.graph(m).launch(self.gpu.stream)
+            return self.gpu.download(self.buf["out"], self._tokens[: len(seqs)]).tolist()
+
+    def sample_first(self, seq, logits: int, key: int) -> None:
+        """Queue the draw of a sequence's next token from one row's logits fp32 [V] and argmax
+        key (re-zeroed) into buf["out"][max_batch] (read_first after a sync)."""
+        L = self.layout
+        sampling_words(seq, self.stager.first)
+        self.gpu.upload_async(self.word(L.first), self._host + 4 * L.first, 4 * STATE_WORDS)
+        self.batch.sample(logits, key, self.word(L.first), self.buf["out"] + 4 * L.rows, 1)
+
+    def read_first(self) -> int:
+        """The token sample_first drew (synchronous)."""
+        out = self._tokens[self.layout.rows :]
+        return int(self.gpu.download(self.buf["out"] + 4 * self.layout.rows, out)[0])
+
+    def forget(self, seq) -> None:
+        self.stager.forget(seq)
