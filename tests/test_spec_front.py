@@ -199,19 +199,23 @@ def test_usage_and_metrics_report_speculation(tiny_model):
             llm.close()
 
     usage, streamed, metrics, totals = asyncio.run(run())
-    assert usage["completion_tokens"] == 16
-    assert streamed["speculative"] == usage["speculative"]  # greedy: the same steps
-    spec = usage["speculative"]
-    assert spec["steps"] + spec["accepted_tokens"] == 15
-    assert spec["drafted_tokens"] >= spec["accepted_tokens"] > 0
+    assert usage["completion_tokens"] == streamed["completion_tokens"] == 16
+    # The two requests need not take the same steps: the second one prefills only past its
+    # cached prefix, and the tiny random model's logits have near-ties that rounding can flip.
+    for spec in (usage["speculative"], streamed["speculative"]):
+        assert spec["steps"] + spec["accepted_tokens"] == 15
+        assert spec["drafted_tokens"] >= spec["accepted_tokens"] > 0
+    both = {k: usage["speculative"][k] + streamed["speculative"][k] for k in usage["speculative"]}
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith("nanoqwen_spec_")}  # fmt: skip
     assert values == {
-        "nanoqwen_spec_drafted_tokens_total": 2 * spec["drafted_tokens"],
-        "nanoqwen_spec_accepted_tokens_total": 2 * spec["accepted_tokens"],
-        "nanoqwen_spec_steps_total": 2 * spec["steps"],
+        "nanoqwen_spec_drafted_tokens_total": both["drafted_tokens"],
+        "nanoqwen_spec_accepted_tokens_total": both["accepted_tokens"],
+        "nanoqwen_spec_steps_total": both["steps"],
     }
-    assert totals.steps == 2 * spec["steps"]
+    assert (totals.steps, totals.drafted, totals.accepted) == (
+        both["steps"], both["drafted_tokens"], both["accepted_tokens"])  # fmt: skip
+    spec = usage["speculative"]
     openai = pytest.importorskip("openai")  # its clients keep the field as an extra
     parsed = openai.types.CompletionUsage.model_validate(usage)
     assert parsed.completion_tokens == 16 and parsed.model_extra["speculative"] == spec
