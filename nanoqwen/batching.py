@@ -6,16 +6,27 @@
             ...
 
 A `Sequence` is one request's token ids, sampling parameters and, while admitted, its KV page
-table and batch slot. The `Scheduler` drives any backend with the batch primitives
-(`max_batch`, `block_manager`, `prefill_chunk`, `decode_batch`, `release_slot`; the contract in
-docs/DESIGN.md) and is the only one who admits, reserves, commits and releases pages. Each
-`step()`:
+table and batch slot. The `Scheduler` is the only one who admits, reserves, commits and
+releases pages; it drives any backend with the batch primitives:
+
+    max_batch                     most sequences in one decode_batch (slots 0 .. max_batch - 1)
+    block_manager                 the backend's KV pool (nanoqwen.kv_pages.BlockManager)
+    prefill_chunk(seq, end, sample) -> token | None
+        ids[kv_len:end] at positions kv_len .. end - 1 into seq.table's pages (reserved by the
+        caller to cover end, and end + 1 with sample), then kv_len = end; with sample, the next
+        token, sampled as draw number len(seq.tokens) of the sequence
+    decode_batch(seqs) -> tokens  one step for each sequence (distinct slots): feed ids[kv_len]
+        (its last id) at position kv_len, sample its next token as draw len(seq.tokens),
+        kv_len += 1; each row is what the sequence gets alone
+    release_slot(seq)             the sequence leaves: forget per-slot state
+
+(ReferenceBackend's are the oracle: exactly generate()'s tokens). Each `step()`:
 
 1. drops cancelled sequences: their pages (committed as far as written) are released and their
    slot freed, so a cancel frees its KV within one step;
 2. admits waiting sequences, oldest first, while a slot is free and the pool has pages for the
-   sequence's first chunk and one page of headroom per running sequence (so an admission does
-   not force a preemption at once); admission takes the prompt's cached prefix
+   sequence's first chunk besides the pages this step's decode takes (so an admission does not
+   force a preemption in its own step); admission takes the prompt's cached prefix
    (`BlockManager.admit`), so `kv_len` starts at `table.cached_tokens`;
 3. prefills at most `prefill_chunk` tokens, across the admitted sequences that still have
    uncomputed ids, oldest first; a chunk that ends the prompt samples the first token. A long
@@ -200,7 +211,7 @@ class Scheduler:
             first = min(seq.prefill_end, table.cached_tokens + self.prefill_chunk)
             need = first + (first == seq.prefill_end)  # and the next step's position
             stats = self.pages.stats
-            pages = -(-need // PAGE_TOKENS) - len(table.pages) + len(self.running)
+            pages = -(-need // PAGE_TOKENS) - len(table.pages) + self._decode_pages()
             if pages > stats.free + stats.cached:
                 self.pages.release(table)
                 return
@@ -210,6 +221,11 @@ class Scheduler:
             if not seq.tokens:
                 seq.cached_tokens = table.cached_tokens
             self.running.append(seq)
+
+    def _decode_pages(self) -> int:
+        """Pages this step's decode takes: one for each decoding sequence on a page boundary."""
+        return sum(s.decoding and s.kv_len >= len(s.table.pages) * PAGE_TOKENS
+                   for s in self.running)  # fmt: skip
 
     def _prefill(self, events: list[Event]) -> None:
         budget = self.prefill_chunk
