@@ -269,7 +269,14 @@ def _concurrency(args) -> int:
                                   warmup=args.warmup > 0)  # fmt: skip
         finally:
             backend.close()
-    res["command"] = shlex.join(["nanoqwen", *sys.argv[1:]])
+    # The run's command with every setting spelled out (defaults included): it reproduces it.
+    res["command"] = shlex.join([
+        "nanoqwen", "bench", args.file, "--backend", name,
+        "--concurrency", ",".join(map(str, args.concurrency)),
+        "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+        "--prefill-chunk", str(res["prefill_chunk"]), "--max-context", str(max_context),
+        "--seed", str(args.seed), "--warmup", str(args.warmup),
+    ])  # fmt: skip
     print_concurrency(res)
     if args.plot:
         plot_concurrency(res, args.plot)

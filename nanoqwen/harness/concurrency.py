@@ -110,8 +110,9 @@ def print_concurrency(res: dict) -> None:
     print("(latencies in ms)")
 
 
-def plot_concurrency(res: dict, path: str) -> None:
-    """Aggregate tokens/s and per-stream ITL (p50, p99) against N into `path` (PNG: Agg)."""
+def plot_concurrency(res: dict, path: str, title: str | None = None) -> None:
+    """Aggregate tokens/s and per-stream ITL (p50, p99) against N into `path` (PNG: Agg);
+    res["levels"] rows need concurrency, tokens_per_s, itl_p50_ms and itl_p99_ms."""
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -123,6 +124,7 @@ def plot_concurrency(res: dict, path: str) -> None:
     left, right = fig.subplots(1, 2)
     left.plot(n, [r["tokens_per_s"] for r in rows], marker="o")
     left.set_ylabel("aggregate generated tokens/s")
+    left.set_ylim(bottom=0)
     right.plot(n, [r["itl_p50_ms"] for r in rows], marker="o", label="p50 of stream medians")
     right.plot(n, [r["itl_p99_ms"] for r in rows], marker=".", ls="--", label="p99 of all gaps")
     right.set_ylabel("per-stream inter-token latency (ms)")
@@ -133,7 +135,7 @@ def plot_concurrency(res: dict, path: str) -> None:
         ax.set_xticks(n, [str(x) for x in n])
         ax.set_xlabel("concurrent streams N")
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{res['backend']}  model {res['model']}  prompt {res['prompt_len']}  gen "
-                 f"{res['gen_len']}: continuous batching by N")  # fmt: skip
+    fig.suptitle(title or f"{res['backend']}  model {res['model']}  prompt {res['prompt_len']}  "
+                 f"gen {res['gen_len']}: continuous batching by N")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path)
