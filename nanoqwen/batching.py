@@ -31,8 +31,9 @@ releases pages; it drives any backend with the batch primitives:
 3. prefills at most `prefill_chunk` tokens, across the admitted sequences that still have
    uncomputed ids, oldest first; a chunk that ends the prompt samples the first token. A long
    prompt therefore costs the running streams one bounded chunk per step, never a whole prefill;
-4. runs one `decode_batch` over every sequence whose ids but the last are computed (one token
-   each), having reserved kv_len + 1 positions for each, oldest first.
+4. runs one `decode_batch` over every sequence whose ids but the last were computed when the
+   step began (one token each; not those whose first token this step's prefill sampled),
+   having reserved kv_len + 1 positions for each, oldest first.
 
 Pages are reserved on demand, page by page as a sequence grows (vLLM's rule), not
 prompt + max_tokens up front: most requests stop long before max_tokens (a code completion on a
@@ -56,7 +57,6 @@ Not thread-safe: one engine thread drives it.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from collections.abc import Sequence as IdSequence
 from dataclasses import dataclass, field
@@ -68,9 +68,9 @@ from .errors import ContextError, NanoqwenError
 from .kv_pages import PageTable
 from .sampling import SamplingParams
 
-# Prompt tokens prefilled per step across all admitted sequences. A step's cost is the decode
-# batch's weight read plus this chunk's compute: 512 tokens keep a 7B's chunk under a few
-# decode steps' time on an H200 while a 32k prompt still needs only 64 steps.
+# Prompt tokens prefilled per step across all admitted sequences: the running streams' step
+# grows by at most one chunk of this many rows, and a 32k prompt still takes only 64 steps.
+# Not yet tuned on the GPU (bench --concurrency --prefill-chunk measures the trade).
 DEFAULT_PREFILL_CHUNK = 512
 
 
@@ -89,7 +89,6 @@ class Sequence:
     kv_len: int = 0  # positions 0 .. kv_len - 1 have their K/V in table's pages
     sampler: Any = None  # the backend's per-sequence sampling state, kept across preemptions
     request_id: int = 0
-    arrival: float = 0.0  # time.monotonic() at add()
     cancelled: bool = False
     finish_reason: str | None = None  # "stop" / "length" / "cancelled" once it has left
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at its first prefill
@@ -162,8 +161,7 @@ class Scheduler:
         vocabulary, or prompt + max_tokens exceeds the backend's max_context."""
         ids = check_prompt(prompt, self.backend.config.vocab_size).tolist()
         check_fits(len(ids), params.max_tokens, self.backend.max_context)
-        seq = Sequence(ids, params, frozenset(stop_ids), request_id=next(self._ids),
-                       arrival=time.monotonic())  # fmt: skip
+        seq = Sequence(ids, params, frozenset(stop_ids), request_id=next(self._ids))
         self.waiting.append(seq)
         return seq
 
