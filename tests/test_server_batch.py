@@ -33,7 +33,7 @@ def requests(llm: LLM) -> list[tuple[dict, SamplingParams]]:
     unstopped text contains (found by generating it alone first)."""
     out = []
     for i in range(6):
-        params = SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=12 + i)
+        params = SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=6 + i)
         body = {"model": "tiny", "prompt": f"def f{i}(x):" + " y" * (i * 5),
                 "max_tokens": params.max_tokens, "temperature": params.temperature,
                 "seed": i, "stream": True}  # fmt: skip
@@ -80,6 +80,7 @@ def test_concurrent_streams_equal_each_request_alone(llm, monkeypatch):
         finally:
             worker.stop()
 
+    assert sum("stop" in body for body, _ in reqs) == 2  # the stop-string path runs
     responses = asyncio.run(main())
     assert widest[0] >= 3, widest  # the requests really shared the batch
     for (body, params), response in zip(reqs, responses, strict=True):
