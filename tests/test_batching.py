@@ -17,6 +17,7 @@ compared exactly.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -176,7 +177,7 @@ class ScriptedBackend:
         self.calls = 0
 
     def _token(self, seq) -> int:
-        return hash((tuple(seq.prompt), len(seq.tokens))) % 40 + 10
+        return hash((tuple(seq.prompt), len(seq.tokens))) % 40 + 5
 
     def _covered(self, seq, end: int) -> None:
         assert len(seq.table.pages) * PAGE_TOKENS >= end and len(seq.table.tokens) == seq.kv_len
@@ -202,15 +203,15 @@ class ScriptedBackend:
         assert seq.slot >= 0
 
 
-def test_thousand_requests_random_cancels_leak_no_page():
-    rnd = random.Random()
-    backend = ScriptedBackend(pages=12)
-    sched = Scheduler(backend, prefill_chunk=24)
-    live, added, stop_ids, done, cancelled = [], 0, frozenset({7, 8}), 0, 0
-    while added < 1000 or sched.has_work:
-        while added < 1000 and len(live) < 24:
+def churn(sched: Scheduler, requests: int, rnd: random.Random, max_tokens: int, left: Counter):
+    """`requests` random requests (up to 24 at once, random max_tokens, a random live one
+    cancelled in one step of ten) stepped to the end; yields each that finished on its own,
+    counts every finish reason in `left`."""
+    live, added, stop_ids = [], 0, frozenset({7, 8})
+    while added < requests or sched.has_work:
+        while added < requests and len(live) < 24:
             prompt = [rnd.randrange(10, 40) for _ in range(rnd.randrange(1, 30))]
-            params = SamplingParams(max_tokens=rnd.randrange(1, 64 - len(prompt) + 1))
+            params = SamplingParams(max_tokens=rnd.randrange(1, max_tokens + 1))
             live.append(sched.add(prompt, params, stop_ids))
             added += 1
         if live and rnd.random() < 0.1:
@@ -218,14 +219,34 @@ def test_thousand_requests_random_cancels_leak_no_page():
         for event in sched.step():
             if event.finish:
                 live.remove(event.seq)
-                cancelled += event.finish == "cancelled"
-            if event.finish in ("stop", "length"):  # the tokens it gets alone
-                seq, done = event.seq, done + 1
-                alone = [hash((tuple(seq.prompt), i)) % 40 + 10 for i in range(len(seq.tokens))]
-                assert seq.tokens == alone
+                left[event.finish] += 1
+            if event.finish in ("stop", "length"):
+                yield event.seq
         assert len({s.slot for s in sched.running}) == len(sched.running)
-    assert backend.block_manager.pages_held == 0 and not live
-    assert sched.preemptions > 0 and done > 300 and cancelled > 100
+    assert not live and sum(left.values()) == requests
+
+
+def test_thousand_requests_random_cancels_leak_no_page():
+    backend = ScriptedBackend(pages=12)
+    sched = Scheduler(backend, prefill_chunk=24)
+    left = Counter()
+    for seq in churn(sched, 1000, random.Random(), 34, left):
+        alone = [hash((tuple(seq.prompt), i)) % 40 + 5 for i in range(len(seq.tokens))]
+        assert seq.tokens == alone  # the tokens it gets alone, preempted or not
+    assert backend.block_manager.pages_held == 0
+    assert sched.preemptions > 0 and left["cancelled"] > 100 and left["length"] > 300
+    assert left["stop"] > 0
+
+
+def test_reference_under_churn_leaks_no_page(model_file):
+    backend = ReferenceBackend(model_file, max_context=64, max_batch=8, kv_pages=4)
+    sched = Scheduler(backend, prefill_chunk=24)
+    left = Counter()
+    for _ in churn(sched, 120, random.Random(), 8, left):
+        pass
+    # Preemption is likely here but not certain: the small-pool test makes it happen.
+    assert backend.block_manager.pages_held == 0
+    assert left["cancelled"] > 0 and left["stop"] + left["length"] > 40
 
 
 def test_add_refuses_what_cannot_fit(model_file):
