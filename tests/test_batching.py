@@ -127,8 +127,8 @@ def test_long_prompt_is_chunked_between_decode_steps(model_file):
 
 def test_small_pool_preempts_and_outputs_stay_identical(model_file, oracle):
     rng = np.random.default_rng()
-    # 4 pages (64 positions) for 4 sequences growing to 32-38 positions (3 pages) each: two
-    # are admitted (a page each and a page of headroom), then the pool runs out as they grow.
+    # 4 pages (64 positions) for 4 sequences growing to 32-38 positions (3 pages) each: all
+    # four are admitted (a page each, nothing decoding yet), then the pool runs out as they grow.
     backend = ReferenceBackend(model_file, max_context=64, max_batch=4, kv_pages=4)
     sched = Scheduler(backend, prefill_chunk=64)
     greedy = SamplingParams(max_tokens=28)
