@@ -3,18 +3,25 @@
 
     python3 dev/load_test.py --url http://127.0.0.1:8000 --concurrency 6 --requests 60 \
         --max-tokens 64 [--api-key KEY] [--endpoint chat|completions] [--json]
+    python3 dev/load_test.py --concurrency 1,2,4,8,16,32 --requests 64 --max-tokens 128 \
+        --json --out load.json --plot load.png      # one run per N, against N
 
 `concurrency` clients each send streamed requests one after another until `requests` have
-been sent in all. Every request ends in exactly one outcome: its HTTP status (200, 429, 503,
-...), "timeout", or the name of a transport error, so nothing can hang or go missing
-unnoticed. For the successful ones it reports latency percentiles (request sent -> [DONE]),
-time to first streamed event (the server sends its first event once the first token exists,
-so this is the time to first token as a client sees it), per-request decode speed (completion
-tokens from the usage chunk over the time after the first event) and aggregate throughput.
+been sent in all (per level, with a list of levels: the batching curve of a server started
+with --max-batch at least the largest N and --max-queue large enough). Every request ends in
+exactly one outcome: its HTTP status (200, 429, 503, ...), "timeout", or the name of a
+transport error, so nothing can hang or go missing unnoticed. For the successful ones it
+reports latency percentiles (request sent -> [DONE]), time to first streamed event (the server
+sends its first event once the first token exists, so this is the time to first token as a
+client sees it), per-request decode speed (completion tokens from the usage chunk over the
+time after the first event), per-stream inter-token latency (the gaps between a stream's
+consecutive events, one a token: p50 of the streams' medians, p99 of every gap) and
+aggregate throughput.
 A 429 (queue full) is retried after its Retry-After up to --retries times (default 0: counted,
 not retried, which measures how often the queue was full); `retries` reports how many were.
 
-Only needs httpx. Prints a table, or one JSON object with --json.
+Only needs httpx (--plot also matplotlib and nanoqwen). Prints a table, or one JSON object
+with --json.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Result:
     decode_s: float = 0.0
     retries: int = 0
     retry_after_s: float = 0.0  # the server's Retry-After on a 429
+    gaps_s: list[float] = field(default_factory=list)  # between consecutive token events
 
 
 @dataclass
@@ -63,6 +71,7 @@ def request_body(args: argparse.Namespace, model: str) -> tuple[str, dict]:
 async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Result:
     start = time.perf_counter()
     first: float | None = None
+    stamps: list[float] = []  # arrival of each event that carries a choice (a token)
     tokens = 0
     try:
         async with client.stream("POST", path, json=body) as response:
@@ -80,6 +89,8 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Resul
                     event = json.loads(data)
                     if "error" in event:
                         return Result("stream-error", time.perf_counter() - start)
+                    if event.get("choices"):
+                        stamps.append(time.perf_counter())
                     tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
     except httpx.TimeoutException:
         return Result("timeout", time.perf_counter() - start)
@@ -87,7 +98,9 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Resul
         return Result(type(exc).__name__, time.perf_counter() - start)
     end = time.perf_counter()
     ttft = None if first is None else first - start
-    return Result("200", end - start, ttft, tokens, 0.0 if first is None else end - first)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    decode = 0.0 if first is None else end - first
+    return Result("200", end - start, ttft, tokens, decode, gaps_s=gaps)
 
 
 async def with_retries(client: httpx.AsyncClient, path: str, body: dict, retries: int) -> Result:
@@ -102,10 +115,10 @@ async def with_retries(client: httpx.AsyncClient, path: str, body: dict, retries
         await asyncio.sleep(result.retry_after_s)
 
 
-async def run_load(args: argparse.Namespace) -> Run:
+async def run_load(args: argparse.Namespace, concurrency: int) -> Run:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.timeout, connect=10.0)
-    limits = httpx.Limits(max_connections=args.concurrency)
+    limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(
         base_url=args.url, headers=headers, timeout=timeout, limits=limits
     ) as client:
@@ -118,7 +131,7 @@ async def run_load(args: argparse.Namespace) -> Run:
             for _ in remaining:  # the shared iterator hands out the requests
                 run.results.append(await with_retries(client, path, body, args.retries))
 
-        await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         run.wall_s = time.perf_counter() - start
     return run
 
@@ -134,8 +147,10 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": ordered[-1]}
 
 
-def summarize(run: Run, args: argparse.Namespace) -> dict:
+def summarize(run: Run, args: argparse.Namespace, concurrency: int) -> dict:
     ok = [r for r in run.results if r.outcome == "200"]
+    medians = [statistics.median(r.gaps_s) for r in ok if r.gaps_s]
+    every = sorted(g for r in ok for g in r.gaps_s)
     decode = [
         r.completion_tokens / r.decode_s for r in ok if r.decode_s > 0 and r.completion_tokens
     ]
@@ -143,7 +158,7 @@ def summarize(run: Run, args: argparse.Namespace) -> dict:
     return {
         "url": args.url,
         "endpoint": args.endpoint,
-        "concurrency": args.concurrency,
+        "concurrency": concurrency,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "outcomes": dict(Counter(r.outcome for r in run.results)),
@@ -154,6 +169,10 @@ def summarize(run: Run, args: argparse.Namespace) -> dict:
         "completion_tokens": total_tokens,
         "decode_tokens_per_s_median": statistics.median(decode) if decode else None,
         "throughput_tokens_per_s": total_tokens / run.wall_s if run.wall_s else None,
+        "itl_s": {
+            "p50_of_stream_medians": statistics.median(medians) if medians else None,
+            "p99_of_gaps": every[min(len(every) - 1, int(0.99 * len(every)))] if every else None,
+        },
     }
 
 
@@ -173,6 +192,20 @@ def print_table(summary: dict) -> None:
         print(f"decode (median per request): {decode:.1f} tokens/s")
     if rate:
         print(f"throughput: {rate:.1f} completion tokens/s ({summary['completion_tokens']} tokens)")
+    itl = summary["itl_s"]
+    if itl["p50_of_stream_medians"] is not None:
+        print(f"inter-token: p50 of stream medians {1e3 * itl['p50_of_stream_medians']:.1f} ms, "
+              f"p99 of gaps {1e3 * itl['p99_of_gaps']:.1f} ms")  # fmt: skip
+
+
+def plot(levels: list[dict], path: str, url: str) -> None:
+    """Aggregate tokens/s and per-stream ITL against N: bench --concurrency's plot."""
+    from nanoqwen.harness.concurrency import plot_concurrency
+
+    rows = [{"concurrency": s["concurrency"], "tokens_per_s": s["throughput_tokens_per_s"] or 0.0,
+             "itl_p50_ms": 1e3 * (s["itl_s"]["p50_of_stream_medians"] or 0.0),
+             "itl_p99_ms": 1e3 * (s["itl_s"]["p99_of_gaps"] or 0.0)} for s in levels]  # fmt: skip
+    plot_concurrency({"levels": rows}, path, f"{url}: online load by N")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -183,7 +216,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat", help="API")
-    p.add_argument("--concurrency", type=int, default=6, help="clients sending in parallel")
+    p.add_argument("--concurrency", default="6",
+                   help="parallel clients; a comma list (1,2,4,8) runs each in turn")  # fmt: skip
     p.add_argument("--requests", type=int, default=60, help="requests in all")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
@@ -191,21 +225,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=0, help="retries of a 429 (after Retry-After)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request read timeout, s")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="draw tokens/s and ITL against the concurrency levels (needs matplotlib "
+                   "and nanoqwen importable)")  # fmt: skip
     args = p.parse_args(argv)
-    if args.concurrency < 1 or args.requests < 1 or args.max_tokens < 1:
+    try:
+        args.levels = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        p.error(f"--concurrency: expected integers like 1,2,4, got {args.concurrency!r}")
+    if min(args.levels) < 1 or args.requests < 1 or args.max_tokens < 1:
         p.error("--concurrency, --requests and --max-tokens must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    summary = summarize(asyncio.run(run_load(args)), args)
+    levels = [summarize(asyncio.run(run_load(args, n)), args, n) for n in args.levels]
+    out = levels[0] if len(levels) == 1 else {"command": " ".join(sys.argv), "levels": levels}
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(out))
     else:
-        print_table(summary)
-    lost = args.requests - sum(summary["outcomes"].values())
-    return 0 if lost == 0 and set(summary["outcomes"]) <= {"200", "429", "503"} else 1
+        for summary in levels:
+            print_table(summary)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        plot(levels, args.plot, args.url)
+    ok = {"200", "429", "503"}
+    return 0 if all(args.requests == sum(s["outcomes"].values()) and set(s["outcomes"]) <= ok
+                    for s in levels) else 1  # fmt: skip
 
 
 if __name__ == "__main__":

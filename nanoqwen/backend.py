@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import ContextError
-from .kv_pages import KVStats
+from .kv_pages import BlockManager, KVStats
 from .sampling import SamplingParams
 
 # Positions a backend holds when not told: the cuda engine sizes its KV pool for the model's
@@ -75,7 +75,8 @@ class Backend(Protocol):
         is asked for. Closing the iterator early (generator.close(),
         or dropping it) cancels the generation within one decode step and releases its KV
         pages (those completely written stay in the prefix cache, unreferenced).
-        One generation at a time per backend (batch 1).
+        One generate() at a time per backend; speculative drafts run here only, never in
+        decode_batch.
         """
         ...
 
@@ -93,6 +94,28 @@ class Backend(Protocol):
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits: float32 [T, vocab], row t predicts token t+1."""
+        ...
+
+    # Continuous batching (nanoqwen.batching drives these; its docstring states the rules).
+    max_batch: int  # most sequences in one decode_batch
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The backend's KV pool: the scheduler admits, reserves, commits and releases."""
+        ...
+
+    def prefill_chunk(self, seq, end: int, sample: bool) -> int | None:
+        """ids[seq.kv_len:end] into seq.table's pages, kv_len = end; with `sample` the next
+        token (draw number len(seq.tokens) of the sequence), else None."""
+        ...
+
+    def decode_batch(self, seqs: list) -> list[int]:
+        """One decode step for each sequence (its last id at position kv_len, kv_len += 1):
+        one token per sequence, in the order given, each what it gets alone."""
+        ...
+
+    def release_slot(self, seq) -> None:
+        """The sequence left the batch: forget its per-slot state."""
         ...
 
     def close(self) -> None: ...

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
+from .batching import DEFAULT_PREFILL_CHUNK, Scheduler
 from .config import ModelConfig
 from .errors import ContextError, NanoqwenError
 from .sampling import SamplingParams
@@ -98,8 +102,145 @@ def context_size(requested: int | None, backend: str, config: ModelConfig) -> in
     return check_max_context(requested, config)
 
 
+class _Text:
+    """One generation's token ids -> Deltas: the one home of the stopping and detokenizing
+    rules (module docstring), for `LLM.stream` and `Batch` alike."""
+
+    def __init__(self, tokenizer: Tokenizer, stop_ids: frozenset[int], params: SamplingParams):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopMatcher(params.stop)
+        self.stop_ids, self.max_tokens, self.count = stop_ids, params.max_tokens, 0
+
+    def feed(self, token: int, cached: int = 0) -> Delta:
+        """The delta of the next generated token; its finish_reason ends the generation."""
+        self.count += 1
+        if token in self.stop_ids:  # EOS: ends the text, adds none
+            return Delta(self._flush("")[0], (token,), "stop", cached)
+        text, stopped = self.matcher.feed(self.detok.feed([token]))
+        if not stopped and self.count == self.max_tokens:
+            text, stopped = self._flush(text)
+            return Delta(text, (token,), "stop" if stopped else "length", cached)
+        return Delta(text, (token,), "stop" if stopped else None, cached)
+
+    def end(self) -> Delta:
+        """The final delta of a generation the backend ended without a finishing token."""
+        return Delta(self._flush("")[0], (), "length")
+
+    def _flush(self, text: str) -> tuple[str, bool]:
+        """`text` plus everything held back, at the end of the generation."""
+        tail, stopped = self.matcher.feed(self.detok.finish())
+        return text + tail + self.matcher.finish(), stopped
+
+
+class Batch:
+    """Generations of one LLM decoded together: a Scheduler (nanoqwen.batching) over the
+    backend, each sequence's tokens turned into Deltas by the same rules as `LLM.stream`. A
+    stop string ends a sequence here, on the host: it is cancelled, so the next step frees
+    it. Speculative decoding does not run in a batch (one token a step per sequence), so
+    deltas carry no SpecStats."""
+
+    def __init__(self, llm: LLM, scheduler: Scheduler) -> None:
+        self.llm, self.scheduler = llm, scheduler
+        self._text: dict[Any, _Text] = {}  # nanoqwen.batching.Sequence -> its text
+
+    def add(self, ids: Sequence[int], params: SamplingParams):
+        """Queue a generation; its handle (a nanoqwen.batching.Sequence). ContextError when
+        it cannot fit the context."""
+        seq = self.scheduler.add(ids, params, self.llm._stop_ids)
+        self._text[seq] = _Text(self.llm.tokenizer, self.llm._stop_ids, params)
+        return seq
+
+    def cancel(self, seq) -> None:
+        """Stop `seq`: no more deltas; the next step frees its pages and slot."""
+        self.scheduler.cancel(seq)
+        self._text.pop(seq, None)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[tuple[Any, Delta]]:
+        """One scheduler step: (handle, delta) for each sequence that got a token; a delta
+        with a finish_reason is its sequence's last."""
+        out = []
+        for event in self.scheduler.step():
+            text = self._text.get(event.seq)
+            if text is None or event.token is None:  # cancelled
+                continue
+            cached = event.seq.cached_tokens if len(event.seq.tokens) == 1 else 0
+            delta = text.feed(event.token, cached)
+            if delta.finish_reason:
+                del self._text[event.seq]
+                if not event.finish:  # a stop string: the scheduler does not know it
+                    self.scheduler.cancel(event.seq)
+            out.append((event.seq, delta))
+        return out
+
+    def clear(self) -> None:
+        """Drop every generation now (engine failure, shutdown): pages and slots freed."""
+        self.scheduler.clear()
+        self._text.clear()
+
+
+class _StreamBatch:
+    """Batch's surface over one `LLM.stream` at a time: what `LLM.batch(1)` gives with
+    speculative decoding, which the scheduler's decode_batch does not run (one token a step
+    per sequence), so that a one-stream server keeps its drafts. Each step takes one delta of
+    the running stream; a cancel closes it at once (its KV pages freed)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.scheduler = SimpleNamespace(max_batch=1, running=[], waiting=deque(), preemptions=0)
+        self._params: dict[object, tuple[list[int], SamplingParams]] = {}
+        self._stream: Iterator[Delta] | None = None
+
+    def add(self, ids: Sequence[int], params: SamplingParams) -> object:
+        self.llm.check_fits(len(ids), params.max_tokens)
+        handle = object()
+        self._params[handle] = (list(ids), params)
+        self.scheduler.waiting.append(handle)
+        return handle
+
+    def cancel(self, handle) -> None:
+        if handle in self.scheduler.running:
+            self._end()
+        elif handle in self.scheduler.waiting:
+            self.scheduler.waiting.remove(handle)
+        self._params.pop(handle, None)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def step(self) -> list[tuple[Any, Delta]]:
+        if self._stream is None and self.scheduler.waiting:
+            handle = self.scheduler.waiting.popleft()
+            self.scheduler.running.append(handle)
+            self._stream = self.llm.stream(*self._params.pop(handle))
+        if self._stream is None:
+            return []
+        handle = self.scheduler.running[0]
+        delta = next(self._stream, None)
+        if delta is None or delta.finish_reason:
+            self._end()
+        return [] if delta is None else [(handle, delta)]
+
+    def clear(self) -> None:
+        if self.scheduler.running:
+            self._end()
+        self.scheduler.waiting.clear()
+        self._params.clear()
+
+    def _end(self) -> None:
+        if self._stream is not None:  # None when stream() refused the request
+            self._stream.close()
+        self._stream = None
+        self.scheduler.running.clear()
+
+
 class LLM:
-    """A loaded .nanoqwen model with its tokenizer, on one backend (batch 1)."""
+    """A loaded .nanoqwen model with its tokenizer, on one backend: one stream at a time with
+    `stream` / `generate`, many with `batch`."""
 
     def __init__(
         self,
@@ -108,10 +249,12 @@ class LLM:
         max_context=None,
         progress=False,
         speculative: SpeculativeConfig | str | None = DEFAULT_SPECULATE,
+        max_batch: int | None = None,
     ):
         """progress: show the reference backend's load progress (a bar per layer) on stderr;
         speculative: "off" (or None), "ngram" (SpeculativeConfig's defaults) or a
-        SpeculativeConfig."""
+        SpeculativeConfig; max_batch: the reference backend's batch slots (None: its
+        default; the cuda backend sizes its own)."""
         from .fileformat import NanoqwenFile
 
         self.speculative = resolve(speculative)
@@ -123,7 +266,7 @@ class LLM:
             self.config: ModelConfig = self._file.config
             self.tokenizer = Tokenizer.from_file(self._file)
             self.max_context = context_size(max_context, self.backend_name, self.config)
-            self._progress = progress
+            self._progress, self._max_batch = progress, max_batch
             self._backend = self._open_backend()
         except BaseException:
             self._file.close()
@@ -144,8 +287,9 @@ class LLM:
             return CudaBackend(self._file, max_context=self.max_context, **spec)
         from .reference import ReferenceBackend
 
+        batch = {} if self._max_batch is None else {"max_batch": self._max_batch}
         return ReferenceBackend(self._file, max_context=self.max_context, progress=self._progress,
-                                speculative=self.speculative)  # fmt: skip
+                                speculative=self.speculative, **batch)  # fmt: skip
 
     # Prompts -----------------------------------------------------------------------------
     def prepare(
@@ -213,43 +357,40 @@ class LLM:
         """
         self._require_open()
         self.check_fits(len(ids), params.max_tokens)
-        matcher = StopMatcher(params.stop)
         tokens = self._backend.generate(list(ids), params, self._stop_ids)
-        return self._deltas(tokens, params.max_tokens, matcher)
+        return self._deltas(tokens, _Text(self.tokenizer, self._stop_ids, params))
 
-    def _deltas(self, tokens: Generator[int], max_tokens: int, matcher) -> Iterator[Delta]:
-        detok = IncrementalDetokenizer(self.tokenizer)
+    def batch(self, max_batch: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+              ) -> Batch | _StreamBatch:  # fmt: skip
+        """Many generations at once over the backend's batch primitives (nanoqwen.batching):
+        the server's engine loop. max_batch: sequences decoded together (default and most:
+        the backend's). A batch decodes without speculative drafts; with speculation on,
+        max_batch 1 runs the generations one after the other through `stream`, drafts
+        included."""
+        self._require_open()
+        if max_batch == 1 and self.speculative:
+            return _StreamBatch(self)
+        return Batch(self, Scheduler(self._backend, max_batch, prefill_chunk))
+
+    def _deltas(self, tokens: Generator[int], text: _Text) -> Iterator[Delta]:
         counted = False
 
-        def flush(text: str) -> tuple[str, bool]:
-            """`text` plus everything held back, at the end of the generation."""
-            tail, stopped = matcher.feed(detok.finish())
-            return text + tail + matcher.finish(), stopped
-
-        def last(text: str, ids: tuple[int, ...], finish: str, cached: int) -> Delta:
+        def last(delta: Delta) -> Delta:
             """The final delta, with the generation's SpecStats: the backend's iterator is
             closed first, so a backend that settles its statistics at the end has done so."""
             nonlocal counted
             tokens.close()
             counted = True
-            return Delta(text, ids, finish, cached, self._count_spec())
+            return dataclasses.replace(delta, speculative=self._count_spec())
 
         try:
             for count, token in enumerate(tokens, start=1):
-                cached = self._backend.cached_tokens if count == 1 else 0
-                if token in self._stop_ids:  # EOS: ends the text, adds none
-                    yield last(flush("")[0], (token,), "stop", cached)
+                delta = text.feed(token, self._backend.cached_tokens if count == 1 else 0)
+                if delta.finish_reason:
+                    yield last(delta)
                     return
-                text, stopped = matcher.feed(detok.feed([token]))
-                if not stopped and count == max_tokens:
-                    text, stopped = flush(text)
-                    yield last(text, (token,), "stop" if stopped else "length", cached)
-                    return
-                if stopped:
-                    yield last(text, (token,), "stop", cached)
-                    return
-                yield Delta(text, (token,), None, cached)
-            yield last(flush("")[0], (), "length", 0)  # a backend that ended early on its own
+                yield delta
+            yield last(text.end())  # a backend that ended early on its own
         finally:
             tokens.close()
             if not counted:  # cancelled: the steps it ran still count in spec_totals

@@ -43,7 +43,7 @@ from .errors import NanoqwenError
 from .kv_pages import BlockManager, KVStats, PageTable
 from .quant import dequantize_packed, dequantize_rows_int8
 from .rope import rope_angles
-from .sampling import SamplingParams, make_generator
+from .sampling import SamplingParams, make_generator, sample
 from .speculative import SpecStats, SpeculativeConfig, accept, cut, draft, step_limit
 
 if TYPE_CHECKING:
@@ -340,11 +340,21 @@ def set_threads(threads: int | None) -> int:
 
 # --- The backend ------------------------------------------------------------------------------
 
+# Sequences in one decode_batch when not told: the per-sequence forwards make a batch no faster
+# on the CPU, so this only bounds the slots (the server's --max-batch default).
+DEFAULT_MAX_BATCH = 8
+
 
 class ReferenceBackend:
-    """nanoqwen.backend.Backend in plain PyTorch: batch 1, host sampling, paged KV with prefix
-    caching (nanoqwen.kv_pages): a prompt is prefilled from its first uncached token; with a
-    SpeculativeConfig each decode step verifies n-gram drafts (nanoqwen.speculative)."""
+    """nanoqwen.backend.Backend in plain PyTorch: host sampling, paged KV with prefix caching
+    (nanoqwen.kv_pages): a prompt is prefilled from its first uncached token; with a
+    SpeculativeConfig each generate() step verifies n-gram drafts (nanoqwen.speculative).
+
+    The batch primitives (prefill_chunk, decode_batch, release_slot; nanoqwen.batching drives
+    them) are the oracle of the batched path: each sequence runs its own forward, exactly the
+    forward generate() runs, and samples with its own generator (seq.sampler), so every row is
+    what the sequence gets alone, token for token. They decode one token a step, with or
+    without a SpeculativeConfig."""
 
     name = "reference"
 
@@ -357,26 +367,43 @@ class ReferenceBackend:
         prefix_caching: bool = True,
         progress: bool = False,
         speculative: SpeculativeConfig | None = None,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        kv_pages: int | None = None,
     ):
         """prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full
         pages (off: every prompt is prefilled cold, e.g. for validation); progress: a bar per
         loaded layer on stderr (a 1.5B loads for tens of seconds); speculative: draft and
         verify per nanoqwen.speculative (None: one token per step). `spec_stats` holds the
-        last generation's SpecStats."""
+        last generation's SpecStats; max_batch: the most sequences in one decode_batch;
+        kv_pages: the KV pool's 16-token pages (default: one max_context's worth, what a
+        single stream needs; a batch shares them and the scheduler preempts when they run
+        out)."""
         self.config: ModelConfig = file.config
         self.max_context = check_max_context(max_context, self.config)
         self.device = torch.device(device)
         self.speculative = speculative
+        if max_batch < 1:
+            raise NanoqwenError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        pages = -(-self.max_context // PAGE_TOKENS)
+        if kv_pages is not None and kv_pages < pages:
+            raise NanoqwenError(f"kv_pages {kv_pages} cannot hold one max_context of "
+                                f"{self.max_context} positions ({pages} pages)")  # fmt: skip
         self.cached_tokens = 0
         self.spec_stats = SpecStats()
         with torch.inference_mode():
             self.model = Qwen2Reference(file, max_context, dtype, self.device, progress)
-            pages = -(-max_context // PAGE_TOKENS)
-            self.cache = PagedKVCache(self.config, pages, dtype, self.device, prefix_caching)
+            self.cache = PagedKVCache(self.config, kv_pages or pages, dtype, self.device,
+                                      prefix_caching)  # fmt: skip
 
     @property
     def kv_pages_in_use(self) -> int:
         return 0 if self.cache is None else self.cache.pages.pages_held
+
+    @property
+    def block_manager(self) -> BlockManager:
+        self._require_open()
+        return self.cache.pages
 
     @property
     def kv_stats(self) -> KVStats:
@@ -444,6 +471,40 @@ class ReferenceBackend:
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, start, table.pages, self.cache)
         return self.model.logits(hidden[-rows:])
+
+    # -- batch primitives (nanoqwen.batching.Scheduler calls them; the caller reserves pages) --
+    def prefill_chunk(self, seq, end: int, sample: bool) -> int | None:
+        """ids[kv_len:end] at positions kv_len .. end - 1; with `sample` the next token."""
+        self._require_open()
+        logits = self._run(seq, seq.ids[seq.kv_len : end])
+        return self._sample(seq, logits) if sample else None
+
+    def decode_batch(self, seqs: list) -> list[int]:
+        """One token for each sequence: its last id fed at position kv_len, one forward each."""
+        self._require_open()
+        return [self._sample(seq, self._run(seq, seq.ids[seq.kv_len : seq.kv_len + 1]))
+                for seq in seqs]  # fmt: skip
+
+    def release_slot(self, seq) -> None:
+        """Nothing is kept per slot: the generator lives in seq.sampler."""
+
+    @torch.inference_mode()
+    def _run(self, seq, tokens: list[int]) -> torch.Tensor:
+        """tokens at positions seq.kv_len.. into seq.table's pages; the last row's logits [V]."""
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, seq.kv_len, seq.table.pages, self.cache)
+        seq.kv_len += len(tokens)
+        return self.model.logits(hidden[-1:])[0].cpu()
+
+    @staticmethod
+    def _sample(seq, logits: torch.Tensor) -> int:
+        """Draw number len(seq.tokens) of the sequence: its own generator, made on first use,
+        advances once per sampled draw (greedy draws nothing), as in generate()."""
+        if seq.params.greedy:
+            return sample(logits, seq.params)
+        if seq.sampler is None:
+            seq.sampler = make_generator(seq.params.seed)
+        return sample(logits, seq.params, seq.sampler)
 
     @torch.inference_mode()
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -308,3 +308,39 @@ def test_commit_id(monkeypatch):
     assert commit_id() == "abc1234"
     monkeypatch.delenv("NANOQWEN_COMMIT")
     assert commit_id() not in ("", "abc1234")
+
+
+@pytest.mark.parametrize("text", ["0,1", "1,,2", "a", ""])
+def test_bench_concurrency_rejects_bad_levels(text):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "m.nanoqwen", "--concurrency", text])
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_bench_concurrency_on_the_reference(tiny_model, tmp_path, capsys):
+    out, png = tmp_path / "c.json", tmp_path / "c.png"
+    plot = ["--plot", str(png)] if _has_matplotlib() else []
+    rc = main(["bench", str(tiny_model), "--backend", "reference", "--concurrency", "1,3",
+               "--prompt-len", "20", "--gen-len", "5", "--prefill-chunk", "16", "--warmup", "0",
+               "--json", str(out), *plot])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["command"].startswith("nanoqwen bench ") and "--concurrency 1,3" in res["command"]
+    assert [r["concurrency"] for r in res["levels"]] == [1, 3]
+    for r in res["levels"]:
+        assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+        assert 0 < r["itl_p50_ms"] and r["preemptions"] == 0
+        # 20 prompt tokens in 16-token chunks: the first token after step 2 of each stream,
+        # then one decode a step; 3 streams share the chunk budget.
+        assert r["steps"] >= 2 + 4
+    assert res["max_context"] == 3 * 32  # room for every stream of the largest N
+    assert "tok/s" in capsys.readouterr().out
+    assert not plot or png.stat().st_size > 0
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -28,7 +29,8 @@ from nanoqwen.speculative import SpecStats  # noqa: E402
 
 
 class FakeLLM:
-    """Yields one Delta per token every `step_s`; raises DeviceError at token `fail_at`."""
+    """Its batch yields one Delta per token per running generation every `step_s`; raises
+    DeviceError at token `fail_at` of a generation."""
 
     model_name = "fake"
     backend_name = "fake"
@@ -38,7 +40,6 @@ class FakeLLM:
         self.step_s = step_s
         self.fail_at = fail_at
         self.produced = 0
-        self.kv_pages_in_use = 0
         self.kv_stats = KVStats(pages=64, held=0, cached=0, free=64, lookup_tokens=0,
                                 hit_tokens=0, evictions=0)  # fmt: skip
         self.spec_totals = SpecStats()
@@ -46,6 +47,11 @@ class FakeLLM:
         self.gate.set()
         self.seen: list[tuple[dict, SamplingParams]] = []  # (prepare's arguments, params)
         self._prompt: dict = {}
+        self.batches: list[FakeBatch] = []
+
+    @property
+    def kv_pages_in_use(self) -> int:
+        return sum(b.pages for b in self.batches)
 
     def prepare(self, prompt=None, *, messages=None, fim=None, special_tokens="parse") -> list[int]:
         self._prompt = {"prompt": prompt, "messages": messages, "fim": fim}
@@ -55,20 +61,64 @@ class FakeLLM:
         if prompt_len + max_tokens > self.max_context:
             raise ContextError(f"{prompt_len} + {max_tokens} > {self.max_context}")
 
-    def stream(self, ids, params: SamplingParams):
-        self.seen.append((self._prompt, params))
-        self.kv_pages_in_use = 1 + len(ids) // 16
-        try:
-            self.gate.wait()
-            for i in range(params.max_tokens):
-                time.sleep(self.step_s)
-                if i == self.fail_at:
-                    raise DeviceError("cudaErrorIllegalAddress (sticky)")
-                self.produced += 1
-                last = i == params.max_tokens - 1
-                yield Delta("x", (100 + i,), "length" if last else None)
-        finally:
-            self.kv_pages_in_use = 0
+    def batch(self, max_batch: int | None = None) -> FakeBatch:
+        self.batches.append(FakeBatch(self, max_batch or 4))
+        return self.batches[-1]
+
+
+class FakeSeq:
+    def __init__(self, ids, params: SamplingParams) -> None:
+        self.ids, self.params, self.count, self.cancelled = ids, params, 0, False
+
+
+class FakeBatch:
+    """nanoqwen.llm.Batch's surface: every sequence gets a token a step; a cancelled one is
+    dropped (its pages freed) at the start of the next step."""
+
+    def __init__(self, llm: FakeLLM, max_batch: int) -> None:
+        self.llm = llm
+        self.scheduler = SimpleNamespace(max_batch=max_batch, running=[], waiting=[],
+                                         preemptions=0)  # fmt: skip
+        self.live: list[FakeSeq] = []
+
+    @property
+    def pages(self) -> int:
+        return sum(1 + len(s.ids) // 16 for s in self.live)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.live)
+
+    def add(self, ids, params: SamplingParams) -> FakeSeq:
+        self.llm.seen.append((self.llm._prompt, params))
+        self.live.append(FakeSeq(ids, params))
+        self.scheduler.running = list(self.live)
+        return self.live[-1]
+
+    def cancel(self, seq: FakeSeq) -> None:
+        seq.cancelled = True
+
+    def clear(self) -> None:
+        self.live.clear()
+
+    def step(self) -> list[tuple[FakeSeq, Delta]]:
+        self.live = [s for s in self.live if not s.cancelled]
+        self.scheduler.running = list(self.live)
+        if not self.live:
+            return []
+        self.llm.gate.wait()
+        time.sleep(self.llm.step_s)
+        out = []
+        for seq in list(self.live):
+            if seq.count == self.llm.fail_at:
+                raise DeviceError("cudaErrorIllegalAddress (sticky)")
+            seq.count += 1
+            self.llm.produced += 1
+            last = seq.count == seq.params.max_tokens
+            out.append((seq, Delta("x", (99 + seq.count,), "length" if last else None)))
+            if last:
+                self.live.remove(seq)
+        return out
 
 
 async def _next(job: Job, timeout: float = 5.0):
@@ -123,7 +173,7 @@ def test_full_queue_is_refused_and_cancelled_queued_job_is_skipped() -> None:
     async def main() -> None:
         llm = FakeLLM()
         llm.gate.clear()  # the first job holds the engine until the gate opens
-        worker = Worker(llm, max_queue=2)
+        worker = Worker(llm, max_queue=2, max_batch=1)
         worker.start()
         loop = asyncio.get_running_loop()
         jobs = [Job([1], SamplingParams(max_tokens=2), loop) for _ in range(3)]
@@ -150,7 +200,7 @@ def test_device_error_is_fatal_for_job_queue_and_worker() -> None:
         llm = FakeLLM(fail_at=2)
         llm.gate.clear()
         fatal: list[DeviceError] = []
-        worker = Worker(llm, max_queue=4, on_fatal=fatal.append)
+        worker = Worker(llm, max_queue=4, on_fatal=fatal.append, max_batch=1)
         worker.start()
         loop = asyncio.get_running_loop()
         first, queued = (Job([1], SamplingParams(max_tokens=9), loop) for _ in range(2))
@@ -213,7 +263,7 @@ def test_app_stream_error_after_first_token_is_an_error_event() -> None:
 def test_drain_fails_the_queue_and_abort_ends_the_running_job() -> None:
     async def main() -> None:
         llm = FakeLLM(step_s=0.003)
-        worker = Worker(llm, max_queue=4)
+        worker = Worker(llm, max_queue=4, max_batch=1)
         worker.start()
         loop = asyncio.get_running_loop()
         running, queued = (Job([1], SamplingParams(max_tokens=100_000), loop) for _ in range(2))
@@ -334,6 +384,37 @@ def test_request_fields_reach_prepare_and_sampling_params(path, fields, prompt, 
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == params.max_tokens
         assert llm.seen == [(prompt, params)]
+        worker.stop()
+
+    asyncio.run(main())
+
+
+async def _until_done(job: Job) -> list:
+    events = [await _next(job)]
+    while events[-1] is not DONE:
+        events.append(await _next(job))
+    return events
+
+
+def test_jobs_share_the_batch_and_a_cancel_leaves_the_others_running() -> None:
+    async def main() -> None:
+        llm = FakeLLM(step_s=0.002)
+        worker = Worker(llm, max_queue=4, max_batch=3)
+        worker.start()
+        loop = asyncio.get_running_loop()
+        jobs = [Job([1] * 20, SamplingParams(max_tokens=n), loop) for n in (30, 400, 30, 30)]
+        for job in jobs:
+            worker.submit(job)
+        first = [await _next(job) for job in jobs[:3]]  # three decode together
+        assert all(e.token_ids == (100,) for e in first) and worker.scheduled[0] == 3
+        assert not jobs[3].events and worker.running == 3  # the fourth waits for a place
+        jobs[1].cancel()
+        for job in (jobs[0], jobs[2]):
+            assert len(await _until_done(job)) == 29 + 1  # the other 29 deltas and DONE
+        events = await _until_done(jobs[3])  # took the cancelled job's place
+        assert [e.token_ids for e in events[:-1]] == [(100 + i,) for i in range(30)]
+        await _wait_idle(worker)
+        assert llm.kv_pages_in_use == 0 and llm.produced < 30 * 3 + 60
         worker.stop()
 
     asyncio.run(main())

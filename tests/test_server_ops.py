@@ -156,17 +156,21 @@ def test_metrics_move_as_requests_are_served(ops):
     ) as running:
         lines = running.iter_lines()
         assert next(lines).startswith("data: ")
-        waiting = threading.Thread(
+        second = threading.Thread(
             target=httpx.post,
             args=(ops.url + "/v1/completions",),
-            kwargs={"json": completion(NAME, 2), "headers": AUTH, "timeout": 60},
+            kwargs={"json": completion(NAME, 200), "headers": AUTH, "timeout": 60},
         )
-        waiting.start()
-        while ops.health()["queue_depth"] == 0:
+        second.start()  # joins the running one's batch
+        deadline = time.monotonic() + 20
+        while (busy := {k[0]: v for k, v in scrape(ops).items() if not k[1]})[
+            "nanoqwen_sequences_running"
+        ] < 2:
+            assert time.monotonic() < deadline, busy
             time.sleep(0.01)
-        busy = {k[0]: v for k, v in scrape(ops).items() if not k[1]}
-    waiting.join(30)
-    assert busy["nanoqwen_engine_running"] == 1 and busy["nanoqwen_queue_depth"] == 1
+    second.join(30)
+    assert busy["nanoqwen_engine_running"] == 2 and busy["nanoqwen_queue_depth"] == 0
+    assert busy["nanoqwen_sequences_waiting"] == 0 and busy["nanoqwen_preemptions_total"] == 0
     assert busy["nanoqwen_kv_pages_in_use"] > 0
 
 

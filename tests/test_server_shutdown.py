@@ -3,7 +3,8 @@
 SIGTERM / Ctrl-C drain the server: queued requests and new ones get a JSON 503 at once, the
 running stream finishes within the grace period (--shutdown-grace) or then ends with an error
 event and `data: [DONE]`, at once on a second signal; the process exits 0 with no traceback in
-its log.
+its log. The servers run one generation at a time (--max-batch 1), so that requests wait in the
+queue behind the running one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 
 pytest.importorskip("fastapi")  # the serve extra; a GPU image may lack it
 
+ONE_AT_A_TIME = ("--max-batch", "1")
 LONG = 3000  # tokens: about a minute of work for the tiny model if nobody stops it
 
 
@@ -89,7 +91,7 @@ def stream_ended_by_shutdown(stream: Client, sse_events) -> None:
 
 def test_sigterm_drains_then_ends_the_stream_after_the_grace(serve, tiny_model, sse_events):
     grace = 1.0
-    proc = serve(tiny_model, "--shutdown-grace", str(grace), "--log-level", "info")
+    proc = serve(tiny_model, "--shutdown-grace", str(grace), "--log-level", "info", *ONE_AT_A_TIME)
     stream, waiting = start_busy(proc, queued=3)
     proc.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
@@ -105,7 +107,9 @@ def test_sigterm_drains_then_ends_the_stream_after_the_grace(serve, tiny_model, 
 
 
 def test_ctrl_c_lets_the_running_stream_finish(serve, tiny_model, sse_events):
-    proc = serve(tiny_model)  # the default grace (5 s) covers 48 tokens of the tiny model
+    proc = serve(
+        tiny_model, *ONE_AT_A_TIME
+    )  # the default grace (5 s) covers 48 tokens of the tiny model
     body = completion(48, stream=True) | {"stream_options": {"include_usage": True}}
     stream = Client(proc.url, "/v1/completions", body)
     assert stream.answered.wait(30)
@@ -118,7 +122,7 @@ def test_ctrl_c_lets_the_running_stream_finish(serve, tiny_model, sse_events):
 
 
 def test_a_second_signal_ends_the_stream_at_once(serve, tiny_model, sse_events):
-    proc = serve(tiny_model, "--shutdown-grace", "60")
+    proc = serve(tiny_model, "--shutdown-grace", "60", *ONE_AT_A_TIME)
     stream, _ = start_busy(proc, queued=0)
     proc.proc.send_signal(signal.SIGINT)
     time.sleep(0.3)

@@ -176,13 +176,14 @@ def test_generate_prints_the_stats_line(tiny_model, capsys):
 
 
 def test_usage_and_metrics_report_speculation(tiny_model):
+    """A one-stream server (--max-batch 1) keeps speculative decoding."""
     import httpx
 
     from nanoqwen.server import Worker, create_app
 
     async def run() -> tuple[dict, dict, str]:
         llm = LLM(tiny_model, backend="reference", max_context=512, speculative="ngram")
-        worker = Worker(llm, max_queue=2)
+        worker = Worker(llm, max_queue=2, max_batch=1)
         worker.start()
         try:
             transport = httpx.ASGITransport(app=create_app(llm, worker))
@@ -219,6 +220,33 @@ def test_usage_and_metrics_report_speculation(tiny_model):
     openai = pytest.importorskip("openai")  # its clients keep the field as an extra
     parsed = openai.types.CompletionUsage.model_validate(usage)
     assert parsed.completion_tokens == 16 and parsed.model_extra["speculative"] == spec
+
+
+def test_a_batched_server_decodes_without_drafts(tiny_model):
+    """With --max-batch above 1 the same speculative LLM runs its requests through the
+    scheduler: one token a step, no draft, no speculative usage, the same greedy text."""
+    import httpx
+
+    from nanoqwen.server import Worker, create_app
+
+    async def run() -> tuple[dict, str]:
+        worker = Worker(llm, max_queue=2, max_batch=2)
+        worker.start()
+        try:
+            transport = httpx.ASGITransport(app=create_app(llm, worker))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                body = {"model": llm.model_name, "prompt": REPEATING, "max_tokens": 16}
+                return (await client.post("/v1/completions", json=body)).json()
+        finally:
+            worker.stop()
+
+    with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as llm:
+        reply = asyncio.run(run())
+        alone = llm.generate(llm.prepare(REPEATING), SamplingParams(max_tokens=16))
+        assert alone.completion_tokens == 16 and llm.spec_totals.accepted > 0  # it drafts alone
+        assert llm.spec_totals.steps + llm.spec_totals.accepted == 15  # only that one counted
+    assert "speculative" not in reply["usage"] and reply["usage"]["completion_tokens"] == 16
+    assert reply["choices"][0]["text"] == alone.text
 
 
 def test_usage_has_no_speculative_field_without_speculation():
@@ -385,3 +413,19 @@ def test_walk_and_projection(draft_model):
 def test_bench_e2e_refuses_the_reference_backend(tiny_model, capsys):
     assert main(["bench", str(tiny_model), "--backend", "reference"]) != 0
     assert "times the cuda engine" in capsys.readouterr().err
+
+
+def test_one_stream_batch_with_speculation_cancels_at_once(tiny_model):
+    with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as llm:
+        batch = llm.batch(1)
+        ids = llm.prepare(REPEATING)
+        first, second = (batch.add(ids, SamplingParams(max_tokens=8)) for _ in range(2))
+        assert [h for h, _ in batch.step() + batch.step()] == [first, first]
+        assert llm.kv_pages_in_use > 0
+        batch.cancel(first)  # closes its stream now: pages freed before any step
+        assert llm.kv_pages_in_use == 0 and batch.has_work
+        out = []
+        while batch.has_work:
+            out += batch.step()
+        assert {h for h, _ in out} == {second} and out[-1][1].finish_reason == "length"
+        assert len(out) == 8 and out[-1][1].speculative is not None

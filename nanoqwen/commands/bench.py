@@ -14,7 +14,13 @@ from the Python standard library's source (nanoqwen/harness/workloads.py): --req
 each generated plain then speculative (--spec-k, --spec-ngram) on the same --backend (the
 reference too), greedy or sampled (--temperature, --top-k, --top-p): effective tokens/s and
 ms/token of each, the speed-up, accepted drafts a step, and (greedy) whether the outputs are
-token-identical (nanoqwen/harness/spec_bench.py)."""
+token-identical (nanoqwen/harness/spec_bench.py).
+
+--concurrency 1,2,4,8,16,32: continuous batching offline, in process: for each N, N streams of
+--prompt-len random ids and --gen-len tokens submitted together to the scheduler
+(nanoqwen.batching) on --backend (any: the reference too): aggregate tokens/s, per-stream
+inter-token latency and TTFT p50/p99 by N; --plot draws tokens/s and ITL against N
+(nanoqwen/harness/concurrency.py)."""
 
 import sys
 
@@ -27,6 +33,19 @@ SPEC_WORKLOADS = ("edit", "fim", "chat")  # nanoqwen.harness.workloads.WORKLOADS
 WORKLOADS = ("e2e", "prefix", *SPEC_WORKLOADS)
 
 
+def concurrency_levels(text: str) -> list[int]:
+    """--concurrency: comma-separated stream counts, each >= 1, e.g. 1,2,4,8."""
+    import argparse
+
+    try:
+        levels = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4,8, got {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"every level must be >= 1, got {text!r}")
+    return levels
+
+
 def add_arguments(p) -> None:
     from ..harness import load_protocol
 
@@ -35,6 +54,12 @@ def add_arguments(p) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="e2e",
                    help="e2e: benchmark_e2e; prefix: warm against cold TTFT; edit, fim, chat: "
                    "speculative against plain greedy on stdlib prompts")  # fmt: skip
+    p.add_argument("--concurrency", type=concurrency_levels, default=None, metavar="N,N,...",
+                   help="batched streams at each of these concurrencies (replaces --workload; "
+                   "any --backend)")  # fmt: skip
+    p.add_argument("--prefill-chunk", type=int_range(1), default=None,
+                   help="--concurrency: prompt tokens prefilled per scheduler step "
+                   "(default: nanoqwen.batching's)")  # fmt: skip
     p.add_argument("--requests", type=int_range(1), default=8,
                    help="edit/fim/chat: prompts of the workload")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="edit/fim/chat: which prompts")
@@ -64,7 +89,8 @@ def add_arguments(p) -> None:
         "--max-context",
         type=int_range(1),
         default=None,
-        help="KV cache positions; default: prompt-len + gen-len rounded up to a 16-token page",
+        help="KV cache positions; default: prompt-len + gen-len rounded up to a 16-token page "
+        "(--concurrency: that times the largest N, at most the model's positions)",
     )
     p.add_argument("--json", default=None, help="write the result JSON here")
     p.add_argument(
@@ -96,6 +122,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..errors import NanoqwenError
 
+    if args.concurrency:
+        return _concurrency(args)
     if args.workload in SPEC_WORKLOADS:
         return _speculative(args)
     if args.backend == "reference":
@@ -201,3 +229,58 @@ def _speculative(args) -> int:
     if args.json:
         save(res, args.json)
     return 0 if res["identical"] is not False else 1
+
+
+def _concurrency(args) -> int:
+    import shlex
+
+    from ..batching import DEFAULT_PREFILL_CHUNK
+    from ..errors import NanoqwenError
+    from ..fileformat import NanoqwenFile
+    from ..harness.bench import default_max_context, save
+    from ..harness.concurrency import plot_concurrency, print_concurrency, run_concurrency
+    from ..llm import choose_backend
+
+    if args.kernels or args.baseline or args.workload != "e2e":
+        raise NanoqwenError("--concurrency takes no --kernels, --baseline or --workload")
+    if args.plot:
+        from ..harness.bench import require_matplotlib
+
+        require_matplotlib()
+    name, _ = choose_backend(args.backend)
+    with NanoqwenFile(args.file) as f:
+        # Room for every stream of the largest N at once, so that the pool (sized by the
+        # context on both backends) does not preempt unless the model's positions cap it.
+        limit = f.config.max_position_embeddings
+        per_stream = default_max_context(args.prompt_len, args.gen_len, limit)
+        max_context = args.max_context or min(max(args.concurrency) * per_stream, limit)
+        if name == "cuda":
+            from ..engine import CudaBackend
+
+            backend = CudaBackend(f, max_context=max_context)
+        else:
+            from ..reference import ReferenceBackend
+
+            backend = ReferenceBackend(f, max_context=max_context,
+                                       max_batch=max(args.concurrency))  # fmt: skip
+        try:
+            res = run_concurrency(backend, args.concurrency, args.prompt_len, args.gen_len,
+                                  args.prefill_chunk or DEFAULT_PREFILL_CHUNK, args.seed,
+                                  warmup=args.warmup > 0)  # fmt: skip
+        finally:
+            backend.close()
+    # The run's command with every setting spelled out (defaults included): it reproduces it.
+    res["command"] = shlex.join([
+        "nanoqwen", "bench", args.file, "--backend", name,
+        "--concurrency", ",".join(map(str, args.concurrency)),
+        "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+        "--prefill-chunk", str(res["prefill_chunk"]), "--max-context", str(max_context),
+        "--seed", str(args.seed), "--warmup", str(args.warmup),
+    ])  # fmt: skip
+    print_concurrency(res)
+    if args.plot:
+        plot_concurrency(res, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        save(res, args.json)
+    return 0

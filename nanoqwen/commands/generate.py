@@ -158,10 +158,12 @@ def require_packed(path) -> None:
     )
 
 
-def open_llm(path, args: argparse.Namespace, max_tokens: int | None = None):
+def open_llm(path, args: argparse.Namespace, max_tokens: int | None = None,
+             max_batch: int | None = None):  # fmt: skip
     """Load the model, saying on stderr which backend (and how many threads) it gets, with a
     load progress bar when stderr is a terminal. A `max_tokens` that leaves no room for a
-    prompt in the context fails before the load (it reads only the file's header)."""
+    prompt in the context fails before the load (it reads only the file's header);
+    max_batch: the reference backend's batch slots (LLM's)."""
     from ..backend import check_fits
     from ..errors import NanoqwenError
     from ..fileformat import NanoqwenFile
@@ -187,7 +189,7 @@ def open_llm(path, args: argparse.Namespace, max_tokens: int | None = None):
     print(f"nanoqwen: backend {backend} ({reason}); loading {path}", file=sys.stderr)
     start = time.perf_counter()
     llm = LLM(path, backend=backend, max_context=args.max_context, progress=sys.stderr.isatty(),
-              speculative=speculative)  # fmt: skip
+              speculative=speculative, max_batch=max_batch)  # fmt: skip
     print(f"nanoqwen: loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return llm
 

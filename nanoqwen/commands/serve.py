@@ -1,8 +1,9 @@
 """Serve a .nanoqwen model over an OpenAI-compatible HTTP API (FastAPI + uvicorn).
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with
-`suffix`: fill-in-the-middle), streamed (server-sent events) or not. One engine thread runs
-one generation at a time; other requests wait in a bounded queue and get 429 when it is full.
+`suffix`: fill-in-the-middle), streamed (server-sent events) or not. One engine thread decodes
+up to --max-batch requests together (continuous batching, nanoqwen.batching); other requests
+wait in a bounded queue and get 429 when it is full.
 A request body over --max-body-bytes is refused with 413 before it is read, and a prompt too
 long for the context is refused after tokenizing about a context's worth of it. Special-token
 text in a raw /v1/completions prompt (`<|fim_prefix|>` ...) becomes the control tokens, as
@@ -58,7 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-queue",
         type=int_range(1),
         default=16,
-        help="requests that may wait behind the running one; more get 429",
+        help="requests that may wait behind the running batch; more get 429",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int_range(1),
+        default=None,
+        help="requests decoded together (continuous batching); None = the backend's max_batch "
+        "(reference: 8); 1 runs one generation at a time",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -176,8 +184,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from ..server.shutdown import GracefulServer
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    llm = open_llm(args.file, args)
-    worker = Worker(llm, args.max_queue)
+    llm = open_llm(args.file, args, max_batch=args.max_batch)
+    try:
+        worker = Worker(llm, args.max_queue, max_batch=args.max_batch)
+    except BaseException:
+        llm.close()
+        raise
+    if llm.speculative and worker.max_batch > 1:
+        print(f"nanoqwen serve: speculative decoding is off in batches of {worker.max_batch}: "
+              "a batch decodes one token a step per request (--max-batch 1 keeps the drafts)",
+              file=sys.stderr)  # fmt: skip
     try:
         app = create_app(
             llm,

@@ -12,7 +12,7 @@
     auth.py        Bearer API key (ASGI middleware, constant-time compare)
     middleware.py  request id, per-request metrics and log line (ASGI middleware)
     metrics.py     Prometheus metrics on the server's own registry (GET /metrics)
-    worker.py      the single engine thread and its bounded queue (batch 1)
+    worker.py      the single engine thread, its bounded queue and its batch
     shutdown.py    the drain on SIGTERM / Ctrl-C (a uvicorn.Server subclass)
 
 Importing this package imports FastAPI; the engine and the rest of the CLI never do.

@@ -2,7 +2,8 @@
 
 The metrics live on the server's own `CollectorRegistry`: the process-global one would also
 export whatever else registered there, and two apps in one process (the in-process tests)
-would collide on the names. Engine gauges (queue depth, running, alive, KV pages) are read
+would collide on the names. Engine gauges (queue depth, running and waiting sequences,
+alive, KV pages) are read
 when scraped, so they are never stale; counters and histograms are fed as requests are served
 (`nanoqwen.server.middleware`).
 
@@ -83,7 +84,18 @@ class Metrics:
         )
         gauges = {
             "nanoqwen_queue_depth": ("Requests waiting for the engine", lambda: worker.queue_depth),
-            "nanoqwen_engine_running": ("Generations running (0 or 1)", lambda: worker.running),
+            "nanoqwen_engine_running": (
+                "Generations taken from the queue and not ended (admitted or preempted)",
+                lambda: worker.running,
+            ),
+            "nanoqwen_sequences_running": (
+                "Sequences admitted to the batch (prefilling or decoding)",
+                lambda: worker.scheduled[0],
+            ),
+            "nanoqwen_sequences_waiting": (
+                "Sequences taken from the queue but not admitted (no free pages, or preempted)",
+                lambda: worker.scheduled[1],
+            ),
             "nanoqwen_engine_alive": (
                 "1 while the engine takes work; 0 after a fatal error or once shutdown begins",
                 lambda: int(worker.alive),
@@ -92,11 +104,26 @@ class Metrics:
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
+        r.register(PreemptionCollector(worker))
         r.register(PrefixCacheCollector(llm))
         r.register(SpeculationCollector(llm))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PreemptionCollector:
+    """Sequences preempted (pages released, recomputed later) since the start: a counter."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "nanoqwen_preemptions", "Sequences preempted when the KV pool ran out"
+        )
+        family.add_metric([], self.worker.scheduled[2])
+        yield family
 
 
 class PrefixCacheCollector:

@@ -1,23 +1,29 @@
-"""The engine worker: one thread owns the LLM and runs one generation at a time (batch 1).
+"""The engine worker: one thread owns the LLM and decodes every admitted request together.
 
 Requests become `Job`s in a bounded FIFO (`queue.Queue(maxsize=max_queue)`); a full queue is
 refused at once (`QueueFull` -> HTTP 429) rather than letting latency grow without bound. The
-worker thread pops a job, iterates `llm.stream(ids, params)` and hands every `Delta` to the
-job's event loop through `loop.call_soon_threadsafe`, so the HTTP handlers await results
-without ever blocking the event loop, and the engine is never touched by two threads.
+worker thread moves queued jobs into the LLM's `Batch` (nanoqwen.llm, over the scheduler of
+nanoqwen.batching) while fewer than `max_batch` are in it, runs one batch step (cancellations,
+admissions, a bounded prefill chunk, one decode step for every running sequence) and hands each
+`Delta` to its job's event loop through `loop.call_soon_threadsafe`, so the HTTP handlers await
+results without ever blocking the event loop, and the engine is never touched by two threads.
+With `max_batch` 1 it runs one generation at a time, as a batch-1 server does.
 
 Cancellation: the handler sets `job.cancelled` (client disconnected, response torn down). The
-worker checks it after every delta, i.e. between decode steps, and closes the stream iterator,
-which frees the generation's KV pages. A job cancelled while still queued is skipped.
+worker checks it before every step and cancels the job's sequence, which the step then frees
+(KV pages released, slot freed) before it runs anything. A job cancelled while still queued is
+skipped.
 
 Shutdown has two steps so that the server can drain: `drain` takes no more jobs and fails the
-queued ones with `EngineDown` (HTTP 503) while the running one goes on; `abort_running` then
-ends that one with `EngineDown` too, so its client gets an error rather than silence. A lock
-orders `drain` against the thread picking its next job: once `drain` returns, no new job starts.
+queued ones with `EngineDown` (HTTP 503) while the running ones go on; `abort_running` then
+ends those with `EngineDown` too, so their clients get an error rather than silence. A lock
+orders `drain` against the thread taking a job: once `drain` returns, no new job starts.
 
 A `DeviceError` (sticky CUDA failure) is fatal: `on_fatal` (called on the worker thread)
-tells the server to shut down so that a supervisor can restart the process, the job gets the
-error, every queued job is failed with `EngineDown`, and later submissions are refused.
+tells the server to shut down so that a supervisor can restart the process, every running job
+gets the error, every queued job is failed with `EngineDown`, and later submissions are
+refused. Any other exception of a step (an engine bug) fails the batch's jobs with it (HTTP
+500) and the worker goes on with an empty batch.
 """
 
 from __future__ import annotations
@@ -119,19 +125,26 @@ class Job:
 
 
 class Worker:
-    """The single engine thread and its bounded queue of pending jobs."""
+    """The single engine thread, its bounded queue of pending jobs and its batch."""
 
     def __init__(
-        self, llm: Any, max_queue: int, on_fatal: Callable[[DeviceError], None] | None = None
+        self,
+        llm: Any,
+        max_queue: int,
+        on_fatal: Callable[[DeviceError], None] | None = None,
+        max_batch: int | None = None,
     ) -> None:
+        """max_batch: jobs decoded together (None: the backend's max_batch)."""
         if max_queue < 1:
             raise NanoqwenError(f"max_queue must be >= 1, got {max_queue}")
         self.llm = llm
         self.max_queue = max_queue
         self.fatal: DeviceError | None = None
         self.on_fatal = on_fatal
+        self._batch = llm.batch(max_batch)
+        self.max_batch = self._batch.scheduler.max_batch
         self._pending: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._running: Job | None = None
+        self._jobs: dict[Any, Job] = {}  # its sequence -> a job taken from the queue, not ended
         self._stopping = False
         self._lock = threading.Lock()  # orders drain() against the thread starting a job
         self._thread = threading.Thread(target=self._serve, name="nanoqwen-engine", daemon=True)
@@ -153,7 +166,15 @@ class Worker:
 
     @property
     def running(self) -> int:
-        return int(self._running is not None)
+        """Jobs taken from the queue and not ended (decoding, prefilling or preempted)."""
+        return len(self._jobs)
+
+    @property
+    def scheduled(self) -> tuple[int, int, int]:
+        """(sequences admitted, sequences waiting for admission, preemptions so far) of the
+        batch's scheduler; waiting counts preempted ones, not the queue."""
+        scheduler = self._batch.scheduler
+        return len(scheduler.running), len(scheduler.waiting), scheduler.preemptions
 
     def submit(self, job: Job) -> None:
         """Queue `job`, or raise EngineDown / QueueFull without queueing it."""
@@ -165,19 +186,18 @@ class Worker:
             raise QueueFull(f"request queue is full ({self.max_queue} waiting)") from None
 
     def drain(self) -> None:
-        """Take no more jobs and fail the queued ones with EngineDown; the running one goes on."""
+        """Take no more jobs and fail the queued ones with EngineDown; running ones go on."""
         with self._lock:
             self._stopping = True
         self._fail_pending(EngineDown(self._down_message()))
 
     def abort_running(self) -> None:
-        """End the running job now with EngineDown (call after `drain`)."""
-        job = self._running  # read once: the thread may clear it meanwhile
-        if job is not None:
+        """End the running jobs now with EngineDown (call after `drain`)."""
+        for job in list(self._jobs.values()):  # a snapshot: the thread may change the dict
             job.fail(EngineDown(self._down_message()))
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Drain, end the running job, and join the thread."""
+        """Drain, end the running jobs, and join the thread."""
         self.drain()
         self.abort_running()
         self._pending.put(None)  # wakes the thread; the queue was just drained
@@ -185,48 +205,72 @@ class Worker:
 
     # The worker thread -----------------------------------------------------------------
     def _serve(self) -> None:
-        while True:
-            job = self._pending.get()
+        while self._take(block=not self._batch.has_work):
+            for seq, job in list(self._jobs.items()):
+                if job.cancelled.is_set():
+                    self._batch.cancel(seq)  # freed by the step below
+                    del self._jobs[seq]
+            if self._batch.has_work:
+                self._step()
+        self._batch.clear()
+
+    def _take(self, block: bool) -> bool:
+        """Move queued jobs into the batch while it has room, waiting for the first one when
+        `block` (nothing to step); False on stop()'s wake-up."""
+        while len(self._jobs) < self.max_batch:
+            try:
+                job = self._pending.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
             if job is None:
-                return
+                return False
             with self._lock:
                 refused = self.fatal is not None or self._stopping
-                if not refused and not job.cancelled.is_set():
-                    self._running = job
             if refused:
                 job.post(EngineDown(self._down_message()))
-            elif self._running is job:
+            elif not job.cancelled.is_set():
                 job.started_at = time.monotonic()
                 try:
-                    self._generate(job)
-                finally:
-                    self._running = None
+                    self._jobs[self._batch.add(job.ids, job.params)] = job
+                except Exception as exc:  # checked by the handler already: an engine bug
+                    job.post(exc)
+        return True
 
-    def _generate(self, job: Job) -> None:
-        stream = None
+    def _step(self) -> None:
         try:
-            stream = self.llm.stream(job.ids, job.params)
-            for delta in stream:
-                if job.cancelled.is_set():
-                    return  # the finally closes the stream: KV pages are freed now
-                job.post(delta)
-            job.post(DONE)
+            out = self._batch.step()
         except DeviceError as exc:
-            self._die(job, exc)
+            self._die(exc)
+            return
         except Exception as exc:  # an engine bug must not kill the worker: answer 500
-            job.post(exc)
-        finally:
-            if stream is not None:
-                stream.close()
+            self._fail_running(exc)
+            return
+        for seq, delta in out:
+            job = self._jobs.get(seq)
+            if job is None or job.cancelled.is_set():
+                continue  # cancelled: the next round frees it
+            job.post(delta)
+            if delta.finish_reason:
+                job.post(DONE)
+                del self._jobs[seq]
 
-    def _die(self, job: Job, exc: DeviceError) -> None:
+    def _fail_running(self, exc: BaseException) -> None:
+        """Every job in the batch gets `exc`; the batch is emptied (pages and slots freed)."""
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        for job in jobs:
+            job.post(exc)
+        self._batch.clear()
+
+    def _die(self, exc: DeviceError) -> None:
         # on_fatal before the posts: whoever receives one of them finds the shutdown begun
         # (tests/test_server_fake.py checked on_fatal once it had the queued job's EngineDown,
         # and failed when the worker thread had not got that far).
         self.fatal = exc
         if self.on_fatal is not None:
             self.on_fatal(exc)
-        job.post(exc)
+        self._fail_running(exc)
         self._fail_pending(EngineDown(self._down_message()))
 
     def _fail_pending(self, exc: EngineDown) -> None:

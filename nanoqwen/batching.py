@@ -1,0 +1,294 @@
+"""Continuous batching: many sequences share one backend, one decode step at a time.
+
+    seq = scheduler.add(prompt_ids, params, stop_ids)   # ContextError when it cannot fit
+    while scheduler.has_work:
+        for event in scheduler.step():                  # Event(seq, token, finish)
+            ...
+
+A `Sequence` is one request's token ids, sampling parameters and, while admitted, its KV page
+table and batch slot. The `Scheduler` is the only one who admits, reserves, commits and
+releases pages; it drives any backend with the batch primitives:
+
+    max_batch                     most sequences in one decode_batch (slots 0 .. max_batch - 1)
+    block_manager                 the backend's KV pool (nanoqwen.kv_pages.BlockManager)
+    prefill_chunk(seq, end, sample) -> token | None
+        ids[kv_len:end] at positions kv_len .. end - 1 into seq.table's pages (reserved by the
+        caller to cover end, and end + 1 with sample), then kv_len = end; with sample, the next
+        token, sampled as draw number len(seq.tokens) of the sequence
+    decode_batch(seqs) -> tokens  one step for each sequence (distinct slots): feed ids[kv_len]
+        (its last id) at position kv_len, sample its next token as draw len(seq.tokens),
+        kv_len += 1; each row is what the sequence gets alone
+    release_slot(seq)             the sequence leaves: forget per-slot state
+
+(ReferenceBackend's are the oracle: exactly generate()'s tokens). Each `step()`:
+
+1. drops cancelled sequences: their pages (committed as far as written) are released and their
+   slot freed, so a cancel frees its KV within one step;
+2. admits waiting sequences, oldest first, while a slot is free and the pool has pages for the
+   sequence's first chunk besides the pages this step's decode takes (so an admission does not
+   force a preemption in its own step); admission takes the prompt's cached prefix
+   (`BlockManager.admit`), so `kv_len` starts at `table.cached_tokens`;
+3. prefills at most `prefill_chunk` tokens, across the admitted sequences that still have
+   uncomputed ids, oldest first; a chunk that ends the prompt samples the first token. A long
+   prompt therefore costs the running streams one bounded chunk per step, never a whole prefill;
+4. runs one `decode_batch` over every sequence whose ids but the last were computed when the
+   step began (one token each; not those whose first token this step's prefill sampled),
+   having reserved kv_len + 1 positions for each, oldest first.
+
+Pages are reserved on demand, page by page as a sequence grows (vLLM's rule), not
+prompt + max_tokens up front: most requests stop long before max_tokens (a code completion on a
+newline, a chat answer on EOS), so reserving the maximum would hold most of the pool idle and
+admit a fraction of the sequences that fit. The price is that the pool can run out mid-step;
+then the most recently admitted sequence is preempted: what it wrote is already committed (the
+prefix cache keeps its full pages), its pages and slot are released, and it goes back to the
+front of the waiting queue with its tokens kept. It resumes by prefilling prompt + tokens[:-1],
+mostly served from the prefix cache, and decodes on from its last token. Its sampler state (the
+reference's generator, the cuda side's counter) lives in the sequence and is not touched, so a
+seeded request samples the same tokens whether or not it was preempted.
+
+A sequence finishes on a stop id or after max_tokens: the K/V of every id but the last sampled
+one is written and committed (the plain generate() commits the same), its pages are released.
+Speculative decoding does not run here: each decode_batch produces one token per sequence (the
+single-stream `Backend.generate` keeps its drafts).
+
+Not thread-safe: one engine thread drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Sequence as IdSequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .backend import check_fits, check_prompt
+from .config import PAGE_TOKENS
+from .errors import ContextError, NanoqwenError
+from .kv_pages import PageTable
+from .sampling import SamplingParams
+
+# Prompt tokens prefilled per step across all admitted sequences: the running streams' step
+# grows by at most one chunk of this many rows, and a 32k prompt still takes only 64 steps.
+# Not yet tuned on the GPU (bench --concurrency --prefill-chunk measures the trade).
+DEFAULT_PREFILL_CHUNK = 512
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. The first eight fields are the backends' contract (read and written by
+    prefill_chunk / decode_batch); the rest are the scheduler's. Identity equality: a sequence
+    is a dict key of whoever tracks requests."""
+
+    prompt: list[int]  # the request's prompt ids
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    table: PageTable | None = None  # its KV pages while admitted
+    slot: int = -1  # 0 .. max_batch - 1 while admitted, unique among admitted sequences
+    kv_len: int = 0  # positions 0 .. kv_len - 1 have their K/V in table's pages
+    sampler: Any = None  # the backend's per-sequence sampling state, kept across preemptions
+    request_id: int = 0
+    cancelled: bool = False
+    finish_reason: str | None = None  # "stop" / "length" / "cancelled" once it has left
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at its first prefill
+    preemptions: int = 0
+    _ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def ids(self) -> list[int]:
+        """prompt + tokens, every known token (positions index it), kept as one list that
+        grows with `tokens` rather than concatenated on every read."""
+        if not self._ids:
+            self._ids.extend(self.prompt)
+        missing = len(self.prompt) + len(self.tokens) - len(self._ids)
+        if missing:
+            self._ids.extend(self.tokens[len(self.tokens) - missing :])
+        return self._ids
+
+    @property
+    def prefill_end(self) -> int:
+        """Where its prefill stops: the prompt's end before its first token (that chunk
+        samples it), else every id but the last (a resumed sequence decodes from there)."""
+        return len(self.prompt) if not self.tokens else len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def decoding(self) -> bool:
+        """Admitted, with every id but the last computed: the next decode_batch takes it."""
+        return self.table is not None and bool(self.tokens) and self.kv_len == len(self.ids) - 1
+
+
+class Event(NamedTuple):
+    """What a step did to one sequence: a new token (None for a cancellation) and, when the
+    sequence left, why ("stop", "length" or "cancelled")."""
+
+    seq: Sequence
+    token: int | None
+    finish: str | None
+
+
+class Scheduler:
+    """Waiting and running sequences over one backend's KV pool and batch slots."""
+
+    def __init__(self, backend, max_batch: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:  # fmt: skip
+        """max_batch: sequences admitted at once (default and upper bound: the backend's);
+        prefill_chunk: prompt tokens prefilled per step across sequences (module docstring)."""
+        limit = backend.max_batch
+        self.max_batch = limit if max_batch is None else max_batch
+        if not 1 <= self.max_batch <= limit:
+            raise NanoqwenError(f"max_batch {self.max_batch} must be in [1, {limit}] (the "
+                                f"{backend.name} backend's max_batch)")  # fmt: skip
+        if prefill_chunk < 1:
+            raise NanoqwenError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.backend, self.pages = backend, backend.block_manager
+        if self.pages.num_pages * PAGE_TOKENS < backend.max_context:
+            # Alone in the pool, any request that passes add() must fit: no admission waits
+            # forever and preemption always ends.
+            raise NanoqwenError(f"the KV pool ({self.pages.num_pages} pages) is smaller than "
+                                f"the context ({backend.max_context} positions)")  # fmt: skip
+        self.prefill_chunk = prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admitted, oldest first (preemption takes the last)
+        self.preemptions = 0
+        self._free_slots = list(range(self.max_batch - 1, -1, -1))  # pop() hands out 0 first
+        self._ids = itertools.count(1)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add(self, prompt: IdSequence[int], params: SamplingParams,
+            stop_ids: frozenset[int] = frozenset()) -> Sequence:  # fmt: skip
+        """Queue a request; ContextError when the prompt is empty, has ids outside the
+        vocabulary, or prompt + max_tokens exceeds the backend's max_context."""
+        ids = check_prompt(prompt, self.backend.config.vocab_size).tolist()
+        check_fits(len(ids), params.max_tokens, self.backend.max_context)
+        seq = Sequence(ids, params, frozenset(stop_ids), request_id=next(self._ids))
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Mark `seq` cancelled: the next step() frees it before running anything."""
+        seq.cancelled = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def clear(self) -> list[Sequence]:
+        """Drop every sequence now, without a step (after an engine failure, at shutdown):
+        pages released, slots freed; returns them."""
+        dropped = [*self.running, *self.waiting]
+        for seq in list(self.running):
+            self._leave(seq, "cancelled")
+        self.waiting.clear()
+        return dropped
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> list[Event]:
+        """Cancel, admit, prefill one bounded chunk, decode once (module docstring)."""
+        events: list[Event] = []
+        self._drop_cancelled(events)
+        self._admit()
+        decoding = [s for s in self.running if s.decoding]  # before the prefill adds any
+        self._prefill(events)
+        self._decode([s for s in decoding if s.table is not None], events)
+        return events
+
+    def _drop_cancelled(self, events: list[Event]) -> None:
+        for seq in [s for s in self.waiting if s.cancelled]:
+            self.waiting.remove(seq)
+            seq.finish_reason = "cancelled"
+            events.append(Event(seq, None, "cancelled"))
+        for seq in [s for s in self.running if s.cancelled]:
+            self._leave(seq, "cancelled")
+            events.append(Event(seq, None, "cancelled"))
+
+    def _admit(self) -> None:
+        while self.waiting and self._free_slots:
+            seq = self.waiting[0]
+            table = self.pages.admit(seq.ids)
+            first = min(seq.prefill_end, table.cached_tokens + self.prefill_chunk)
+            need = first + (first == seq.prefill_end)  # and the next step's position
+            stats = self.pages.stats
+            pages = -(-need // PAGE_TOKENS) - len(table.pages) + self._decode_pages()
+            if pages > stats.free + stats.cached:
+                self.pages.release(table)
+                return
+            self.pages.reserve(table, need)
+            self.waiting.popleft()
+            seq.table, seq.kv_len, seq.slot = table, table.cached_tokens, self._free_slots.pop()
+            if not seq.tokens:
+                seq.cached_tokens = table.cached_tokens
+            self.running.append(seq)
+
+    def _decode_pages(self) -> int:
+        """Pages this step's decode takes: one for each decoding sequence on a page boundary."""
+        return sum(s.decoding and s.kv_len >= len(s.table.pages) * PAGE_TOKENS
+                   for s in self.running)  # fmt: skip
+
+    def _prefill(self, events: list[Event]) -> None:
+        budget = self.prefill_chunk
+        for seq in list(self.running):
+            if budget == 0:
+                return
+            if seq.table is None or seq.decoding:
+                continue  # preempted by an earlier reservation, or done prefilling
+            start, end = seq.kv_len, min(seq.prefill_end, seq.kv_len + budget)
+            sample = not seq.tokens and end == len(seq.prompt)
+            if not self._reserve(seq, end + sample):
+                continue
+            token = self.backend.prefill_chunk(seq, end, sample)
+            self.pages.commit(seq.table, seq.ids[start:end])
+            budget -= end - start
+            if sample:
+                self._emit(seq, token, events)
+
+    def _decode(self, batch: list[Sequence], events: list[Event]) -> None:
+        for seq in batch:
+            if seq.table is not None:  # an earlier reservation may have preempted it
+                self._reserve(seq, seq.kv_len + 1)
+        batch = [s for s in batch if s.table is not None]
+        if not batch:
+            return
+        tokens = self.backend.decode_batch(batch)
+        for seq, token in zip(batch, tokens, strict=True):
+            self.pages.commit(seq.table, seq.ids[seq.kv_len - 1 : seq.kv_len])
+            self._emit(seq, token, events)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _emit(self, seq: Sequence, token: int, events: list[Event]) -> None:
+        seq.tokens.append(int(token))
+        finish = None
+        if token in seq.stop_ids:
+            finish = "stop"
+        elif len(seq.tokens) == seq.params.max_tokens:
+            finish = "length"
+        events.append(Event(seq, int(token), finish))
+        if finish:
+            self._leave(seq, finish)
+
+    def _reserve(self, seq: Sequence, length: int) -> bool:
+        """Pages for `length` positions of `seq`, preempting the most recently admitted
+        sequences while the pool is short; False when `seq` itself had to go."""
+        while True:
+            try:
+                self.pages.reserve(seq.table, length)
+                return True
+            except ContextError:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._leave(seq, None)
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _leave(self, seq: Sequence, finish: str | None) -> None:
+        """Out of the batch: pages released (committed as far as written), slot freed."""
+        self.running.remove(seq)
+        self.pages.release(seq.table)
+        self.backend.release_slot(seq)
+        self._free_slots.append(seq.slot)
+        seq.table, seq.slot, seq.kv_len, seq.finish_reason = None, -1, 0, finish
