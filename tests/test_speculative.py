@@ -1,6 +1,7 @@
 """Speculative decoding: the drafting rule, the acceptance rule (greedy and sampled, the latter
-checked statistically), and the reference backend's speculative generation against its plain
-one on the tiny synthetic model (token for token, the prefix cache, the KV pages).
+checked statistically), the backoff, and the reference backend's speculative generation against
+its plain one on the tiny synthetic model (token for token, the prefix cache, the KV pages, the
+backoff's dropped drafts).
 
 The tiny model's greedy replies fall into a short loop within a few tokens, so n-gram drafts are
 proposed and accepted on every prompt; a prompt that repeats a block also gets drafts from the
@@ -19,11 +20,14 @@ from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.reference import ReferenceBackend
 from nanoqwen.sampling import SamplingParams, make_generator, probabilities, sample
 from nanoqwen.speculative import (
+    MAX_BACKOFF,
     MAX_DRAFT_TOKENS,
+    Backoff,
     SpeculativeConfig,
     SpeculativeError,
     accept,
     draft,
+    step_limit,
 )
 
 SPEC = SpeculativeConfig(k=4, n_min=1, n_max=3)
@@ -86,11 +90,56 @@ def test_draft(history, cfg, limit, expected):
         ({"k": MAX_DRAFT_TOKENS + 1}, "k .* must be in"),
         ({"n_min": 0}, "n_min must be >= 1"),
         ({"n_min": 3, "n_max": 2}, r"n_max \(2\) must be >= n_min \(3\)"),
+        ({"backoff_cap": -1}, "backoff_cap must be in"),
+        ({"backoff_cap": MAX_BACKOFF + 1}, "backoff_cap must be in"),
     ],
 )
 def test_bad_config_is_refused(kwargs, match):
     with pytest.raises(SpeculativeError, match=match):
         SpeculativeConfig(**kwargs)
+
+
+# -- the backoff -------------------------------------------------------------------------------
+# A hand-made sequence of steps: (drafts the lookup found, accepted of those that ran) ->
+# (drafts verified, skip, span after the step). Cap 4: failures set spans 1, 2, 4, 4.
+BACKOFF_STEPS = [
+    (3, 0, 3, 1, 1),  # fail: skip 1
+    (0, 0, 0, 1, 1),  # no match: skip unused
+    (5, 0, 0, 0, 1),  # dropped (skipped): skip used up
+    (2, 0, 2, 2, 2),  # fail again: span doubles
+    (4, 0, 0, 1, 2),  # dropped
+    (4, 0, 0, 0, 2),  # dropped
+    (1, 0, 1, 4, 4),  # fail: 4
+    (*(2, 0, 0), 3, 4),
+    (*(2, 0, 0), 2, 4),
+    (*(2, 0, 0), 1, 4),
+    (*(2, 0, 0), 0, 4),
+    (6, 0, 6, 4, 4),  # fail at the cap: stays 4
+    *[(1, 0, 0, n, 4) for n in (3, 2, 1, 0)],
+    (6, 1, 6, 0, 0),  # one of six accepted: a partial rejection clears the backoff
+    (6, 0, 6, 1, 1),  # and a failure starts again at 1
+    (0, 0, 0, 1, 1),
+    (2, 0, 0, 0, 1),
+    (2, 2, 2, 0, 0),  # all accepted
+]
+
+
+def test_backoff_on_a_hand_made_sequence():
+    b, dropped = Backoff(), 0
+    for i, (found, accepted, verified, skip, span) in enumerate(BACKOFF_STEPS):
+        drafts = b.gate(list(range(found)))
+        dropped += len(drafts) < found
+        b.update(len(drafts), accepted, cap=4)
+        assert (len(drafts), b.skip, b.span) == (verified, skip, span), i
+    assert dropped == 12
+
+
+def test_backoff_cap_zero_never_drops():
+    b = Backoff()
+    for _ in range(5):
+        assert b.gate([1, 2]) == [1, 2]
+        b.update(2, 0, cap=0)
+        assert (b.skip, b.span) == (0, 0)
 
 
 # -- acceptance: greedy ------------------------------------------------------------------------
@@ -257,6 +306,38 @@ def test_greedy_speculative_equals_plain_greedy(prompt, cold, spec, steps):
     assert stats.drafted == sum(len(d) for d, _, _ in steps)
     assert stats.accepted == sum(len(kept) - 1 for _, kept, _ in steps)
     assert len(steps) < len(plain)  # fewer forwards than tokens
+
+
+def replay(prompt: list[int], steps, spec: SpeculativeConfig, max_tokens: int, capacity: int):
+    """The drafts the rule gives each decode step of a recorded generation (speculative.draft
+    through a Backoff fed the recorded acceptances), and how many it dropped."""
+    history, backoff, want, dropped = prompt + steps[0][1], Backoff(), [], 0
+    for drafts, kept, _ in steps[1:]:
+        made = len(history) - len(prompt)
+        found = draft(history, spec, step_limit(max_tokens, made, len(history), capacity))
+        want.append(backoff.gate(found))
+        dropped += len(want[-1]) < len(found)
+        backoff.update(len(drafts), len(kept) - 1, spec.backoff_cap)
+        history += kept
+    return want, dropped
+
+
+@pytest.mark.parametrize("cap", [0, 1, 16])
+def test_backoff_drops_drafts_and_keeps_greedy_tokens(model_file, cold, steps, cap):
+    """The reference backend drafts by the rule (replayed), drops drafts after rejections
+    (not with cap 0) and gives the plain greedy tokens."""
+    spec_cfg = SpeculativeConfig(k=4, n_min=1, n_max=3, backoff_cap=cap)
+    backend = ReferenceBackend(model_file, max_context=256, speculative=spec_cfg)
+    skipped = 0
+    for prompt in (repeating(1), repeating(2), repeating(7)):
+        plain = generate(cold, prompt, max_tokens=40)
+        steps.clear()
+        assert generate(backend, prompt, max_tokens=40) == plain
+        want, dropped = replay(prompt, steps, spec_cfg, 40, 256)
+        assert [d for d, _, _ in steps[1:]] == want
+        assert backend.spec_stats.skipped == dropped
+        skipped += dropped
+    assert (skipped > 0) == (cap > 0), skipped
 
 
 def test_repeating_prompt_drafts_get_rejected_too(spec):

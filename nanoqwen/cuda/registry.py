@@ -40,8 +40,10 @@ class StateWord(IntEnum):
     TOP_P = 7  # float bits; 1 = off
     SEED_LO = 8
     SEED_HI = 9
-    NUM_EOS = 10
-    EOS0 = 11  # NUM_EOS stop ids follow, at most MAX_EOS
+    SPEC_SKIP = 10  # speculation's backoff: found drafts still to drop (speculative.Backoff)
+    SPEC_SPAN = 11  # the skip the last fully rejected verify step set; 0 after an acceptance
+    NUM_EOS = 12
+    EOS0 = 13  # NUM_EOS stop ids follow, at most MAX_EOS
 
 
 MAX_EOS = 8
