@@ -20,8 +20,10 @@ Validation (fresh random inputs every run, the seed printed; outputs poisoned fi
   stats words.
 - loop: the two kernels in a conditional while loop (a CUDA graph, as the engine will run
   them) with no verify step between them: the keys stay zero, so every row's argmax is id
-  0xFFFFFFFF (-1 as int32), a model that always says -1: drafts copied from the random
-  history are rejected, drafts of -1 runs accepted, so the backoff drops and resets. The ring,
+  0xFFFFFFFF (-1 as int32), a model that always says -1. The history holds runs of -1 of 1..6
+  tokens, each followed by other ids: while the reply's own run of -1 is short, the lookup
+  drafts what followed a run in the history (rejected: the backoff drops and doubles), once it
+  is long, more -1 (accepted: the backoff resets). The ring,
   every state word (the backoff's included), history and stats (skipped included) after the
   graph against the same steps on the host (eos, max_new 2, a stop on step one; backoff caps
   0, 2, 16).
@@ -317,6 +319,14 @@ def simulate_loop(hist: list[int], st: DecodeState, spec, capacity: int):
             return h, ring, step, counts, backoff
 
 
+def with_runs(rng, length: int) -> list[int]:
+    """Ids below 50 with a run of 1..6 ids -1 starting at ~10% of the positions."""
+    out: list[int] = []
+    while len(out) < length:
+        out += [-1] * int(rng.integers(1, 7)) if rng.random() < 0.1 else [int(rng.integers(0, 50))]
+    return out[:length]
+
+
 def check_loop(gpu, rng, log) -> bool:
     """draft + (keys left zero) + accept in a graph's while loop, against simulate_loop."""
     b, ok, skipped = Bufs(gpu), True, 0
@@ -324,7 +334,7 @@ def check_loop(gpu, rng, log) -> bool:
     for cap, (eos, max_new) in [(c, case) for c in (0, 2, 16) for case in cases]:
         spec = SpeculativeConfig(k=4, n_min=1, n_max=3, backoff_cap=cap)
         sk = SpeculateKernels(gpu, CFG, spec, CAPACITY)
-        hist = history(rng, int(rng.integers(50, 400))).tolist()
+        hist = with_runs(rng, int(rng.integers(50, 400)))
         st = DecodeState(pos=len(hist) - 1, step=1, max_new=max_new, eos=eos)
         b.h.fill_(POISON)
         b.h[: len(hist)] = torch.tensor(hist, dtype=torch.int32)
@@ -349,7 +359,7 @@ def check_loop(gpu, rng, log) -> bool:
         log(
             f"  {'*' if bad else ' '} loop cap {cap} eos {eos} max_new {max_new}: {counts[0]} "
             f"steps, {counts[1]} drafted, {counts[2]} accepted, {counts[3]} skipped, "
-            f"{step - 1} tokens; wrong: {bad or 'none'}"
+            f"{step - 1} tokens, span {backoff.span}; wrong: {bad or 'none'}"
         )
     return ok and skipped > 0
 
