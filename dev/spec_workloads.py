@@ -3,15 +3,16 @@ targets (real Qwen2.5-Coder-1.5B: edit >= 2.5x, fim >= 1.3x, chat >= 1.00x effec
 greedy outputs identical).
 
     PYTHONPATH=. python3 dev/spec_workloads.py FILE [--workloads edit,fim,chat] [--requests 8]
-        [--gen-len 128] [--runs 3] [--spec-k 15] [--spec-ngram 3:5] [--spec-backoff 0,16]
+        [--gen-len 128] [--runs 3] [--spec-k 15] [--spec-ngram 3:5] [--spec-backoff 0,16:1,16:0]
         [--sampled] [--backend cuda] [--down engine|gemm|rows] [--json PATH]
 
-Each (backoff cap, workload) is `nanoqwen bench --workload W --spec-backoff CAP`
-(nanoqwen/harness/spec_bench.py): the same prompts plain then speculative on the same backend
+Each (backoff, workload) is `nanoqwen bench --workload W --spec-backoff CAP` with the config's
+backoff_grace set to GRACE (nanoqwen/harness/spec_bench.py; --spec-backoff takes CAP[:GRACE],
+the config's grace when left out): the same prompts plain then speculative on the same backend
 kind, greedy, or with --sampled at temperature 0.8, top-k 50, top-p 0.95 (prompt i seeded with
 i). Validate (greedy): each prompt's speculative tokens against its plain tokens (the first
 differing index when not). Time: decode ms/token of each mode, medians over --runs. A run that
-fails does not stop the others. RESULT last: one row a (cap, workload) with its target and
+fails does not stop the others. RESULT last: one row a (backoff, workload) with its target and
 whether it is met; --spec-backoff 0 is speculation without the backoff, for the A/B. --down
 gemm|rows forces the verify step's down_proj path (engine.verify.down_gemm, replaced for this
 process) to A/B the engine's rule.
@@ -24,6 +25,7 @@ import json
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 from nanoqwen.engine import verify
 from nanoqwen.harness.spec_bench import print_spec_result, run_spec_bench
@@ -34,6 +36,12 @@ from nanoqwen.speculative import SpeculativeConfig, resolve
 
 TARGETS = {"edit": 2.5, "fim": 1.3, "chat": 1.0}  # speed-up over plain decoding (issue #26)
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.95)
+
+
+def backoff(spec: SpeculativeConfig, text: str) -> SpeculativeConfig:
+    """spec with the backoff "CAP[:GRACE]" (GRACE: spec's when left out)."""
+    cap, _, grace = text.partition(":")
+    return replace(spec, backoff_cap=int(cap), backoff_grace=int(grace or spec.backoff_grace))
 
 
 def main() -> int:
@@ -48,8 +56,8 @@ def main() -> int:
     base = SpeculativeConfig()
     p.add_argument("--spec-k", type=int, default=base.k)
     p.add_argument("--spec-ngram", default=f"{base.n_min}:{base.n_max}")
-    p.add_argument("--spec-backoff", default=str(base.backoff_cap),
-                   help="comma list of backoff caps, each a run of every workload")  # fmt: skip
+    p.add_argument("--spec-backoff", default=f"{base.backoff_cap}:{base.backoff_grace}",
+                   help="comma list of CAP[:GRACE], a run of each workload each")  # fmt: skip
     p.add_argument("--sampled", action="store_true",
                    help="temperature 0.8, top-k 50, top-p 0.95 instead of greedy")  # fmt: skip
     p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
@@ -58,8 +66,8 @@ def main() -> int:
                    help="the verify step's down_proj: the engine's rule, or forced")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    specs = [resolve("ngram", args.spec_k, args.spec_ngram, int(c))
-             for c in args.spec_backoff.split(",")]  # fmt: skip
+    specs = [backoff(resolve("ngram", args.spec_k, args.spec_ngram), b)
+             for b in args.spec_backoff.split(",")]  # fmt: skip
     sampling = SAMPLED if args.sampled else None
     if args.down != "engine":
         verify.down_gemm = lambda *_: args.down == "gemm"  # looked up when Verify is built
@@ -71,7 +79,8 @@ def main() -> int:
     results = {}
     for spec in specs:
         for workload in args.workloads.split(","):
-            name, t0 = f"backoff {spec.backoff_cap} {workload}", time.time()
+            name = f"backoff {spec.backoff_cap}:{spec.backoff_grace} {workload}"
+            t0 = time.time()
             try:
                 prompts = build(workload, args.requests, args.seed)
                 results[name] = run_spec_bench(open_llm, workload, prompts, spec, args.gen_len,
@@ -93,12 +102,12 @@ def report(results: dict, spec, args) -> int:
     print(f"\nRESULT speculative ({spec.method} k={spec.k} n={spec.n_min}:{spec.n_max}) vs plain "
           f"{mode}, {args.requests} prompts, gen {args.gen_len}, {args.backend}, verify "
           f"down_proj {args.down}")  # fmt: skip
-    print(f"  {'run':16} {'plain t/s':>10} {'spec t/s':>10} {'speed-up':>9} {'target':>7} "
+    print(f"  {'run':18} {'plain t/s':>10} {'spec t/s':>10} {'speed-up':>9} {'target':>7} "
           f"{'acc/step':>9} {'skipped':>8} {'identical':>10}")  # fmt: skip
     ok = True
     for name, res in results.items():
         if res is None:
-            print(f"  {name:16} FAILED")
+            print(f"  {name:18} FAILED")
             ok = False
             continue
         target = TARGETS.get(res["workload"], 0.0)
@@ -106,7 +115,7 @@ def report(results: dict, spec, args) -> int:
         ok &= met and res["identical"] is not False  # None: sampled, not compared
         same = {True: "yes", None: "-"}.get(res["identical"], f"no @{res['first_difference']}")
         a = res["acceptance"]
-        print(f"  {name:16} {res['plain_tokens_per_s']:10.1f} "
+        print(f"  {name:18} {res['plain_tokens_per_s']:10.1f} "
               f"{res['speculative_tokens_per_s']:10.1f} {res['speedup']:8.2f}x "
               f"{target:6.2f}{'' if met else '!'} {a['accepted_per_step']:9.2f} "
               f"{a['skipped']:8d} {same:>10}")  # fmt: skip

@@ -13,20 +13,20 @@ Validation (fresh random inputs every run, the seed printed; outputs poisoned fi
   as the gate leaves them.
 - accept: after each draft, row keys in argmax_key format whose ids agree with a random prefix
   of the drafts; stop ids on some emitted token; max_new cutting some steps; a cancel flag on a
-  few; SPEC_SPAN 0, 1, 4 or 16 against backoff caps 0, 1, 4, 16. Against speculative.accept
+  few; SPEC_FAILS 0, 1, 2, 5 or 64 against backoff caps 0, 1, 4, 16 and graces 0..2. Against
+  speculative.accept
   (one-hot logits) + speculative.cut + Backoff.update: the history's appended words (and the
   word after them untouched), the host ring (decode_loop.HostRing, mapped memory: slots and
-  count), every state word (TOKEN/POS/STEP/DONE, SPEC_SKIP/SPEC_SPAN), the keys re-zeroed, the
+  count), every state word (TOKEN/POS/STEP/DONE, SPEC_SKIP/SPEC_FAILS), the keys re-zeroed, the
   stats words.
 - loop: the two kernels in a conditional while loop (a CUDA graph, as the engine will run
   them) with no verify step between them: the keys stay zero, so every row's argmax is id
   0xFFFFFFFF (-1 as int32), a model that always says -1. The history holds runs of -1 of 1..6
   tokens, each followed by other ids: while the reply's own run of -1 is short, the lookup
   drafts what followed a run in the history (rejected: the backoff drops and doubles), once it
-  is long, more -1 (accepted: the backoff resets). The ring,
-  every state word (the backoff's included), history and stats (skipped included) after the
-  graph against the same steps on the host (eos, max_new 2, a stop on step one; backoff caps
-  0, 2, 16).
+  is long, more -1 (accepted: the backoff resets). The ring, every state word (the backoff's
+  included), history and stats (skipped included) after the graph against the same steps on
+  the host (eos, max_new 2, a stop on step one; backoff cap 0, cap 2 grace 0, cap 16 grace 1).
 
 Timing (CUDA graphs of 20 launches, median of 5 graph launches; harness.bench.time_graph):
 draft_ngram at history lengths 1 (the launch floor), 512, 8192, 32768 on a random history (few
@@ -61,9 +61,9 @@ from nanoqwen.speculative import Backoff, SpeculativeConfig, accept, cut, draft,
 
 CAPACITY = 40960  # history words (a multiple of 4); the longest history is 40000
 POISON = -7  # history past len, tokens / positions / ring before a launch
-# (K, n_min, n_max, backoff_cap)
-CONFIGS = ((1, 1, 1, 0), (4, 1, 3, 1), (15, 1, 3, 16), (7, 2, 4, 4), (3, 1, 8, 16), (15, 2, 8, 1),
-           (2, 3, 3, 4))  # fmt: skip
+# (K, n_min, n_max, backoff_cap, backoff_grace)
+CONFIGS = ((1, 1, 1, 0, 1), (4, 1, 3, 1, 0), (15, 1, 3, 16, 1), (7, 2, 4, 4, 2), (3, 1, 8, 16, 0),
+           (15, 2, 8, 1, 1), (2, 3, 3, 4, 0))  # fmt: skip
 LENGTHS = (1, 2, 3, 4, 5, 6, 17, 111, 512, 4097, 8192, 32768, 40000)
 TIME_LENGTHS = (1, 512, 8192, 32768)
 CFG = preset("tiny")  # speculate.cu reads no model dims
@@ -127,7 +127,7 @@ def check_draft_case(b, sk, hist, st, log) -> tuple[bool, list, DecodeState]:
     """One draft against the oracle; returns (ok, drafts, the state after it)."""
     tokens, positions, d = run_draft(b, sk, hist, st)
     length, k = len(hist), sk.spec.k
-    backoff = Backoff(skip=st.spec_skip, span=st.spec_span)
+    backoff = Backoff(skip=st.spec_skip, fails=st.spec_fails)
     found = draft(hist, sk.spec, step_limit(st.max_new, st.step, length, sk.capacity))
     want = backoff.gate(found)
     after = replace(st, spec_skip=backoff.skip)
@@ -151,16 +151,16 @@ def check_draft_case(b, sk, hist, st, log) -> tuple[bool, list, DecodeState]:
 
 def random_state(rng, length: int, k: int) -> tuple[DecodeState, int]:
     """A state whose cap binds at max_new (0, < K) or not, skipping on half the cases (the
-    backoff's SPEC_SKIP 1 or 5, SPEC_SPAN >= it), and a capacity that binds on a quarter of
-    the cases (the kernel's argument; the buffer stays CAPACITY long)."""
+    backoff's SPEC_SKIP 1 or 5; SPEC_FAILS from none to saturated), and a capacity that binds
+    on a quarter of the cases (the kernel's argument; the buffer stays CAPACITY long)."""
     step = int(rng.integers(0, 50))
     left = int(rng.choice([1, 2, k, k + 1, k + 2, 1000]))
     tight = rng.random() < 0.25
     capacity = -(-(length + 1 + int(rng.integers(0, 12))) // 4) * 4 if tight else CAPACITY
     skip = int(rng.choice([0, 0, 1, 5]))
-    span = int(rng.choice([0, 1, 4, 16])) if skip == 0 else 8
+    fails = int(rng.choice([0, 1, 2, 5, 64])) if skip == 0 else 4
     st = DecodeState(pos=length - 1, step=step, max_new=step + left, spec_skip=skip,
-                     spec_span=span)  # fmt: skip
+                     spec_fails=fails)  # fmt: skip
     return st, capacity
 
 
@@ -220,8 +220,8 @@ def check_accept_case(b, sk, hist, st, drafts, rng, log) -> bool:
     cancel = rng.random() < 0.1
     run_accept(b, sk, st, one_hot_keys(rng, targets), cancel)
     kept, emitted, stopped = expected(targets, drafts, eos, st.max_new - st.step)
-    backoff = Backoff(skip=st.spec_skip, span=st.spec_span)
-    backoff.update(len(drafts), len(kept) - 1, sk.spec.backoff_cap)
+    backoff = Backoff(skip=st.spec_skip, fails=st.spec_fails)
+    backoff.update(len(drafts), len(kept) - 1, sk.spec)
     e = len(emitted)
     got_h = b.h[length : length + e + 1].tolist()
     at = 2 + st.step  # slot `step` of the ring; the word before it: a token, or the count
@@ -236,7 +236,7 @@ def check_accept_case(b, sk, hist, st, drafts, rng, log) -> bool:
         done=stopped or st.step + e >= st.max_new or cancel,
         eos=st.eos,
         spec_skip=backoff.skip,
-        spec_span=backoff.span,
+        spec_fails=backoff.fails,
     )
     checks = {
         "history": got_h == emitted + [POISON],
@@ -276,8 +276,9 @@ def check_draft_accept(gpu, rng, log, parts) -> dict:
     """Both kernels on every (config, length) and random lengths; returns {part: ok}."""
     b, log = Bufs(gpu), capped(log)
     stats = {"draft": [0, 0, 0, 0], "accept": [0, 0]}  # cases, failures, drafted, dropped; ..
-    for k, n_min, n_max, cap in CONFIGS:
-        spec = SpeculativeConfig(k=k, n_min=n_min, n_max=n_max, backoff_cap=cap)
+    for k, n_min, n_max, cap, grace in CONFIGS:
+        spec = SpeculativeConfig(k=k, n_min=n_min, n_max=n_max, backoff_cap=cap,
+                                 backoff_grace=grace)  # fmt: skip
         sk = SpeculateKernels(gpu, CFG, spec, CAPACITY)
         lengths = [*LENGTHS, *rng.integers(1, 40001, 12).tolist()]
         for length in lengths * 3:
@@ -310,7 +311,7 @@ def simulate_loop(hist: list[int], st: DecodeState, spec, capacity: int):
         found = draft(h, spec, step_limit(st.max_new, step, len(h), capacity))
         drafts = backoff.gate(found)
         agree = next((i for i, t in enumerate(drafts) if t != -1), len(drafts))
-        backoff.update(len(drafts), agree, spec.backoff_cap)
+        backoff.update(len(drafts), agree, spec)
         emitted, stopped = cut([-1] * (agree + 1), st.max_new - step, frozenset(st.eos))
         counts = [counts[0] + 1, counts[1] + len(drafts), counts[2] + agree,
                   counts[3] + (len(drafts) < len(found))]  # fmt: skip
@@ -331,8 +332,9 @@ def check_loop(gpu, rng, log) -> bool:
     """draft + (keys left zero) + accept in a graph's while loop, against simulate_loop."""
     b, ok, skipped = Bufs(gpu), True, 0
     cases = (((), 60), ((), 2), ((-1,), 60), ((5000,), 300), ((), 400))
-    for cap, (eos, max_new) in [(c, case) for c in (0, 2, 16) for case in cases]:
-        spec = SpeculativeConfig(k=4, n_min=1, n_max=3, backoff_cap=cap)
+    backoffs = ((0, 1), (2, 0), (16, 1))  # (cap, grace)
+    for (cap, grace), (eos, max_new) in [(b, case) for b in backoffs for case in cases]:
+        spec = SpeculativeConfig(k=4, n_min=1, n_max=3, backoff_cap=cap, backoff_grace=grace)
         sk = SpeculateKernels(gpu, CFG, spec, CAPACITY)
         hist = with_runs(rng, int(rng.integers(50, 400)))
         st = DecodeState(pos=len(hist) - 1, step=1, max_new=max_new, eos=eos)
@@ -346,7 +348,7 @@ def check_loop(gpu, rng, log) -> bool:
         run_graph(gpu, sk, b)
         h, ring, step, counts, backoff = simulate_loop(hist, st, spec, CAPACITY)
         want = replace(st, token=h[-1], pos=len(h) - 1, step=step, done=True,
-                       spec_skip=backoff.skip, spec_span=backoff.span)  # fmt: skip
+                       spec_skip=backoff.skip, spec_fails=backoff.fails)  # fmt: skip
         checks = {
             "history": b.h[: len(h) + 1].tolist() == h + [POISON],
             "ring": b.ring.tokens(step)[1:] == ring and b.ring.count == step,
@@ -357,9 +359,10 @@ def check_loop(gpu, rng, log) -> bool:
         ok &= not bad
         skipped += counts[3]
         log(
-            f"  {'*' if bad else ' '} loop cap {cap} eos {eos} max_new {max_new}: {counts[0]} "
+            f"  {'*' if bad else ' '} loop cap {cap} grace {grace} eos {eos} max_new {max_new}: "
+            f"{counts[0]} "
             f"steps, {counts[1]} drafted, {counts[2]} accepted, {counts[3]} skipped, "
-            f"{step - 1} tokens, span {backoff.span}; wrong: {bad or 'none'}"
+            f"{step - 1} tokens, fails {backoff.fails}; wrong: {bad or 'none'}"
         )
     return ok and skipped > 0
 

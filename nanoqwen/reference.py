@@ -421,7 +421,7 @@ class ReferenceBackend:
                     stats.drafted += len(drafts)
                     stats.accepted += len(kept) - 1
                     if self.speculative:
-                        backoff.update(len(drafts), len(kept) - 1, self.speculative.backoff_cap)
+                        backoff.update(len(drafts), len(kept) - 1, self.speculative)
                 kept, stopped = cut(kept, left, stop_ids)
                 pages.commit(table, fed + kept[:-1])
                 yield from kept

@@ -53,19 +53,27 @@ fixed 1 + K rows whatever d is (engine/speculate.py), at 1.97x the decode step a
 step that accepts a drafts emits a + 1 tokens for that cost, so it loses about one decode step
 at a = 0, breaks even at a = 1 and gains from a = 2 on. Hence the rule:
   - a verify step that accepted no draft (a = 0, before the stop-id / max_tokens cut) is a
-    failure: span = min(cap, max(1, 2 * span)) and skip = span; one that accepted any draft
-    sets span = 0 (skip is already 0: only a step with skip = 0 drafts). A partial rejection
-    is not a failure, whatever accepted / drafted is: a >= 1 pays for the step, and the
-    step's cost does not grow with d, so a low fraction (1 of 15) costs nothing a full one
-    (1 of 1) does not.
+    failure. A partial rejection is not, whatever accepted / drafted is: a >= 1 pays for the
+    step, and the step's cost does not grow with d, so a low fraction (1 of 15) costs nothing
+    a full one (1 of 1) does not.
+  - `fails` counts the failures since the last step that accepted a draft (which sets it and
+    skip to 0). After a failure skip = 0 while fails <= grace, else
+    min(cap, 2^(fails - grace - 1)): at grace 1, cap 16, failures in a row drop 0, 1, 2, 4, 8,
+    16, 16, .. matches.
   - while skip > 0, a step whose lookup found drafts drops them (and skip -= 1): it runs as
     the plain decode step, counted in SpecStats.skipped. Steps without a match leave skip
     alone: skip counts dropped drafts, not steps, because matches on such text are sparse
     (chat on the 1.5B: 908 draft tokens found in 1928 steps, several a match), and a skip
     measured in steps would run out between two matches and drop none.
   - a step without drafts (none found, or dropped) changes nothing; cap = 0 turns the backoff
-    off (span stays 0).
-The device keeps skip and span in the decode state words SPEC_SKIP and SPEC_SPAN
+    off.
+Why a grace of one failure: dropping a match that would fail saves 0.97 of a step, dropping one
+that would be accepted loses its a - 0.97, several steps where speculation pays (edit and fim
+on the 1.5B accept 2.18 and 1.68 drafts a step over all their steps, drafting or not). So a drop
+pays only where the next match is far likelier to fail than to be accepted: after failures in a
+row (chat), not after one failure between acceptances (an edit that departs from the original,
+then copies again; a fill-in whose first draft token is wrong).
+The device keeps skip and fails in the decode state words SPEC_SKIP and SPEC_FAILS
 (registry.StateWord): draft_ngram drops the drafts, the accept kernels update the words, so the
 one-graph loop needs no host round trip. Greedy output is unchanged (drafts never change the
 greedy tokens). Sampling stays exact: whether a step drafts depends on skip, a function of the
@@ -96,7 +104,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cuda.registry import MAX_ROWS
+from .cuda.registry import BACKOFF_MAX_FAILS, BACKOFF_MAX_SHIFT, MAX_ROWS
 from .errors import NanoqwenError
 from .sampling import SamplingParams, probabilities, sample
 
@@ -112,8 +120,8 @@ DEFAULT_SPECULATE = "off"
 # rows an INT4 GEMM stays memory-bound, one read of the weights serving every row (Marlin,
 # Frantar et al. 2024).
 MAX_DRAFT_TOKENS = MAX_ROWS - 1
-# The backoff's largest cap: span doubles below it, far inside the int32 state words.
-MAX_BACKOFF = 1 << 20
+MAX_BACKOFF = 1 << BACKOFF_MAX_SHIFT  # the backoff's largest cap
+MAX_BACKOFF_GRACE = 8  # its largest grace (failures forgiven before it drops drafts)
 
 
 class SpeculativeError(NanoqwenError, ValueError):
@@ -125,7 +133,8 @@ class SpeculativeConfig:
     """method "ngram" (prompt lookup); k draft tokens at most per step, in
     [1, MAX_DRAFT_TOKENS]; n-gram sizes n_min..n_max tried longest first, 1 <= n_min <= n_max;
     backoff_cap: the most found drafts a run of fully rejected steps makes the sequence drop
-    (Backoff), in [0, MAX_BACKOFF], 0 = no backoff."""
+    (Backoff), in [0, MAX_BACKOFF], 0 = no backoff; backoff_grace: the failures in a row it
+    forgives before it drops any, in [0, MAX_BACKOFF_GRACE]."""
 
     # n-grams of 3+ tokens: single-token matches also draft on open-ended chat, where the
     # drafts are rarely accepted and each verify step costs more than a decode step. K at its
@@ -136,10 +145,11 @@ class SpeculativeConfig:
     k: int = MAX_DRAFT_TOKENS
     n_min: int = 3
     n_max: int = 5
-    # A run of failures drops 1, 2, 4, 8, 16 matches: 16 keeps a verify step every 17 matches
-    # on text that never repeats (about 6% of them, at a decode step's loss each) and lets one
-    # accepted draft bring drafting back at once.
+    # Failures in a row drop 0, 1, 2, 4, 8, 16 matches: a cap of 16 keeps a verify step every
+    # 17 matches on text that never repeats (about 6% of them, at a decode step's loss each)
+    # and lets one accepted draft bring drafting back at once. The grace: module docstring.
     backoff_cap: int = 16
+    backoff_grace: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -157,6 +167,10 @@ class SpeculativeConfig:
         if not 0 <= self.backoff_cap <= MAX_BACKOFF:
             raise SpeculativeError(
                 f"backoff_cap must be in [0, {MAX_BACKOFF}], got {self.backoff_cap}"
+            )
+        if not 0 <= self.backoff_grace <= MAX_BACKOFF_GRACE:
+            raise SpeculativeError(
+                f"backoff_grace must be in [0, {MAX_BACKOFF_GRACE}], got {self.backoff_grace}"
             )
 
 
@@ -201,11 +215,12 @@ class SpecStats:
 @dataclass
 class Backoff:
     """One sequence's drafting backoff (module docstring): `skip` found drafts still to drop,
-    `span` the skip the last failure set (0 since an accepting step). The device's decode
-    state words SPEC_SKIP and SPEC_SPAN hold the same two numbers."""
+    `fails` fully rejected verify steps since the last accepted draft (saturating at
+    registry.BACKOFF_MAX_FAILS). The device's decode state words SPEC_SKIP and SPEC_FAILS
+    hold the same two numbers."""
 
     skip: int = 0
-    span: int = 0
+    fails: int = 0
 
     def gate(self, drafts: list[int]) -> list[int]:
         """The step's drafts: `drafts` (the lookup's), or none while skipping, which uses
@@ -215,13 +230,17 @@ class Backoff:
             return []
         return drafts
 
-    def update(self, drafted: int, accepted: int, cap: int) -> None:
+    def update(self, drafted: int, accepted: int, config: SpeculativeConfig) -> None:
         """After a step that verified `drafted` drafts and accepted `accepted` of them
-        (before the cuts): a failure doubles the span up to `cap` and skips it; any
-        acceptance clears it; a step without drafts changes nothing."""
-        if drafted:
-            self.span = 0 if accepted else min(cap, max(1, 2 * self.span))
-            self.skip = self.span
+        (before the cuts): a failure counts, and past config.backoff_grace failures sets a
+        skip doubling up to config.backoff_cap; any acceptance clears both; a step without
+        drafts changes nothing."""
+        if not drafted:
+            return
+        self.fails = 0 if accepted else min(self.fails + 1, BACKOFF_MAX_FAILS)
+        over = self.fails - config.backoff_grace
+        shift = min(over - 1, BACKOFF_MAX_SHIFT)
+        self.skip = min(config.backoff_cap, 1 << shift) if over > 0 else 0
 
 
 def parse_ngram(text: str) -> tuple[int, int]:

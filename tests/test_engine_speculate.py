@@ -5,6 +5,8 @@ checks the reservation bound and the prefix-cache commit rule."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -187,7 +189,7 @@ def emulate(prompt: list[int], max_new: int, max_context: int, eos: int | None,
         agree = 0
         while agree < d and drafts[agree] == targets[agree]:
             agree += 1
-        backoff.update(d, agree, backoff_cap)
+        backoff.update(d, agree, replace(SPEC, backoff_cap=backoff_cap))
         kept, _ = cut(targets[: agree + 1], max_new - len(out), {eos} if eos is not None else ())
         out += kept
         h += kept

@@ -95,10 +95,10 @@ def emulate_draft(h, state, k, n_min, n_max, capacity, skip=0):
     return tokens, [pos + r for r in range(k + 1)], d, skip, dropped
 
 
-def emulate_accept(targets, tokens, d, state, eos, capacity, span=0, cap=0):
-    """accept_greedy in numpy, with SPEC_SPAN = `span` and backoff_cap `cap`: (emitted tokens,
-    new (token, pos, step, done), accepted, new (SPEC_SKIP, SPEC_SPAN) or None when d = 0
-    leaves them)."""
+def emulate_accept(targets, tokens, d, state, eos, capacity, fails=0, cap=0, grace=0):
+    """accept_greedy in numpy, with SPEC_FAILS = `fails`, backoff_cap `cap` and backoff_grace
+    `grace`: (emitted tokens, new (token, pos, step, done), accepted, new (SPEC_SKIP,
+    SPEC_FAILS) or None when d = 0 leaves them)."""
     _, pos, step, max_new = state
     lanes = np.arange(32)
     tgt = np.array([targets[r] if r < len(targets) else 0 for r in lanes])
@@ -112,8 +112,10 @@ def emulate_accept(targets, tokens, d, state, eos, capacity, span=0, cap=0):
     done = step + e >= max_new or bool(stops.any())
     backoff = None
     if d > 0:
-        span = 0 if agree > 0 else min(cap, max(1, 2 * span))
-        backoff = (span, span)
+        fails = 0 if agree > 0 else min(fails + 1, registry.BACKOFF_MAX_FAILS)
+        over = fails - grace
+        skip = min(cap, 1 << min(over - 1, registry.BACKOFF_MAX_SHIFT)) if over > 0 else 0
+        backoff = (skip, fails)
     return tgt[:e].tolist(), (int(tgt[e - 1]), pos + e, step + e, done), agree, backoff
 
 
@@ -204,14 +206,17 @@ def test_accept_emulation_matches_speculative_accept():
         left = int(rng.integers(1, 20))
         pos = int(rng.integers(0, 100))
         capacity = pos + k + 2
-        span, cap = int(rng.choice([0, 1, 4, 16])), int(rng.choice([0, 1, 16]))
+        fails = int(rng.choice([0, 1, 2, 5, 30, 64]))
+        cfg = SpeculativeConfig(backoff_cap=int(rng.choice([0, 1, 16, 1 << 20])),
+                                backoff_grace=int(rng.integers(0, 3)))  # fmt: skip
         got, (token, new_pos, new_step, done), acc, words = emulate_accept(
-            targets, tokens, d, (0, pos, step, step + left), eos, capacity, span, cap
-        )
+            targets, tokens, d, (0, pos, step, step + left), eos, capacity, fails,
+            cfg.backoff_cap, cfg.backoff_grace
+        )  # fmt: skip
         kept, (want, stopped) = expected_step(targets, drafts, eos, left)
-        backoff = Backoff(skip=0, span=span)  # a step that verified drafts ran at skip 0
-        backoff.update(d, len(kept) - 1, cap)
-        assert words == (None if d == 0 else (backoff.skip, backoff.span))
+        backoff = Backoff(skip=0, fails=fails)  # a step that verified drafts ran at skip 0
+        backoff.update(d, len(kept) - 1, cfg)
+        assert words == (None if d == 0 else (backoff.skip, backoff.fails))
         assert got == want and token == want[-1]
         assert (new_pos, new_step) == (pos + len(want), step + len(want))
         assert done == (stopped or len(want) == left)

@@ -97,8 +97,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser, method: bool = True) -
         type=int_range(0, MAX_BACKOFF),
         default=base.backoff_cap,
         metavar="CAP",
-        help="speculation: after a step that accepted no draft, drop the next 1, 2, 4, .. "
-        "found drafts (doubling up to CAP, reset by any accepted draft); 0 = never",
+        help="speculation: after 2, 3, 4, .. steps in a row that accepted no draft, drop the "
+        "next 1, 2, 4, .. found drafts (doubling up to CAP, reset by any accepted draft); "
+        "0 = never",
     )
 
 

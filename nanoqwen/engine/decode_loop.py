@@ -49,7 +49,7 @@ def _u32_as_i32(v: int) -> int:
 @dataclass
 class DecodeState:
     """The decode state words, by name. `eos`: the stop ids the device checks (at most
-    MAX_EOS; the host stops on the others). spec_skip, spec_span: speculation's backoff
+    MAX_EOS; the host stops on the others). spec_skip, spec_fails: speculation's backoff
     (speculative.Backoff), 0 at a generation's start."""
 
     token: int = 0
@@ -63,7 +63,7 @@ class DecodeState:
     seed: int = 0
     eos: tuple[int, ...] = ()
     spec_skip: int = 0
-    spec_span: int = 0
+    spec_fails: int = 0
 
     @classmethod
     def for_prompt(cls, prompt_len: int, params: SamplingParams, stop_ids) -> DecodeState:
@@ -93,7 +93,7 @@ class DecodeState:
         w[StateWord.TOP_P] = _f32_bits(self.top_p)
         w[StateWord.SEED_LO] = _u32_as_i32(self.seed & 0xFFFFFFFF)
         w[StateWord.SEED_HI] = _u32_as_i32((self.seed >> 32) & 0xFFFFFFFF)
-        w[StateWord.SPEC_SKIP], w[StateWord.SPEC_SPAN] = self.spec_skip, self.spec_span
+        w[StateWord.SPEC_SKIP], w[StateWord.SPEC_FAILS] = self.spec_skip, self.spec_fails
         w[StateWord.NUM_EOS] = len(self.eos)
         w[StateWord.EOS0 : StateWord.EOS0 + len(self.eos)] = self.eos
         return w
@@ -114,7 +114,7 @@ class DecodeState:
             seed=int(np.uint32(w[StateWord.SEED_LO])) | int(np.uint32(w[StateWord.SEED_HI])) << 32,
             eos=tuple(int(t) for t in w[StateWord.EOS0 : StateWord.EOS0 + n]),
             spec_skip=int(w[StateWord.SPEC_SKIP]),
-            spec_span=int(w[StateWord.SPEC_SPAN]),
+            spec_fails=int(w[StateWord.SPEC_FAILS]),
         )
 
 

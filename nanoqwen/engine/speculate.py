@@ -12,7 +12,7 @@ appended by the step's accept kernel. The generation graph is one while loop who
     else            the decode step (M = 1, forward.py) with its argmax key into keys[0]
     greedy:
     accept_greedy   keys, tokens, d -> h, host ring, TOKEN/POS/STEP/DONE, the backoff words
-                    SPEC_SKIP/SPEC_SPAN, stats, keys zeroed, the while condition = !DONE
+                    SPEC_SKIP/SPEC_FAILS, stats, keys zeroed, the while condition = !DONE
     sampled:
     sample_rows     logits (the verify step's, or the decode step's when d = 0), keys, tokens,
                     d, state -> picks [1 + K]: each row's acceptance test and draw

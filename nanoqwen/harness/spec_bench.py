@@ -133,6 +133,7 @@ def run_spec_bench(
             "n_min": spec.n_min,
             "n_max": spec.n_max,
             "backoff_cap": spec.backoff_cap,
+            "backoff_grace": spec.backoff_grace,
         },  # fmt: skip
         "sampling": {
             "temperature": sampling.temperature,
@@ -164,7 +165,7 @@ def print_spec_result(res: dict) -> None:
     print(f"workload {res['workload']}  backend {res['backend']}  model {res['model']}  "
           f"{res['prompts']} prompts  gen {res['gen_len']}  runs {res['runs']}  "
           f"{s['method']} k={s['k']} n={s['n_min']}:{s['n_max']} "
-          f"backoff={s['backoff_cap']}")  # fmt: skip
+          f"backoff={s['backoff_cap']}:{s['backoff_grace']}")  # fmt: skip
     smp = res["sampling"]
     if smp["temperature"] > 0:
         print(f"  sampled: temperature {smp['temperature']} top-k {smp['top_k']} "
