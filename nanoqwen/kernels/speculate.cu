@@ -160,11 +160,11 @@ draft_ngram(const int* __restrict__ h, int* __restrict__ state, int* __restrict_
 // t <= agree), cut after the first eos id (state words kEos0..) and to max_new - step tokens;
 // the state advanced as sample_finish advances it, several tokens at once, and the backoff
 // words updated from d and agree (agree counts before the cuts, as SpecStats.accepted does).
-// The host ring carries
-// them one slot a token as sample_finish does: host_ring[step + t] = token t, then one count
-// word host_ring[-1] = step + e after a system fence, so the host (HostRing, stream_tokens) sees
-// a step's e tokens appear together and needs no other protocol. keys[0 .. K] are re-zeroed
-// for the next step (lm_head_rows and lm_head take an atomic max into them).
+// The host ring carries them one slot a token as sample_finish does: host_ring[step + t] =
+// token t, then one count word host_ring[-1] = step + e after a system fence, so the host
+// (HostRing, stream_tokens) sees a step's e tokens appear together and needs no other protocol.
+// keys[0 .. K] are re-zeroed for the next step (lm_head_rows and lm_head take an atomic max into
+// them).
 __device__ __forceinline__ void emit_step(int token, int agree, int d, unsigned long long* keys,
                                           int* state, int* h, volatile int* host_ring,
                                           const volatile int* cancel, int* stats,
