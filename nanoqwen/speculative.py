@@ -72,7 +72,8 @@ that would be accepted loses its a - 0.97, several steps where speculation pays 
 on the 1.5B accept 2.18 and 1.68 drafts a step over all their steps, drafting or not). So a drop
 pays only where the next match is far likelier to fail than to be accepted: after failures in a
 row (chat), not after one failure between acceptances (an edit that departs from the original,
-then copies again; a fill-in whose first draft token is wrong).
+then copies again; a fill-in whose first draft token is wrong). dev/spec_backoff_walk.py
+projects the settings (docs/EXPERIMENTS.md, Speculative decoding).
 The device keeps skip and fails in the decode state words SPEC_SKIP and SPEC_FAILS
 (registry.StateWord): draft_ngram drops the drafts, the accept kernels update the words, so the
 one-graph loop needs no host round trip. Greedy output is unchanged (drafts never change the
