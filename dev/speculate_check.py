@@ -6,18 +6,27 @@
 Validation (fresh random inputs every run, the seed printed; outputs poisoned first):
 - draft: histories of lengths 1 .. 40000 (random over 4, 64 and 150k ids; runs; loops of period
   1..40 with 2% noise; a prompt block repeated later with edits), K 1..15, (n_min, n_max) from
-  (1, 1) to (2, 8), step / max_new / capacity so the cap binds at 0, below K and above it; the
-  history past len poisoned (-7). tokens[1 .. d] must be speculative.draft(h, cfg,
-  step_limit(...)), tokens[0] and the padding rows h[len - 1], positions POS + r, d exact.
+  (1, 1) to (2, 8), step / max_new / capacity so the cap binds at 0, below K and above it, the
+  backoff's SPEC_SKIP 0, 1 or 5; the history past len poisoned (-7). tokens[1 .. d] must be
+  speculative.draft(h, cfg, step_limit(...)) through speculative.Backoff.gate, tokens[0] and
+  the padding rows h[len - 1], positions POS + r, d exact; SPEC_SKIP and the skipped stats word
+  as the gate leaves them.
 - accept: after each draft, row keys in argmax_key format whose ids agree with a random prefix
   of the drafts; stop ids on some emitted token; max_new cutting some steps; a cancel flag on a
-  few. Against speculative.accept (one-hot logits) + speculative.cut: the history's appended
-  words (and the word after them untouched), the host ring (decode_loop.HostRing, mapped
-  memory: slots and count), TOKEN/POS/STEP/DONE, the keys re-zeroed, the stats words.
+  few; SPEC_FAILS 0, 1, 2, 5 or 64 against backoff caps 0, 1, 4, 16 and graces 0..2. Against
+  speculative.accept
+  (one-hot logits) + speculative.cut + Backoff.update: the history's appended words (and the
+  word after them untouched), the host ring (decode_loop.HostRing, mapped memory: slots and
+  count), every state word (TOKEN/POS/STEP/DONE, SPEC_SKIP/SPEC_FAILS), the keys re-zeroed, the
+  stats words.
 - loop: the two kernels in a conditional while loop (a CUDA graph, as the engine will run
   them) with no verify step between them: the keys stay zero, so every row's argmax is id
-  0xFFFFFFFF (-1 as int32), a model that always says -1. The ring, state, history and stats
-  after the graph against the same steps on the host (eos, max_new 2, a stop on step one).
+  0xFFFFFFFF (-1 as int32), a model that always says -1. The history holds runs of -1 of 1..6
+  tokens, each followed by other ids: while the reply's own run of -1 is short, the lookup
+  drafts what followed a run in the history (rejected: the backoff drops and doubles), once it
+  is long, more -1 (accepted: the backoff resets). The ring, every state word (the backoff's
+  included), history and stats (skipped included) after the graph against the same steps on
+  the host (eos, max_new 2, a stop on step one; backoff cap 0, cap 2 grace 0, cap 16 grace 1).
 
 Timing (CUDA graphs of 20 launches, median of 5 graph launches; harness.bench.time_graph):
 draft_ngram at history lengths 1 (the launch floor), 512, 8192, 32768 on a random history (few
@@ -34,6 +43,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -47,11 +57,13 @@ from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.gpu_script import gpu_session, run_part
 from nanoqwen.harness.prefill_checks import wait_or_die
 from nanoqwen.sampling import SamplingParams
-from nanoqwen.speculative import SpeculativeConfig, accept, cut, draft, step_limit
+from nanoqwen.speculative import Backoff, SpeculativeConfig, accept, cut, draft, step_limit
 
 CAPACITY = 40960  # history words (a multiple of 4); the longest history is 40000
 POISON = -7  # history past len, tokens / positions / ring before a launch
-CONFIGS = ((1, 1, 1), (4, 1, 3), (15, 1, 3), (7, 2, 4), (3, 1, 8), (15, 2, 8), (2, 3, 3))
+# (K, n_min, n_max, backoff_cap, backoff_grace)
+CONFIGS = ((1, 1, 1, 0, 1), (4, 1, 3, 1, 0), (15, 1, 3, 16, 1), (7, 2, 4, 4, 2), (3, 1, 8, 16, 0),
+           (15, 2, 8, 1, 1), (2, 3, 3, 4, 0))  # fmt: skip
 LENGTHS = (1, 2, 3, 4, 5, 6, 17, 111, 512, 4097, 8192, 32768, 40000)
 TIME_LENGTHS = (1, 512, 8192, 32768)
 CFG = preset("tiny")  # speculate.cu reads no model dims
@@ -69,7 +81,7 @@ class Bufs:
         self.positions = torch.zeros(16, **dev)
         self.nd = torch.zeros(1, **dev)
         self.keys = torch.zeros(16, device=DEVICE, dtype=torch.int64)
-        self.stats = torch.zeros(3, **dev)
+        self.stats = torch.zeros(4, **dev)  # steps, drafted, accepted, skipped
         self.ring = HostRing(gpu, CAPACITY)
 
     def ptr(self, name: str) -> int:
@@ -103,17 +115,22 @@ def run_draft(b: Bufs, sk, hist, st: DecodeState) -> tuple[list, list, int]:
     set_state(b, st)
     for t in (b.tokens, b.positions, b.nd):
         t.fill_(POISON)
-    sk.draft(b.ptr("h"), b.ptr("state"), b.ptr("tokens"), b.ptr("positions"), b.ptr("nd"))
+    b.stats.zero_()
+    sk.draft(b.ptr("h"), b.ptr("state"), b.ptr("tokens"), b.ptr("positions"), b.ptr("nd"),
+             b.ptr("stats"))  # fmt: skip
     wait_or_die(sk.gpu, "draft_ngram")
     k = sk.spec.k
     return b.tokens[: k + 1].tolist(), b.positions[: k + 1].tolist(), int(b.nd.item())
 
 
-def check_draft_case(b, sk, hist, st, log) -> tuple[bool, list]:
-    """One draft against the oracle; returns (ok, drafts)."""
+def check_draft_case(b, sk, hist, st, log) -> tuple[bool, list, DecodeState]:
+    """One draft against the oracle; returns (ok, drafts, the state after it)."""
     tokens, positions, d = run_draft(b, sk, hist, st)
     length, k = len(hist), sk.spec.k
-    want = draft(hist, sk.spec, step_limit(st.max_new, st.step, length, sk.capacity))
+    backoff = Backoff(skip=st.spec_skip, fails=st.spec_fails)
+    found = draft(hist, sk.spec, step_limit(st.max_new, st.step, length, sk.capacity))
+    want = backoff.gate(found)
+    after = replace(st, spec_skip=backoff.skip)
     last = int(hist[-1])
     ok = (
         d == len(want)
@@ -121,21 +138,30 @@ def check_draft_case(b, sk, hist, st, log) -> tuple[bool, list]:
         and tokens[0] == last
         and all(t == last for t in tokens[1 + d :])
         and positions == list(range(length - 1, length + k))
+        and b.state.cpu().numpy().tolist() == after.to_words().tolist()
+        and b.stats.tolist() == [0, 0, 0, int(len(want) < len(found))]
     )
     if not ok:
-        log(f"  * draft len {length} cfg {sk.spec} step {st.step}/{st.max_new}: got d={d} "
-            f"{tokens} {positions[:3]}..., want {want}")  # fmt: skip
-    return ok, want
+        got = DecodeState.from_words(b.state.cpu().numpy())
+        log(f"  * draft len {length} cfg {sk.spec} step {st.step}/{st.max_new} skip "
+            f"{st.spec_skip}: got d={d} {tokens} {positions[:3]}..., skip {got.spec_skip}, "
+            f"stats {b.stats.tolist()}; want {want}, skip {backoff.skip}")  # fmt: skip
+    return ok, want, after
 
 
 def random_state(rng, length: int, k: int) -> tuple[DecodeState, int]:
-    """A state whose cap binds at max_new (0, < K) or not, and a capacity that binds on a
-    quarter of the cases (the kernel's argument; the buffer stays CAPACITY long)."""
+    """A state whose cap binds at max_new (0, < K) or not, skipping on half the cases (the
+    backoff's SPEC_SKIP 1 or 5; SPEC_FAILS from none to saturated), and a capacity that binds
+    on a quarter of the cases (the kernel's argument; the buffer stays CAPACITY long)."""
     step = int(rng.integers(0, 50))
     left = int(rng.choice([1, 2, k, k + 1, k + 2, 1000]))
     tight = rng.random() < 0.25
     capacity = -(-(length + 1 + int(rng.integers(0, 12))) // 4) * 4 if tight else CAPACITY
-    return DecodeState(pos=length - 1, step=step, max_new=step + left), capacity
+    skip = int(rng.choice([0, 0, 1, 5]))
+    fails = int(rng.choice([0, 1, 2, 5, 64])) if skip == 0 else 4
+    st = DecodeState(pos=length - 1, step=step, max_new=step + left, spec_skip=skip,
+                     spec_fails=fails)  # fmt: skip
+    return st, capacity
 
 
 def one_hot_keys(rng, targets: list[int]) -> np.ndarray:
@@ -187,12 +213,15 @@ def run_accept(b: Bufs, sk, st: DecodeState, keys: np.ndarray, cancel: bool) -> 
 
 
 def check_accept_case(b, sk, hist, st, drafts, rng, log) -> bool:
+    """st: the state draft_ngram left (its SPEC_SKIP used)."""
     k, length = sk.spec.k, len(hist)
     targets, eos = accept_inputs(rng, drafts, k, hist)
-    st = DecodeState(pos=st.pos, step=st.step, max_new=st.max_new, eos=tuple(eos))
+    st = replace(st, eos=tuple(eos))
     cancel = rng.random() < 0.1
     run_accept(b, sk, st, one_hot_keys(rng, targets), cancel)
     kept, emitted, stopped = expected(targets, drafts, eos, st.max_new - st.step)
+    backoff = Backoff(skip=st.spec_skip, fails=st.spec_fails)
+    backoff.update(len(drafts), len(kept) - 1, sk.spec)
     e = len(emitted)
     got_h = b.h[length : length + e + 1].tolist()
     at = 2 + st.step  # slot `step` of the ring; the word before it: a token, or the count
@@ -206,6 +235,8 @@ def check_accept_case(b, sk, hist, st, drafts, rng, log) -> bool:
         max_new=st.max_new,
         done=stopped or st.step + e >= st.max_new or cancel,
         eos=st.eos,
+        spec_skip=backoff.skip,
+        spec_fails=backoff.fails,
     )
     checks = {
         "history": got_h == emitted + [POISON],
@@ -213,7 +244,7 @@ def check_accept_case(b, sk, hist, st, drafts, rng, log) -> bool:
         "count": b.ring.count == st.step + e,
         "state": b.state.cpu().numpy().tolist() == want_st.to_words().tolist(),
         "keys": b.keys[: k + 1].eq(0).all().item() and b.keys[k + 1 :].eq(-5).all().item(),
-        "stats": b.stats.tolist() == [1, len(drafts), len(kept) - 1],
+        "stats": b.stats.tolist() == [1, len(drafts), len(kept) - 1, 0],
     }
     bad = [name for name, ok in checks.items() if not ok]
     if bad:
@@ -244,25 +275,27 @@ def capped(log, most: int = 12):
 def check_draft_accept(gpu, rng, log, parts) -> dict:
     """Both kernels on every (config, length) and random lengths; returns {part: ok}."""
     b, log = Bufs(gpu), capped(log)
-    stats = {"draft": [0, 0, 0], "accept": [0, 0]}  # cases, failures, drafted; cases, failures
-    for k, n_min, n_max in CONFIGS:
-        sk = SpeculateKernels(gpu, CFG, SpeculativeConfig(k=k, n_min=n_min, n_max=n_max),
-                              CAPACITY)  # fmt: skip
+    stats = {"draft": [0, 0, 0, 0], "accept": [0, 0]}  # cases, failures, drafted, dropped; ..
+    for k, n_min, n_max, cap, grace in CONFIGS:
+        spec = SpeculativeConfig(k=k, n_min=n_min, n_max=n_max, backoff_cap=cap,
+                                 backoff_grace=grace)  # fmt: skip
+        sk = SpeculateKernels(gpu, CFG, spec, CAPACITY)
         lengths = [*LENGTHS, *rng.integers(1, 40001, 12).tolist()]
         for length in lengths * 3:
             hist = history(rng, int(length))
             st, sk.capacity = random_state(rng, len(hist), k)
-            ok, drafts = check_draft_case(b, sk, hist, st, log)
+            ok, drafts, after = check_draft_case(b, sk, hist, st, log)
             s = stats["draft"]
             s[0], s[1], s[2] = s[0] + 1, s[1] + (not ok), s[2] + (len(drafts) > 0)
+            s[3] += after.spec_skip < st.spec_skip
             if "accept" in parts and ok:
-                ok = check_accept_case(b, sk, hist, st, drafts, rng, log)
+                ok = check_accept_case(b, sk, hist, st=after, drafts=drafts, rng=rng, log=log)
                 stats["accept"][0] += 1
                 stats["accept"][1] += not ok
     d, a = stats["draft"], stats["accept"]
-    log(f"  draft: {d[0]} cases ({d[2]} with drafts), {d[1]} wrong; "
-        f"accept: {a[0]} cases, {a[1]} wrong")  # fmt: skip
-    out = {"draft": d[1] == 0 and d[2] > d[0] // 4}
+    log(f"  draft: {d[0]} cases ({d[2]} with drafts, {d[3]} dropped by the backoff), {d[1]} "
+        f"wrong; accept: {a[0]} cases, {a[1]} wrong")  # fmt: skip
+    out = {"draft": d[1] == 0 and d[2] + d[3] > d[0] // 4 and d[3] > d[0] // 20}
     if "accept" in parts:
         out["accept"] = a[1] == 0 and a[0] > 0
     return out
@@ -271,25 +304,39 @@ def check_draft_accept(gpu, rng, log, parts) -> dict:
 # -- the loop -----------------------------------------------------------------------------------
 def simulate_loop(hist: list[int], st: DecodeState, spec, capacity: int):
     """The loop on the host with every row's argmax -1: (history, ring from st.step, steps,
-    drafted, accepted)."""
-    h, step, ring, counts = list(hist), st.step, [], [0, 0, 0]
+    [steps, drafted, accepted, skipped], the Backoff at the end)."""
+    h, step, ring, counts = list(hist), st.step, [], [0, 0, 0, 0]
+    backoff = Backoff()
     while True:
-        drafts = draft(h, spec, step_limit(st.max_new, step, len(h), capacity))
+        found = draft(h, spec, step_limit(st.max_new, step, len(h), capacity))
+        drafts = backoff.gate(found)
         agree = next((i for i, t in enumerate(drafts) if t != -1), len(drafts))
+        backoff.update(len(drafts), agree, spec)
         emitted, stopped = cut([-1] * (agree + 1), st.max_new - step, frozenset(st.eos))
-        counts = [counts[0] + 1, counts[1] + len(drafts), counts[2] + agree]
+        counts = [counts[0] + 1, counts[1] + len(drafts), counts[2] + agree,
+                  counts[3] + (len(drafts) < len(found))]  # fmt: skip
         h, ring, step = h + emitted, ring + emitted, step + len(emitted)
         if stopped or step >= st.max_new:
-            return h, ring, step, counts
+            return h, ring, step, counts, backoff
+
+
+def with_runs(rng, length: int) -> list[int]:
+    """Ids below 50 with a run of 1..6 ids -1 starting at ~10% of the positions."""
+    out: list[int] = []
+    while len(out) < length:
+        out += [-1] * int(rng.integers(1, 7)) if rng.random() < 0.1 else [int(rng.integers(0, 50))]
+    return out[:length]
 
 
 def check_loop(gpu, rng, log) -> bool:
     """draft + (keys left zero) + accept in a graph's while loop, against simulate_loop."""
-    b, ok = Bufs(gpu), True
-    spec = SpeculativeConfig(k=4, n_min=1, n_max=3)
-    sk = SpeculateKernels(gpu, CFG, spec, CAPACITY)
-    for eos, max_new in (((), 60), ((), 2), ((-1,), 60), ((5000,), 300)):
-        hist = history(rng, int(rng.integers(50, 400))).tolist()
+    b, ok, skipped = Bufs(gpu), True, 0
+    cases = (((), 60), ((), 2), ((-1,), 60), ((5000,), 300), ((), 400))
+    backoffs = ((0, 1), (2, 0), (16, 1))  # (cap, grace)
+    for (cap, grace), (eos, max_new) in [(b, case) for b in backoffs for case in cases]:
+        spec = SpeculativeConfig(k=4, n_min=1, n_max=3, backoff_cap=cap, backoff_grace=grace)
+        sk = SpeculateKernels(gpu, CFG, spec, CAPACITY)
+        hist = with_runs(rng, int(rng.integers(50, 400)))
         st = DecodeState(pos=len(hist) - 1, step=1, max_new=max_new, eos=eos)
         b.h.fill_(POISON)
         b.h[: len(hist)] = torch.tensor(hist, dtype=torch.int32)
@@ -299,21 +346,25 @@ def check_loop(gpu, rng, log) -> bool:
         b.ring.reset()
         b.ring.view[1], b.ring.view[2] = 1, hist[-1]  # the prefill's token, step 0
         run_graph(gpu, sk, b)
-        h, ring, step, counts = simulate_loop(hist, st, spec, CAPACITY)
-        got = DecodeState.from_words(b.state.cpu().numpy())
+        h, ring, step, counts, backoff = simulate_loop(hist, st, spec, CAPACITY)
+        want = replace(st, token=h[-1], pos=len(h) - 1, step=step, done=True,
+                       spec_skip=backoff.skip, spec_fails=backoff.fails)  # fmt: skip
         checks = {
             "history": b.h[: len(h) + 1].tolist() == h + [POISON],
             "ring": b.ring.tokens(step)[1:] == ring and b.ring.count == step,
-            "state": (got.token, got.pos, got.step, got.done) == (h[-1], len(h) - 1, step, True),
+            "state": b.state.cpu().numpy().tolist() == want.to_words().tolist(),
             "stats": b.stats.tolist() == counts,
         }
         bad = [name for name, good in checks.items() if not good]
         ok &= not bad
+        skipped += counts[3]
         log(
-            f"  {'*' if bad else ' '} loop eos {eos} max_new {max_new}: {counts[0]} steps, "
-            f"{counts[1]} drafted, {counts[2]} accepted, {step - 1} tokens; wrong: {bad or 'none'}"
+            f"  {'*' if bad else ' '} loop cap {cap} grace {grace} eos {eos} max_new {max_new}: "
+            f"{counts[0]} "
+            f"steps, {counts[1]} drafted, {counts[2]} accepted, {counts[3]} skipped, "
+            f"{step - 1} tokens, fails {backoff.fails}; wrong: {bad or 'none'}"
         )
-    return ok
+    return ok and skipped > 0
 
 
 def run_graph(gpu, sk, b: Bufs) -> None:
@@ -322,7 +373,8 @@ def run_graph(gpu, sk, b: Bufs) -> None:
         gb = gpu.graph_builder()
         cond = gb.create_condition(default_value=1)
         loop = gb.while_loop(cond).begin_building()
-        sk.draft(ptr("h"), ptr("state"), ptr("tokens"), ptr("positions"), ptr("nd"), stream=loop)
+        sk.draft(ptr("h"), ptr("state"), ptr("tokens"), ptr("positions"), ptr("nd"),
+                 ptr("stats"), stream=loop)  # fmt: skip
         sk.accept(ptr("keys"), ptr("tokens"), ptr("nd"), ptr("state"), ptr("h"),
                   b.ring.ring_ptr, b.ring.cancel_ptr, ptr("stats"), cond, stream=loop)  # fmt: skip
         loop.end_building()

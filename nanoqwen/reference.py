@@ -44,7 +44,7 @@ from .kv_pages import BlockManager, KVStats, PageTable
 from .quant import dequantize_packed, dequantize_rows_int8
 from .rope import rope_angles
 from .sampling import SamplingParams, make_generator, sample
-from .speculative import SpecStats, SpeculativeConfig, accept, cut, draft, step_limit
+from .speculative import Backoff, SpecStats, SpeculativeConfig, accept, cut, draft, step_limit
 
 if TYPE_CHECKING:
     from .fileformat import NanoqwenFile
@@ -429,13 +429,15 @@ class ReferenceBackend:
         what accept() emits up to a stop id or max_tokens, and commits the K/V of the fed
         tokens and of the kept drafts that were fed (those before the step's last kept token).
         Rejected drafts' K/V stay in the pages uncommitted, past len(table.tokens): no read
-        reaches them (attention is causal) and the next step overwrites them."""
+        reaches them (attention is causal) and the next step overwrites them. The lookup's
+        drafts pass the sequence's Backoff first."""
         pages = self.cache.pages  # released into even if the backend is closed meanwhile
         table = pages.admit(prompt)
         self.cached_tokens = table.cached_tokens
         stats = self.spec_stats = SpecStats()
         generator = make_generator(params.seed)
         history, fed, drafts = list(prompt), prompt[table.cached_tokens :], []
+        backoff = Backoff()
         left, decoding = params.max_tokens, False
         try:
             while True:
@@ -445,6 +447,8 @@ class ReferenceBackend:
                     stats.steps += 1
                     stats.drafted += len(drafts)
                     stats.accepted += len(kept) - 1
+                    if self.speculative:
+                        backoff.update(len(drafts), len(kept) - 1, self.speculative)
                 kept, stopped = cut(kept, left, stop_ids)
                 pages.commit(table, fed + kept[:-1])
                 yield from kept
@@ -456,7 +460,9 @@ class ReferenceBackend:
                 if self.speculative:
                     cap = step_limit(params.max_tokens, params.max_tokens - left, len(history),
                                      self.max_context)  # fmt: skip
-                    drafts = draft(history, self.speculative, cap)
+                    found = draft(history, self.speculative, cap)
+                    drafts = backoff.gate(found)
+                    stats.skipped += len(drafts) < len(found)
                 decoding = True
         finally:  # also runs on close() or garbage collection of an unfinished iterator
             pages.release(table)

@@ -46,6 +46,44 @@ predicts the token after feeding h[-1] and drafts[:i]):
   - with no drafts it is exactly sample() on row 0: a step without a match consumes the
     generator as the plain step does.
 
+Backoff (`Backoff`): on text that does not repeat (chat) most drafts that are found are
+rejected, and each costs a verify step where a decode step would do. The engine verifies a
+fixed 1 + K rows whatever d is (engine/speculate.py), at 1.97x the decode step at K 15 (real
+1.5B on an H200: 1352 against 687 us, benchmarks/results/h200_1.5b_real_verify_step.json); a
+step that accepts a drafts emits a + 1 tokens for that cost, so it loses about one decode step
+at a = 0, breaks even at a = 1 and gains from a = 2 on. Hence the rule:
+  - a verify step that accepted no draft (a = 0, before the stop-id / max_tokens cut) is a
+    failure. A partial rejection is not, whatever accepted / drafted is: a >= 1 pays for the
+    step, and the step's cost does not grow with d, so a low fraction (1 of 15) costs nothing
+    a full one (1 of 1) does not.
+  - `fails` counts the failures since the last step that accepted a draft (which sets it and
+    skip to 0). After a failure skip = 0 while fails <= grace, else
+    min(cap, 2^(fails - grace - 1)): at grace 1, cap 16, failures in a row drop 0, 1, 2, 4, 8,
+    16, 16, .. matches.
+  - while skip > 0, a step whose lookup found drafts drops them (and skip -= 1): it runs as
+    the plain decode step, counted in SpecStats.skipped. Steps without a match leave skip
+    alone: skip counts dropped drafts, not steps, because matches on such text are sparse
+    (chat on the 1.5B: 908 draft tokens found in 1928 steps, several a match), and a skip
+    measured in steps would run out between two matches and drop none.
+  - a step without drafts (none found, or dropped) changes nothing; cap = 0 turns the backoff
+    off.
+Why a grace of one failure: dropping a match that would fail saves 0.97 of a step, dropping one
+that would be accepted loses its a - 0.97, several steps where speculation pays (edit and fim
+on the 1.5B accept 2.18 and 1.68 drafts a step over all their steps, drafting or not). So a drop
+pays only where the next match is far likelier to fail than to be accepted: after failures in a
+row (chat), not after one failure between acceptances (an edit that departs from the original,
+then copies again; a fill-in whose first draft token is wrong). dev/spec_backoff_walk.py
+projects the settings (docs/EXPERIMENTS.md, Speculative decoding).
+The device keeps skip and fails in the decode state words SPEC_SKIP and SPEC_FAILS
+(registry.StateWord): draft_ngram drops the drafts, the accept kernels update the words, so the
+one-graph loop needs no host round trip. Greedy output is unchanged (drafts never change the
+greedy tokens). Sampling stays exact: whether a step drafts depends on skip, a function of the
+earlier steps' outcomes (their tokens and their uniforms), never of the uniforms this step's
+acceptance tests and draws use (fresh ones: speculate.cu's counters STEP + r). Speculative
+sampling emits each token with the target's distribution for any draft fixed before the step's
+uniforms are drawn, and a step without drafts is the plain sample(); only a choice that looked
+at the step's own draws (draft when u will accept) would bias it.
+
 Backends: `ReferenceBackend(speculative=SpeculativeConfig(...))` runs both rules as they are
 here, drawing from a torch generator; `engine.CudaBackend(speculative=...)` runs both inside
 its one-graph loop (engine/speculate.py; speculate.cu's sample_rows for the sampled rule, with
@@ -53,10 +91,10 @@ counter-based randoms from the seed: the same tokens as the reference in distrib
 draw for draw). Both keep the last generation's SpecStats in `spec_stats`.
 
 Where it is exposed: `LLM(..., speculative=...)` and the `--speculate {off,ngram}`, `--spec-k`,
-`--spec-ngram MIN:MAX` flags of generate, chat, serve and demo (`resolve` turns them into a
-SpeculativeConfig; DEFAULT_SPECULATE is the default of all of them); bench's edit, fim and
-chat workloads take --spec-k and --spec-ngram. The statistics (SpecStats) reach generate's
-stats line, the server's usage and /metrics.
+`--spec-ngram MIN:MAX`, `--spec-backoff CAP` flags of generate, chat, serve and demo (`resolve`
+turns them into a SpeculativeConfig; DEFAULT_SPECULATE is the default of all of them); bench's
+edit, fim and chat workloads take --spec-k, --spec-ngram and --spec-backoff. The statistics
+(SpecStats) reach generate's stats line, the server's usage and /metrics.
 """
 
 from __future__ import annotations
@@ -67,7 +105,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .cuda.registry import MAX_ROWS
+from .cuda.registry import BACKOFF_MAX_FAILS, BACKOFF_MAX_SHIFT, MAX_ROWS
 from .errors import NanoqwenError
 from .sampling import SamplingParams, probabilities, sample
 
@@ -83,6 +121,8 @@ DEFAULT_SPECULATE = "off"
 # rows an INT4 GEMM stays memory-bound, one read of the weights serving every row (Marlin,
 # Frantar et al. 2024).
 MAX_DRAFT_TOKENS = MAX_ROWS - 1
+MAX_BACKOFF = 1 << BACKOFF_MAX_SHIFT  # the backoff's largest cap
+MAX_BACKOFF_GRACE = 8  # its largest grace (failures forgiven before it drops drafts)
 
 
 class SpeculativeError(NanoqwenError, ValueError):
@@ -92,7 +132,10 @@ class SpeculativeError(NanoqwenError, ValueError):
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method "ngram" (prompt lookup); k draft tokens at most per step, in
-    [1, MAX_DRAFT_TOKENS]; n-gram sizes n_min..n_max tried longest first, 1 <= n_min <= n_max."""
+    [1, MAX_DRAFT_TOKENS]; n-gram sizes n_min..n_max tried longest first, 1 <= n_min <= n_max;
+    backoff_cap: the most found drafts a run of fully rejected steps makes the sequence drop
+    (Backoff), in [0, MAX_BACKOFF], 0 = no backoff; backoff_grace: the failures in a row it
+    forgives before it drops any, in [0, MAX_BACKOFF_GRACE]."""
 
     # n-grams of 3+ tokens: single-token matches also draft on open-ended chat, where the
     # drafts are rarely accepted and each verify step costs more than a decode step. K at its
@@ -103,6 +146,11 @@ class SpeculativeConfig:
     k: int = MAX_DRAFT_TOKENS
     n_min: int = 3
     n_max: int = 5
+    # Failures in a row drop 0, 1, 2, 4, 8, 16 matches: a cap of 16 keeps a verify step every
+    # 17 matches on text that never repeats (about 6% of them, at a decode step's loss each)
+    # and lets one accepted draft bring drafting back at once. The grace: module docstring.
+    backoff_cap: int = 16
+    backoff_grace: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -117,22 +165,33 @@ class SpeculativeConfig:
             raise SpeculativeError(f"n_min must be >= 1, got {self.n_min}")
         if self.n_max < self.n_min:
             raise SpeculativeError(f"n_max ({self.n_max}) must be >= n_min ({self.n_min})")
+        if not 0 <= self.backoff_cap <= MAX_BACKOFF:
+            raise SpeculativeError(
+                f"backoff_cap must be in [0, {MAX_BACKOFF}], got {self.backoff_cap}"
+            )
+        if not 0 <= self.backoff_grace <= MAX_BACKOFF_GRACE:
+            raise SpeculativeError(
+                f"backoff_grace must be in [0, {MAX_BACKOFF_GRACE}], got {self.backoff_grace}"
+            )
 
 
 @dataclass
 class SpecStats:
     """One generation's speculation: `steps` decode steps after the prefill, `drafted` draft
     tokens verified, `accepted` of them kept by the acceptance rule (before a stop id or
-    max_tokens cuts the step's tokens)."""
+    max_tokens cuts the step's tokens), `skipped` steps whose found drafts the backoff dropped
+    (run as plain decode steps)."""
 
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    skipped: int = 0
 
     def add(self, other: SpecStats) -> None:
         self.steps += other.steps
         self.drafted += other.drafted
         self.accepted += other.accepted
+        self.skipped += other.skipped
 
     @property
     def tokens_per_step(self) -> float:
@@ -146,11 +205,43 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def summary(self) -> str:
-        """One line for a stats line: drafted, accepted, mean tokens a step."""
+        """One line for a stats line: drafted, accepted, mean tokens a step, skipped steps."""
         return (
             f"speculative: {self.drafted} drafted, {self.accepted} accepted "
-            f"({100 * self.acceptance:.0f}%), {self.tokens_per_step:.2f} tokens a step"
+            f"({100 * self.acceptance:.0f}%), {self.tokens_per_step:.2f} tokens a step, "
+            f"{self.skipped} skipped"
         )
+
+
+@dataclass
+class Backoff:
+    """One sequence's drafting backoff (module docstring): `skip` found drafts still to drop,
+    `fails` fully rejected verify steps since the last accepted draft (saturating at
+    registry.BACKOFF_MAX_FAILS). The device's decode state words SPEC_SKIP and SPEC_FAILS
+    hold the same two numbers."""
+
+    skip: int = 0
+    fails: int = 0
+
+    def gate(self, drafts: list[int]) -> list[int]:
+        """The step's drafts: `drafts` (the lookup's), or none while skipping, which uses
+        one skip when there was something to drop."""
+        if drafts and self.skip:
+            self.skip -= 1
+            return []
+        return drafts
+
+    def update(self, drafted: int, accepted: int, config: SpeculativeConfig) -> None:
+        """After a step that verified `drafted` drafts and accepted `accepted` of them
+        (before the cuts): a failure counts, and past config.backoff_grace failures sets a
+        skip doubling up to config.backoff_cap; any acceptance clears both; a step without
+        drafts changes nothing."""
+        if not drafted:
+            return
+        self.fails = 0 if accepted else min(self.fails + 1, BACKOFF_MAX_FAILS)
+        over = self.fails - config.backoff_grace
+        shift = min(over - 1, BACKOFF_MAX_SHIFT)
+        self.skip = min(config.backoff_cap, 1 << shift) if over > 0 else 0
 
 
 def parse_ngram(text: str) -> tuple[int, int]:
@@ -164,11 +255,14 @@ def parse_ngram(text: str) -> tuple[int, int]:
 
 
 def resolve(
-    speculative: SpeculativeConfig | str | None, k: int | None = None, ngram: str | None = None
+    speculative: SpeculativeConfig | str | None,
+    k: int | None = None,
+    ngram: str | None = None,
+    backoff_cap: int | None = None,
 ) -> SpeculativeConfig | None:
     """The SpeculativeConfig of a --speculate value (or LLM's `speculative=`): None for "off"
-    or None, a config as given, or a method name with `k` and `ngram` ("MIN:MAX") over the
-    config's defaults."""
+    or None, a config as given, or a method name with `k`, `ngram` ("MIN:MAX") and
+    `backoff_cap` over the config's defaults."""
     if speculative is None or isinstance(speculative, SpeculativeConfig):
         return speculative
     if speculative not in SPECULATE_CHOICES:
@@ -179,7 +273,13 @@ def resolve(
         return None
     base = SpeculativeConfig(speculative)
     n_min, n_max = parse_ngram(ngram) if ngram else (base.n_min, base.n_max)
-    return SpeculativeConfig(speculative, base.k if k is None else k, n_min, n_max)
+    return SpeculativeConfig(
+        speculative,
+        base.k if k is None else k,
+        n_min,
+        n_max,
+        base.backoff_cap if backoff_cap is None else backoff_cap,
+    )
 
 
 def step_limit(max_new: int, step: int, length: int, capacity: int) -> int:

@@ -5,6 +5,8 @@ checks the reservation bound and the prefix-cache commit rule."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from nanoqwen.config import preset
 from nanoqwen.cuda.registry import StateWord
 from nanoqwen.engine import speculate as sp
 from nanoqwen.engine.memory import plan_memory
-from nanoqwen.speculative import SpeculativeConfig, cut, draft, step_limit
+from nanoqwen.speculative import Backoff, SpeculativeConfig, cut, draft, step_limit
 
 SPEC = SpeculativeConfig(k=4)
 
@@ -28,8 +30,8 @@ def test_positions_and_reservation():
 
 
 def test_stats_words():
-    s = sp.stats_from_words(np.array([5, 12, 9], np.int32))
-    assert (s.steps, s.drafted, s.accepted) == (5, 12, 9)
+    s = sp.stats_from_words(np.array([5, 12, 9, 3], np.int32))
+    assert (s.steps, s.drafted, s.accepted, s.skipped) == (5, 12, 9, 3)
 
 
 @pytest.mark.parametrize("model", ["0.5b", "7b"])
@@ -136,7 +138,7 @@ def test_body_drafts_then_branches_then_accepts():
     assert log[0][2] == 0  # the branch condition defaults to the decode step
     draft_args = by["spec.draft"][0]
     assert draft_args[-1] == "cond@loop"  # draft_ngram sets the branch condition
-    assert draft_args[:5] == (0x1000, 0x4000, 0x10, 0x20, 0x2000)
+    assert draft_args[:6] == (0x1000, 0x4000, 0x10, 0x20, 0x2000, 0x3000)  # stats: skipped
     assert by["verify.step"][0] == (1 + SPEC.k, 0x4000 + 4 * int(StateWord.POS))
     assert by["forward.decode_step"][1] == {"key": 0x30}  # row 0's key, accept reads it
     accept_args = by["spec.accept"][0]
@@ -162,18 +164,23 @@ def next_token(prefix: tuple[int, ...]) -> int:
     return (sum(prefix[-3:]) * 31 + len(prefix)) % 50
 
 
-def emulate(prompt: list[int], max_new: int, max_context: int, eos: int | None):
+def emulate(prompt: list[int], max_new: int, max_context: int, eos: int | None,
+            backoff_cap: int = 2):  # fmt: skip
     """The speculative loop as the graph runs it: (emitted tokens, kv {position: (token,
-    prefix)}, history). Rows past d write K/V too (the verify step runs 1 + K rows)."""
+    prefix)}, history, skipped steps). Rows past d write K/V too (the verify step runs 1 + K
+    rows); the backoff (cap `backoff_cap`) drops drafts after rejections."""
     h, kv = list(prompt), {}
     for p in range(len(h)):  # the prefill
         kv[p] = (h[p], tuple(h[:p]))
     out = [next_token(tuple(h))]
     h.append(out[0])
     cap = sp.history_capacity(max_context)
+    backoff, skipped = Backoff(), 0
     while len(out) < max_new and (eos is None or out[-1] != eos):
         pos = len(h) - 1
-        drafts = draft(h, SPEC, step_limit(max_new, len(out), len(h), cap))
+        found = draft(h, SPEC, step_limit(max_new, len(out), len(h), cap))
+        drafts = backoff.gate(found)
+        skipped += len(drafts) < len(found)
         d = len(drafts)
         rows = [h[-1], *drafts] + ([h[-1]] * (SPEC.k - d) if d else [])
         for r, tok in enumerate(rows):
@@ -182,10 +189,11 @@ def emulate(prompt: list[int], max_new: int, max_context: int, eos: int | None):
         agree = 0
         while agree < d and drafts[agree] == targets[agree]:
             agree += 1
+        backoff.update(d, agree, replace(SPEC, backoff_cap=backoff_cap))
         kept, _ = cut(targets[: agree + 1], max_new - len(out), {eos} if eos is not None else ())
         out += kept
         h += kept
-    return out, kv, h
+    return out, kv, h, skipped
 
 
 @pytest.mark.parametrize("prompt_len,max_new,eos", [(1, 1, None), (3, 17, None), (17, 111, 7),
@@ -194,7 +202,7 @@ def test_emulated_loop_reservation_and_commit(prompt_len, max_new, eos):
     rng = np.random.default_rng()
     prompt = rng.integers(0, 50, prompt_len).tolist()
     max_context = prompt_len + max_new + int(rng.integers(0, 3))
-    out, kv, h = emulate(prompt, max_new, max_context, eos)
+    out, kv, h, _ = emulate(prompt, max_new, max_context, eos)
     plain = []  # greedy one token a step
     while len(plain) < max_new and (not plain or plain[-1] != eos):
         plain.append(next_token(tuple(prompt + plain)))
@@ -206,6 +214,19 @@ def test_emulated_loop_reservation_and_commit(prompt_len, max_new, eos):
     committed = prompt + out[:-1]
     for p, tok in enumerate(committed):
         assert kv[p] == (tok, tuple(committed[:p])), p
+
+
+def test_emulated_loop_backoff_skips_and_keeps_the_tokens():
+    """The backoff drops drafts on the toy model (it rejects often) and changes no token."""
+    rng = np.random.default_rng()
+    skipped = 0
+    for _ in range(10):
+        prompt = rng.integers(0, 50, 40).tolist()
+        off, _, _, none = emulate(prompt, 200, 242, None, backoff_cap=0)
+        on, _, _, n = emulate(prompt, 200, 242, None, backoff_cap=4)
+        assert on == off and none == 0
+        skipped += n
+    assert skipped > 0
 
 
 def test_cuda_backend_takes_the_reference_backends_argument():

@@ -142,7 +142,10 @@ def test_header():
     assert "constexpr int kKVHeads = 4;" in text
     assert "kRopeTheta = 1000000.0f" in text
     assert "constexpr int kGvThreads = 288;" in text and "constexpr int kAttnThreads = 160;" in text
-    assert "  kEos0 = 11," in text and "constexpr int kMaxEos = 8;" in text
+    assert "  kEos0 = 13," in text and "constexpr int kMaxEos = 8;" in text
+    assert "  kSpecSkip = 10," in text and "  kSpecFails = 11," in text
+    assert f"constexpr int kBackoffMaxFails = {registry.BACKOFF_MAX_FAILS};" in text
+    assert f"constexpr int kBackoffMaxShift = {registry.BACKOFF_MAX_SHIFT};" in text
     assert "  kSwiGLU = 2," in text
     assert registry.STATE_WORDS == registry.StateWord.EOS0 + registry.MAX_EOS
 

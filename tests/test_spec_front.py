@@ -21,6 +21,7 @@ from nanoqwen.llm import LLM
 from nanoqwen.sampling import SamplingParams
 from nanoqwen.speculative import (
     DEFAULT_SPECULATE,
+    MAX_BACKOFF,
     MAX_DRAFT_TOKENS,
     SpecStats,
     SpeculativeConfig,
@@ -61,9 +62,10 @@ def test_flags_parse_on_every_command(argv):
     assert default.speculate == DEFAULT_SPECULATE == "off"
     assert speculative_config(default) is None
     args = parser.parse_args(
-        [*argv, "--speculate", "ngram", "--spec-k", "6", "--spec-ngram", "2:4"]
-    )
-    assert speculative_config(args) == SpeculativeConfig("ngram", 6, 2, 4)
+        [*argv, "--speculate", "ngram", "--spec-k", "6", "--spec-ngram", "2:4", "--spec-backoff",
+         "0"]
+    )  # fmt: skip
+    assert speculative_config(args) == SpeculativeConfig("ngram", 6, 2, 4, backoff_cap=0)
 
 
 def test_bench_takes_k_and_ngram():
@@ -72,6 +74,15 @@ def test_bench_takes_k_and_ngram():
     assert speculative_config(args, method="ngram") == SpeculativeConfig(
         "ngram", 3, base.n_min, base.n_max
     )
+    args = build_parser().parse_args(["bench", "m", "--workload", "chat", "--spec-backoff", "64"])
+    assert speculative_config(args, method="ngram").backoff_cap == 64
+
+
+@pytest.mark.parametrize("cap", ["-1", str(MAX_BACKOFF + 1), "x"])
+def test_spec_backoff_out_of_range_is_refused_while_parsing(cap, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["generate", "m", "-p", "x", "--spec-backoff", cap])
+    assert exc.value.code == 2 and "--spec-backoff" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("k", ["0", str(MAX_DRAFT_TOKENS + 1), "x"])
@@ -95,6 +106,10 @@ def test_resolve():
     assert resolve(None) is None and resolve("off") is None
     assert resolve("ngram") == SpeculativeConfig()
     assert resolve("ngram", 5, "2") == SpeculativeConfig("ngram", 5, 2, 2)
+    assert resolve("ngram", backoff_cap=0) == SpeculativeConfig(backoff_cap=0)
+    for bad in (-1, MAX_BACKOFF + 1):
+        with pytest.raises(SpeculativeError, match="backoff_cap"):
+            resolve("ngram", backoff_cap=bad)
     config = SpeculativeConfig(k=2)
     assert resolve(config) is config
     with pytest.raises(SpeculativeError, match="off, ngram"):
@@ -157,9 +172,13 @@ def test_last_delta_carries_the_stats_and_totals_add_up(tiny_model):
 
 
 def test_stats_summary():
-    stats = SpecStats(steps=10, drafted=30, accepted=15)
+    stats = SpecStats(steps=10, drafted=30, accepted=15, skipped=4)
     assert stats.tokens_per_step == 2.5 and stats.acceptance == 0.5
-    assert stats.summary() == "speculative: 30 drafted, 15 accepted (50%), 2.50 tokens a step"
+    assert stats.summary() == (
+        "speculative: 30 drafted, 15 accepted (50%), 2.50 tokens a step, 4 skipped"
+    )
+    stats.add(SpecStats(1, 2, 3, 5))
+    assert stats == SpecStats(11, 32, 18, 9)
     assert SpecStats().tokens_per_step == 1.0 and SpecStats().acceptance == 0.0
 
 

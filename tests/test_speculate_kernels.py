@@ -1,8 +1,9 @@
 """CPU (no GPU): speculate.cu (draft_ngram, accept_greedy) compiles for every preset without
 spills, its launchers refuse bad arguments, and a numpy emulation of the kernels' index and
 reduction logic (the 16-byte chunks over the history, L(i) and the packed key's block max;
-the ballots, cuts and state words of acceptance) matches speculative.draft / accept / cut on
-random and repetitive histories: what dev/speculate_check.py cannot show without a GPU."""
+the ballots, cuts and state words of acceptance; the backoff words) matches speculative.draft /
+accept / cut / Backoff on random and repetitive histories: what dev/speculate_check.py cannot
+show without a GPU."""
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from nanoqwen.errors import NanoqwenError
 from nanoqwen.sampling import SamplingParams
 from nanoqwen.speculative import (
     MAX_DRAFT_TOKENS,
+    Backoff,
     SpeculativeConfig,
     accept,
     cut,
@@ -53,8 +55,9 @@ def test_launcher_refusals():
 
 
 # -- the kernels' logic, emulated -------------------------------------------------------------
-def emulate_draft(h, state, k, n_min, n_max, capacity):
-    """draft_ngram in numpy, line by line: returns (tokens [1 + k], positions [1 + k], d)."""
+def emulate_draft(h, state, k, n_min, n_max, capacity, skip=0):
+    """draft_ngram in numpy, line by line, with SPEC_SKIP = `skip`: returns (tokens [1 + k],
+    positions [1 + k], d, SPEC_SKIP after, dropped: 1 when the backoff dropped the drafts)."""
     pos, step, max_new = state
     length = pos + 1
     limit = min(k, min(max_new - step - 1, capacity - length - 1))
@@ -85,13 +88,17 @@ def emulate_draft(h, state, k, n_min, n_max, capacity):
     top = int(best.max())  # the warp shuffles and the shared-memory max
     key, n = top & 0xFFFFFFFF, top >> 32
     d = key // length if n else 0
+    dropped = int(d > 0 and skip > 0)
+    skip, d = skip - dropped, 0 if dropped else d
     src = key % length + n if n else 0
     tokens = [int(h[src + r - 1]) if 1 <= r <= d else last for r in range(k + 1)]
-    return tokens, [pos + r for r in range(k + 1)], d
+    return tokens, [pos + r for r in range(k + 1)], d, skip, dropped
 
 
-def emulate_accept(targets, tokens, d, state, eos, capacity):
-    """accept_greedy in numpy: (emitted tokens, new (token, pos, step, done), accepted)."""
+def emulate_accept(targets, tokens, d, state, eos, capacity, fails=0, cap=0, grace=0):
+    """accept_greedy in numpy, with SPEC_FAILS = `fails`, backoff_cap `cap` and backoff_grace
+    `grace`: (emitted tokens, new (token, pos, step, done), accepted, new (SPEC_SKIP,
+    SPEC_FAILS) or None when d = 0 leaves them)."""
     _, pos, step, max_new = state
     lanes = np.arange(32)
     tgt = np.array([targets[r] if r < len(targets) else 0 for r in lanes])
@@ -103,7 +110,13 @@ def emulate_accept(targets, tokens, d, state, eos, capacity):
     e = max(1, min(first, max_new - step))
     assert pos + e < capacity  # h[pos + 1 + t] stays inside
     done = step + e >= max_new or bool(stops.any())
-    return tgt[:e].tolist(), (int(tgt[e - 1]), pos + e, step + e, done), agree
+    backoff = None
+    if d > 0:
+        fails = 0 if agree > 0 else min(fails + 1, registry.BACKOFF_MAX_FAILS)
+        over = fails - grace
+        skip = min(cap, 1 << min(over - 1, registry.BACKOFF_MAX_SHIFT)) if over > 0 else 0
+        backoff = (skip, fails)
+    return tgt[:e].tolist(), (int(tgt[e - 1]), pos + e, step + e, done), agree, backoff
 
 
 def histories(rng):
@@ -130,7 +143,7 @@ def padded(hist, capacity):
 
 def test_draft_emulation_matches_speculative_draft():
     rng = np.random.default_rng()
-    cases = drafted = 0
+    cases = drafted = dropped_cases = 0
     for kind, hist in histories(rng):
         length = len(hist)
         for k, n_min, n_max in ((1, 1, 1), (4, 1, 3), (15, 2, 4), (7, 3, 3), (5, 1, 12)):
@@ -138,18 +151,24 @@ def test_draft_emulation_matches_speculative_draft():
             step = int(rng.integers(0, 8))
             max_new = step + int(rng.integers(1, 20))  # limits 0 .. and past K
             pos = length - 1
-            tokens, positions, d = emulate_draft(
-                padded(hist, capacity), (pos, step, max_new), k, n_min, n_max, capacity
+            skip = int(rng.choice([0, 0, 1, 5]))
+            tokens, positions, d, skip_after, dropped = emulate_draft(
+                padded(hist, capacity), (pos, step, max_new), k, n_min, n_max, capacity, skip
             )
             cap = step_limit(max_new, step, length, capacity)
             cfg = SpeculativeConfig(k=k, n_min=n_min, n_max=n_max)
-            want = draft(hist, cfg, cap)
+            backoff = Backoff(skip=skip)
+            want = backoff.gate(draft(hist, cfg, cap))
+            assert (d, skip_after) == (len(want), backoff.skip), (kind, length, skip)
             assert tokens[1 : 1 + d] == want, (kind, length, k, n_min, n_max, cap)
             assert tokens[0] == hist[-1] and set(tokens[1 + d :]) <= {int(hist[-1])}
             assert positions == list(range(pos, pos + k + 1))
             cases += 1
             drafted += d > 0
-    assert cases == 170 and drafted > 60, (cases, drafted)
+            dropped_cases += dropped
+    found = drafted + dropped_cases  # the lookup matched: verified, or dropped by the backoff
+    counts = (cases, drafted, dropped_cases)
+    assert cases == 170 and found > 60 and min(drafted, dropped_cases) > 15, counts
 
 
 def test_draft_limit_rule():
@@ -159,7 +178,8 @@ def test_draft_limit_rule():
     for max_new, step, capacity, d in ((100, 0, 400, 8), (5, 2, 400, 2), (5, 4, 400, 0),
                                        (100, 0, 44, 3), (100, 0, 41, 0)):  # fmt: skip
         cap_h = -(-capacity // 4) * 4
-        _, _, got = emulate_draft(padded(hist, cap_h), (39, step, max_new), 8, 1, 3, capacity)
+        _, _, got, _, _ = emulate_draft(padded(hist, cap_h), (39, step, max_new), 8, 1, 3,
+                                        capacity)  # fmt: skip
         assert got == d == len(draft(hist, cfg, step_limit(max_new, step, 40, capacity)))
 
 
@@ -186,10 +206,17 @@ def test_accept_emulation_matches_speculative_accept():
         left = int(rng.integers(1, 20))
         pos = int(rng.integers(0, 100))
         capacity = pos + k + 2
-        got, (token, new_pos, new_step, done), acc = emulate_accept(
-            targets, tokens, d, (0, pos, step, step + left), eos, capacity
-        )
+        fails = int(rng.choice([0, 1, 2, 5, 30, 64]))
+        cfg = SpeculativeConfig(backoff_cap=int(rng.choice([0, 1, 16, 1 << 20])),
+                                backoff_grace=int(rng.integers(0, 3)))  # fmt: skip
+        got, (token, new_pos, new_step, done), acc, words = emulate_accept(
+            targets, tokens, d, (0, pos, step, step + left), eos, capacity, fails,
+            cfg.backoff_cap, cfg.backoff_grace
+        )  # fmt: skip
         kept, (want, stopped) = expected_step(targets, drafts, eos, left)
+        backoff = Backoff(skip=0, fails=fails)  # a step that verified drafts ran at skip 0
+        backoff.update(d, len(kept) - 1, cfg)
+        assert words == (None if d == 0 else (backoff.skip, backoff.fails))
         assert got == want and token == want[-1]
         assert (new_pos, new_step) == (pos + len(want), step + len(want))
         assert done == (stopped or len(want) == left)

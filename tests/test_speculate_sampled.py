@@ -470,10 +470,12 @@ def test_threshold_code_has_one_home():
 
 
 # -- the launchers -------------------------------------------------------------------------------
-def fake_kernels(k: int, calls: list) -> SpeculateKernels:
+def fake_kernels(k: int, calls: list, cap: int = 16, grace: int = 1) -> SpeculateKernels:
     """SpeculateKernels without a Gpu: launches are recorded."""
     sk = object.__new__(SpeculateKernels)
-    sk.spec, sk.config = SpeculativeConfig(k=k), preset("tiny")
+    sk.spec = SpeculativeConfig(k=k, backoff_cap=cap, backoff_grace=grace)
+    sk.config = preset("tiny")
+    sk.capacity = 64
     sk.launch = lambda key, grid, *args, **kw: calls.append((key, grid, args, kw))
     return sk
 
@@ -501,6 +503,21 @@ def test_accept_sampled_launch():
     assert key == "accept_sampled" and grid == (1, 1, 1)
     assert args[:9] == (0x30, 0x40, 0x50, 0x70, 0x60, 0x80, 0x90, 0xA0, 0xB0)
     assert args[9] == 0 and args[10] == 3 and args[10].dtype == np.int32  # no cond; K
+    assert [int(a) for a in args[11:]] == [16, 1] and args[12].dtype == np.int32  # cap, grace
+
+
+def test_draft_and_accept_launch():
+    """draft_ngram gets the stats (it counts dropped drafts), the accept kernels the cap."""
+    calls: list = []
+    sk = fake_kernels(3, calls, cap=5, grace=2)
+    sk.draft(0x1000, 0x20, 0x30, 0x40, 0x50, 0x60, 0)
+    key, grid, args, _ = calls[0]
+    assert key == "draft_ngram" and grid == (1, 1, 1)
+    assert args[:6] == (0x1000, 0x20, 0x30, 0x40, 0x50, 0x60)
+    assert [int(a) for a in args[6:]] == [3, 3, 5, 64, 0]  # K, n_min, n_max, capacity, branch
+    sk.accept(0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0)
+    key, _, args, _ = calls[1]
+    assert key == "accept_greedy" and [int(a) for a in args[8:]] == [0, 3, 5, 2]  # cond K cap grace
 
 
 def test_sampled_specs_are_registered():

@@ -1,6 +1,7 @@
 """Speculative decoding: the drafting rule, the acceptance rule (greedy and sampled, the latter
-checked statistically), and the reference backend's speculative generation against its plain
-one on the tiny synthetic model (token for token, the prefix cache, the KV pages).
+checked statistically), the backoff, and the reference backend's speculative generation against
+its plain one on the tiny synthetic model (token for token, the prefix cache, the KV pages, the
+backoff's dropped drafts).
 
 The tiny model's greedy replies fall into a short loop within a few tokens, so n-gram drafts are
 proposed and accepted on every prompt; a prompt that repeats a block also gets drafts from the
@@ -19,11 +20,15 @@ from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.reference import ReferenceBackend
 from nanoqwen.sampling import SamplingParams, make_generator, probabilities, sample
 from nanoqwen.speculative import (
+    MAX_BACKOFF,
+    MAX_BACKOFF_GRACE,
     MAX_DRAFT_TOKENS,
+    Backoff,
     SpeculativeConfig,
     SpeculativeError,
     accept,
     draft,
+    step_limit,
 )
 
 SPEC = SpeculativeConfig(k=4, n_min=1, n_max=3)
@@ -86,11 +91,69 @@ def test_draft(history, cfg, limit, expected):
         ({"k": MAX_DRAFT_TOKENS + 1}, "k .* must be in"),
         ({"n_min": 0}, "n_min must be >= 1"),
         ({"n_min": 3, "n_max": 2}, r"n_max \(2\) must be >= n_min \(3\)"),
+        ({"backoff_cap": -1}, "backoff_cap must be in"),
+        ({"backoff_cap": MAX_BACKOFF + 1}, "backoff_cap must be in"),
+        ({"backoff_grace": -1}, "backoff_grace must be in"),
+        ({"backoff_grace": MAX_BACKOFF_GRACE + 1}, "backoff_grace must be in"),
     ],
 )
 def test_bad_config_is_refused(kwargs, match):
     with pytest.raises(SpeculativeError, match=match):
         SpeculativeConfig(**kwargs)
+
+
+# -- the backoff -------------------------------------------------------------------------------
+# A hand-made sequence of steps: (drafts the lookup found, accepted of those that ran) ->
+# (drafts verified, skip, fails after the step). Cap 4, grace 1: failures in a row set skips
+# 0, 1, 2, 4, 4.
+BACKOFF_STEPS = [
+    (3, 0, 3, 0, 1),  # a first failure is forgiven
+    (2, 0, 2, 1, 2),  # the second sets skip 1
+    (0, 0, 0, 1, 2),  # no match: skip unused
+    (5, 0, 0, 0, 2),  # dropped (skipped): skip used up
+    (2, 0, 2, 2, 3),  # fail again: skip doubles
+    (4, 0, 0, 1, 3),  # dropped
+    (4, 0, 0, 0, 3),  # dropped
+    (1, 0, 1, 4, 4),  # fail: 4
+    *[(2, 0, 0, n, 4) for n in (3, 2, 1, 0)],
+    (6, 0, 6, 4, 5),  # fail at the cap: stays 4
+    *[(1, 0, 0, n, 5) for n in (3, 2, 1, 0)],
+    (6, 1, 6, 0, 0),  # one of six accepted: a partial rejection clears the backoff
+    (6, 0, 6, 0, 1),  # and the next failure is forgiven again
+    (2, 2, 2, 0, 0),  # all accepted
+    (3, 0, 3, 0, 1),
+]
+
+
+def test_backoff_on_a_hand_made_sequence():
+    b, dropped = Backoff(), 0
+    cfg = SpeculativeConfig(backoff_cap=4, backoff_grace=1)
+    for i, (found, accepted, verified, skip, fails) in enumerate(BACKOFF_STEPS):
+        drafts = b.gate(list(range(found)))
+        dropped += len(drafts) < found
+        b.update(len(drafts), accepted, cfg)
+        assert (len(drafts), b.skip, b.fails) == (verified, skip, fails), i
+    assert dropped == 11
+
+
+@pytest.mark.parametrize(
+    ("cap", "grace", "skips"),
+    [
+        (4, 0, [1, 2, 4, 4, 4]),
+        (16, 1, [0, 1, 2, 4, 8, 16, 16]),
+        (5, 2, [0, 0, 1, 2, 4, 5, 5]),
+        (0, 1, [0, 0, 0, 0]),  # cap 0: no backoff
+        (MAX_BACKOFF, 0, [1 << min(n, 20) for n in range(70)]),  # fails saturate at 64
+    ],
+)
+def test_backoff_skips_after_failures_in_a_row(cap, grace, skips):
+    b, cfg = Backoff(), SpeculativeConfig(backoff_cap=cap, backoff_grace=grace)
+    for n, want in enumerate(skips):
+        b.update(3, 0, cfg)
+        assert (b.skip, b.fails) == (want, min(n + 1, 64)), n
+        b.skip = 0  # as if the skipped matches went by
+    b.update(0, 0, cfg)  # a step without drafts changes nothing
+    assert b.skip == 0 and b.fails == min(len(skips), 64)
 
 
 # -- acceptance: greedy ------------------------------------------------------------------------
@@ -242,6 +305,13 @@ def repeating(seed: int) -> list[int]:
     return block * 3 + block[:5]
 
 
+def decoys(seed: int) -> list[int]:
+    """b and its partner b ^ 1 (the tiny model's next token) each followed by a random id, then
+    b: the reply b ^ 1, b, .. matches them, and their drafts are rejected steps in a row."""
+    b, *r = np.random.default_rng(seed).integers(0, 5000, 5).tolist()
+    return [b, r[0], b ^ 1, r[1], b, r[2], b ^ 1, r[3], b]
+
+
 def random_prompt(seed: int, n: int = 29) -> list[int]:
     return np.random.default_rng(seed).integers(0, 150_000, n).tolist()
 
@@ -257,6 +327,38 @@ def test_greedy_speculative_equals_plain_greedy(prompt, cold, spec, steps):
     assert stats.drafted == sum(len(d) for d, _, _ in steps)
     assert stats.accepted == sum(len(kept) - 1 for _, kept, _ in steps)
     assert len(steps) < len(plain)  # fewer forwards than tokens
+
+
+def replay(prompt: list[int], steps, spec: SpeculativeConfig, max_tokens: int, capacity: int):
+    """The drafts the rule gives each decode step of a recorded generation (speculative.draft
+    through a Backoff fed the recorded acceptances), and how many it dropped."""
+    history, backoff, want, dropped = prompt + steps[0][1], Backoff(), [], 0
+    for drafts, kept, _ in steps[1:]:
+        made = len(history) - len(prompt)
+        found = draft(history, spec, step_limit(max_tokens, made, len(history), capacity))
+        want.append(backoff.gate(found))
+        dropped += len(want[-1]) < len(found)
+        backoff.update(len(drafts), len(kept) - 1, spec)
+        history += kept
+    return want, dropped
+
+
+@pytest.mark.parametrize(("cap", "grace"), [(0, 1), (1, 0), (16, 1)])
+def test_backoff_drops_drafts_and_keeps_greedy_tokens(model_file, cold, steps, cap, grace):
+    """The reference backend drafts by the rule (replayed), drops drafts after rejections
+    (not with cap 0) and gives the plain greedy tokens."""
+    spec_cfg = SpeculativeConfig(k=4, n_min=1, n_max=3, backoff_cap=cap, backoff_grace=grace)
+    backend = ReferenceBackend(model_file, max_context=256, speculative=spec_cfg)
+    skipped = 0
+    for prompt in (repeating(1), repeating(2), decoys(3), decoys(4)):
+        plain = generate(cold, prompt, max_tokens=40)
+        steps.clear()
+        assert generate(backend, prompt, max_tokens=40) == plain
+        want, dropped = replay(prompt, steps, spec_cfg, 40, 256)
+        assert [d for d, _, _ in steps[1:]] == want
+        assert backend.spec_stats.skipped == dropped
+        skipped += dropped
+    assert (skipped > 0) == (cap > 0), skipped
 
 
 def test_repeating_prompt_drafts_get_rejected_too(spec):

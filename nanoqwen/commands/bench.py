@@ -11,10 +11,10 @@ request cold, and whether both give the same tokens.
 
 --workload edit|fim|chat: speculative decoding against plain decoding on real prompts built
 from the Python standard library's source (nanoqwen/harness/workloads.py): --requests prompts,
-each generated plain then speculative (--spec-k, --spec-ngram) on the same --backend (the
-reference too), greedy or sampled (--temperature, --top-k, --top-p): effective tokens/s and
-ms/token of each, the speed-up, accepted drafts a step, and (greedy) whether the outputs are
-token-identical (nanoqwen/harness/spec_bench.py).
+each generated plain then speculative (--spec-k, --spec-ngram, --spec-backoff) on the same
+--backend (the reference too), greedy or sampled (--temperature, --top-k, --top-p): effective
+tokens/s and ms/token of each, the speed-up, accepted drafts a step, and (greedy) whether the
+outputs are token-identical (nanoqwen/harness/spec_bench.py).
 
 --concurrency 1,2,4,8,16,32: continuous batching offline, in process: for each N, N streams of
 --prompt-len random ids and --gen-len tokens submitted together to the scheduler

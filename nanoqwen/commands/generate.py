@@ -61,10 +61,11 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser, method: bool = True) -> None:
-    """--speculate (when `method`), --spec-k, --spec-ngram: nanoqwen.speculative.resolve's
-    inputs."""
+    """--speculate (when `method`), --spec-k, --spec-ngram, --spec-backoff:
+    nanoqwen.speculative.resolve's inputs."""
     from ..speculative import (
         DEFAULT_SPECULATE,
+        MAX_BACKOFF,
         MAX_DRAFT_TOKENS,
         SPECULATE_CHOICES,
         SpeculativeConfig,
@@ -91,13 +92,22 @@ def add_speculative_arguments(p: argparse.ArgumentParser, method: bool = True) -
         metavar="MIN:MAX",
         help="speculation: n-gram sizes to look up, longest first",
     )
+    p.add_argument(
+        "--spec-backoff",
+        type=int_range(0, MAX_BACKOFF),
+        default=base.backoff_cap,
+        metavar="CAP",
+        help="speculation: after 2, 3, 4, .. steps in a row that accepted no draft, drop the "
+        "next 1, 2, 4, .. found drafts (doubling up to CAP, reset by any accepted draft); "
+        "0 = never",
+    )
 
 
 def speculative_config(args: argparse.Namespace, method: str | None = None):
     """The SpeculativeConfig the flags ask for (None: off); `method` overrides --speculate."""
     from ..speculative import resolve
 
-    return resolve(method or args.speculate, args.spec_k, args.spec_ngram)
+    return resolve(method or args.speculate, args.spec_k, args.spec_ngram, args.spec_backoff)
 
 
 def add_special_tokens_argument(p: argparse.ArgumentParser, what: str) -> None:

@@ -40,12 +40,18 @@ class StateWord(IntEnum):
     TOP_P = 7  # float bits; 1 = off
     SEED_LO = 8
     SEED_HI = 9
-    NUM_EOS = 10
-    EOS0 = 11  # NUM_EOS stop ids follow, at most MAX_EOS
+    SPEC_SKIP = 10  # speculation's backoff: found drafts still to drop (speculative.Backoff)
+    SPEC_FAILS = 11  # fully rejected verify steps since the last accepted draft (saturating)
+    NUM_EOS = 12
+    EOS0 = 13  # NUM_EOS stop ids follow, at most MAX_EOS
 
 
 MAX_EOS = 8
 STATE_WORDS = StateWord.EOS0 + MAX_EOS
+# Speculation's backoff (speculative.Backoff): SPEC_FAILS saturates at BACKOFF_MAX_FAILS, a skip
+# is at most 2^BACKOFF_MAX_SHIFT (the cap's bound), both far inside the int32 state words.
+BACKOFF_MAX_FAILS = 64
+BACKOFF_MAX_SHIFT = 20
 
 
 class Epilogue(IntEnum):
@@ -231,6 +237,8 @@ def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) ->
     lines += [f"  {c_name(w.name.lower())} = {int(w)}," for w in StateWord]
     lines.append("};")
     lines.append(f"constexpr int kMaxEos = {MAX_EOS};")
+    lines.append(f"constexpr int kBackoffMaxFails = {BACKOFF_MAX_FAILS};")
+    lines.append(f"constexpr int kBackoffMaxShift = {BACKOFF_MAX_SHIFT};")
     lines.append("enum Epilogue : int {")
     lines += [f"  {_EPILOGUE_C[e]} = {int(e)}," for e in Epilogue]
     lines.append("};")

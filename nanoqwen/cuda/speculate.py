@@ -2,7 +2,8 @@
 the device (no host round trip a step; nanoqwen.speculative states the rules).
 
 `SpeculateKernels(gpu, config, spec, capacity)` builds registry.speculate_specs for one
-SpeculativeConfig (K, n_min, n_max are launch arguments, fixed when a graph captures them) and
+SpeculativeConfig (K, n_min, n_max and the backoff's cap and grace are launch arguments,
+fixed when a graph captures them) and
 one history capacity. Every pointer is a device address (int); every method takes `stream` (a
 cuda.core Stream or a GraphBuilder being built; default: the Gpu's stream). A step ends on
 `accept` (greedy: the rows' argmax) or on `sample_rows` + `accept_sampled` (speculative
@@ -57,44 +58,55 @@ class SpeculateKernels(Launcher):
         for kernel in self.kernels.values():  # the decode step's one carveout (DecodeKernels)
             gpu.set_smem_carveout(kernel, self.geometry.smem_carveout)
 
+    def _tail(self) -> tuple:
+        """The accept kernels' last arguments: K, backoff_cap, backoff_grace."""
+        s = self.spec
+        return _I32(s.k), _I32(s.backoff_cap), _I32(s.backoff_grace)
+
     def draft(self, h: int, state: int, tokens: int, positions: int, ndraft: int,
-              branch=0, stream=None) -> None:  # fmt: skip
+              stats: int = 0, branch=0, stream=None) -> None:  # fmt: skip
         """The step's input rows from an n-gram lookup in the history (speculative.draft with
-        speculative.step_limit's cap, from the state words).
+        speculative.step_limit's cap, from the state words), through the backoff
+        (speculative.Backoff.gate).
 
         h          int32 [capacity] the history, h[0 .. POS] valid (len = state[POS] + 1),
                    16-byte aligned
-        state      int32 [registry.STATE_WORDS]: reads POS, STEP, MAX_NEW
+        state      int32 [registry.STATE_WORDS]: reads POS, STEP, MAX_NEW; SPEC_SKIP
+                   decremented when the backoff drops the found drafts
         tokens     int32 [1 + K] out: h[len - 1], the d drafts, h[len - 1] in the other rows
         positions  int32 [1 + K] out: state[POS] + r for row r
-        ndraft     int32 [1]     out: d
+        ndraft     int32 [1]     out: d (0 when dropped)
+        stats      int32 [4] (or 0): stats[3] (skipped) += 1 when the backoff drops drafts
         branch     a GraphCondition (or 0) set to d > 0: the engine's loop body picks the
                    verify step (drafts) or the decode step (none) with it
         """
         if h % HISTORY_ALIGN:
             raise NanoqwenError(f"draft_ngram: history address {h:#x} is not 16-byte aligned")
         s = self.spec
-        self.launch("draft_ngram", (1, 1, 1), h, state, tokens, positions, ndraft, _I32(s.k),
-                    _I32(s.n_min), _I32(s.n_max), _I32(self.capacity), _cond_arg(branch),
-                    stream=stream, nbytes=4 * self.capacity)  # fmt: skip
+        self.launch("draft_ngram", (1, 1, 1), h, state, tokens, positions, ndraft, stats,
+                    _I32(s.k), _I32(s.n_min), _I32(s.n_max), _I32(self.capacity),
+                    _cond_arg(branch), stream=stream, nbytes=4 * self.capacity)  # fmt: skip
 
     def accept(self, keys: int, tokens: int, ndraft: int, state: int, h: int, host_ring: int,
                cancel: int, stats: int, cond, stream=None) -> None:  # fmt: skip
         """Keep the agreeing drafts and the model's next token (speculative.accept, greedy),
-        cut at an eos id and at max_new; append them to h and the host ring; advance the state.
+        cut at an eos id and at max_new; append them to h and the host ring; advance the state
+        and the backoff words (speculative.Backoff.update: spec.backoff_cap, backoff_grace).
 
         keys       uint64 [1 + K] lm_head_rows' argmax key per row (re-zeroed)
         tokens     int32 [1 + K] draft's rows; ndraft int32 [1] d
-        state      int32 [registry.STATE_WORDS]: TOKEN, POS, STEP, DONE advanced
+        state      int32 [registry.STATE_WORDS]: TOKEN, POS, STEP, DONE advanced,
+                   SPEC_SKIP and SPEC_FAILS updated
         h          int32 [capacity] the history: h[POS + 1 + t] = emitted token t
         host_ring  int32* mapped host memory (or 0): host_ring[step + t] = token t, then
                    host_ring[-1] = the count (decode_loop.HostRing)
         cancel     int32* mapped host flag (or 0): nonzero stops after this step
-        stats      int32 [3] (or 0): += steps 1, drafted d, accepted (before the cuts)
+        stats      int32 [4] (or 0): += steps 1, drafted d, accepted (before the cuts);
+                   [3] (skipped) is draft's
         cond       the generation while loop's GraphCondition (or 0): set to "not done"
         """
         self.launch("accept_greedy", (1, 1, 1), keys, tokens, ndraft, state, h, host_ring,
-                    cancel, stats, _cond_arg(cond), _I32(self.spec.k), stream=stream)  # fmt: skip
+                    cancel, stats, _cond_arg(cond), *self._tail(), stream=stream)  # fmt: skip
 
     def sample_rows(self, logits: int, logits0: int, keys: int, tokens: int, ndraft: int,
                     state: int, picks: int, stream=None) -> None:  # fmt: skip
@@ -122,5 +134,5 @@ class SpeculateKernels(Launcher):
         row's pick; then what `accept` does with them (h, host ring, state, stats, cond;
         the same arguments), keys re-zeroed. picks: int32 [1 + K] sample_rows' output."""
         self.launch("accept_sampled", (1, 1, 1), keys, tokens, ndraft, picks, state, h,
-                    host_ring, cancel, stats, _cond_arg(cond), _I32(self.spec.k),
+                    host_ring, cancel, stats, _cond_arg(cond), *self._tail(),
                     stream=stream)  # fmt: skip

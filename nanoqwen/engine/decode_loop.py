@@ -49,7 +49,8 @@ def _u32_as_i32(v: int) -> int:
 @dataclass
 class DecodeState:
     """The decode state words, by name. `eos`: the stop ids the device checks (at most
-    MAX_EOS; the host stops on the others)."""
+    MAX_EOS; the host stops on the others). spec_skip, spec_fails: speculation's backoff
+    (speculative.Backoff), 0 at a generation's start."""
 
     token: int = 0
     pos: int = 0
@@ -61,6 +62,8 @@ class DecodeState:
     top_p: float = 1.0
     seed: int = 0
     eos: tuple[int, ...] = ()
+    spec_skip: int = 0
+    spec_fails: int = 0
 
     @classmethod
     def for_prompt(cls, prompt_len: int, params: SamplingParams, stop_ids) -> DecodeState:
@@ -90,6 +93,7 @@ class DecodeState:
         w[StateWord.TOP_P] = _f32_bits(self.top_p)
         w[StateWord.SEED_LO] = _u32_as_i32(self.seed & 0xFFFFFFFF)
         w[StateWord.SEED_HI] = _u32_as_i32((self.seed >> 32) & 0xFFFFFFFF)
+        w[StateWord.SPEC_SKIP], w[StateWord.SPEC_FAILS] = self.spec_skip, self.spec_fails
         w[StateWord.NUM_EOS] = len(self.eos)
         w[StateWord.EOS0 : StateWord.EOS0 + len(self.eos)] = self.eos
         return w
@@ -109,6 +113,8 @@ class DecodeState:
             top_p=float(bits[StateWord.TOP_P : StateWord.TOP_P + 1].view(np.float32)[0]),
             seed=int(np.uint32(w[StateWord.SEED_LO])) | int(np.uint32(w[StateWord.SEED_HI])) << 32,
             eos=tuple(int(t) for t in w[StateWord.EOS0 : StateWord.EOS0 + n]),
+            spec_skip=int(w[StateWord.SPEC_SKIP]),
+            spec_fails=int(w[StateWord.SPEC_FAILS]),
         )
 
 

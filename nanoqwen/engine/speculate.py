@@ -6,12 +6,13 @@ prefill's first token written at h[P] (its sampler's device ring is h + P), ever
 appended by the step's accept kernel. The generation graph is one while loop whose body is
 
     draft_ngram     h, state -> tokens [1 + K], positions [1 + K], d; branch = d > 0
+                    (found drafts dropped while the backoff's SPEC_SKIP > 0: d = 0)
     if branch       the verify step over 1 + K rows at positions POS .. POS + K (verify.py;
                     rows past d are padding: the fed token again, one position further each)
     else            the decode step (M = 1, forward.py) with its argmax key into keys[0]
     greedy:
-    accept_greedy   keys, tokens, d -> h, host ring, TOKEN/POS/STEP/DONE, stats, keys zeroed,
-                    the while condition = !DONE
+    accept_greedy   keys, tokens, d -> h, host ring, TOKEN/POS/STEP/DONE, the backoff words
+                    SPEC_SKIP/SPEC_FAILS, stats, keys zeroed, the while condition = !DONE
     sampled:
     sample_rows     logits (the verify step's, or the decode step's when d = 0), keys, tokens,
                     d, state -> picks [1 + K]: each row's acceptance test and draw
@@ -60,7 +61,7 @@ from ..cuda.speculate import SpeculateKernels
 from ..speculative import SpecStats, SpeculativeConfig
 from .verify import Verify, verify_plan
 
-STATS_WORDS = 3  # the accept kernels' counters: steps, drafted, accepted
+STATS_WORDS = 4  # the kernels' counters: steps, drafted, accepted (accept), skipped (draft)
 
 
 def history_capacity(max_context: int) -> int:
@@ -82,7 +83,7 @@ def reserved_tokens(prompt_len: int, max_tokens: int, spec: SpeculativeConfig | 
 def spec_buffers(
     config: ModelConfig, max_context: int, spec: SpeculativeConfig, geometry: Geometry
 ) -> list[int]:
-    """Bytes of SpecLoop's buffers: the history int32 [capacity], d int32, stats int32 [3],
+    """Bytes of SpecLoop's buffers: the history int32 [capacity], d int32, stats int32 [4],
     sample_rows' picks int32 [1 + K], then Verify's (verify.verify_plan: tokens, positions,
     logits, keys, ...)."""
     return [history_capacity(max_context) * 4, 4, STATS_WORDS * 4, (1 + spec.k) * 4,
@@ -90,7 +91,8 @@ def spec_buffers(
 
 
 def stats_from_words(words: np.ndarray) -> SpecStats:
-    return SpecStats(steps=int(words[0]), drafted=int(words[1]), accepted=int(words[2]))
+    return SpecStats(steps=int(words[0]), drafted=int(words[1]), accepted=int(words[2]),
+                     skipped=int(words[3]))  # fmt: skip
 
 
 class SpecLoop:
@@ -125,7 +127,8 @@ class SpecLoop:
         e, v, sk = self.e, self.verify, self.kernels
         loop, host, b = e.loop, e.loop.host, v.buf
         branch = s.create_condition(default_value=0)
-        sk.draft(self.h, loop.state, b["tokens"], b["pos"], self.ndraft, branch, stream=s)
+        sk.draft(self.h, loop.state, b["tokens"], b["pos"], self.ndraft, self.stats, branch,
+                 stream=s)  # fmt: skip
         verify_s, decode_s = s.if_else(branch)
         verify_s.begin_building()
         v.step(1 + self.spec.k, loop.word(StateWord.POS), stream=verify_s)

@@ -132,6 +132,8 @@ def run_spec_bench(
             "k": spec.k,
             "n_min": spec.n_min,
             "n_max": spec.n_max,
+            "backoff_cap": spec.backoff_cap,
+            "backoff_grace": spec.backoff_grace,
         },  # fmt: skip
         "sampling": {
             "temperature": sampling.temperature,
@@ -147,6 +149,7 @@ def run_spec_bench(
             "steps": stats.steps,
             "drafted": stats.drafted,
             "accepted": stats.accepted,
+            "skipped": stats.skipped,
             "accepted_per_step": stats.accepted / stats.steps if stats.steps else 0.0,
             "tokens_per_step": stats.tokens_per_step,
             "rate": stats.acceptance,
@@ -161,7 +164,8 @@ def print_spec_result(res: dict) -> None:
     s, a = res["speculative"], res["acceptance"]
     print(f"workload {res['workload']}  backend {res['backend']}  model {res['model']}  "
           f"{res['prompts']} prompts  gen {res['gen_len']}  runs {res['runs']}  "
-          f"{s['method']} k={s['k']} n={s['n_min']}:{s['n_max']}")  # fmt: skip
+          f"{s['method']} k={s['k']} n={s['n_min']}:{s['n_max']} "
+          f"backoff={s['backoff_cap']}:{s['backoff_grace']}")  # fmt: skip
     smp = res["sampling"]
     if smp["temperature"] > 0:
         print(f"  sampled: temperature {smp['temperature']} top-k {smp['top_k']} "
@@ -172,7 +176,7 @@ def print_spec_result(res: dict) -> None:
           f"{res['speculative_tokens_per_s']:10.1f}")  # fmt: skip
     print(f"  speed-up {res['speedup']:.2f}x; {a['accepted_per_step']:.2f} accepted drafts a "
           f"step ({a['tokens_per_step']:.2f} tokens a step; {a['accepted']} of {a['drafted']} "
-          f"drafted, {a['steps']} steps)")  # fmt: skip
+          f"drafted, {a['steps']} steps, {a['skipped']} skipped)")  # fmt: skip
     if res["identical"] is None:
         print("  outputs identical: not compared (sampled: other draws, the same distributions)")
     elif res["identical"]:

@@ -21,6 +21,13 @@
 // capacity - len - 1). The step emits at most d + 1 tokens, so d <= max_new - step - 1 keeps it
 // within max_tokens and d <= capacity - len - 1 keeps h[len + d] (and the KV slots of positions
 // POS .. POS + d) inside the capacity. limit <= 0: no drafts.
+//
+// The backoff (speculative.Backoff), in two state words: draft_ngram drops the drafts it found
+// while SPEC_SKIP > 0 (one skip used a drop, counted in stats[3]), so the loop body takes the
+// decode step; the accept kernels (emit_step) update SPEC_FAILS and SPEC_SKIP from the step's d
+// and accepted count: a failure (d > 0, none accepted) counts, and past backoff_grace failures
+// in a row sets skip = min(backoff_cap, 2^(fails - grace - 1)); any acceptance clears both;
+// d = 0 leaves them.
 #include "common.cuh"
 #include "sampler.cuh"
 // From cuda_device_runtime_api.h (declared here: that header drags in host-only internals
@@ -29,8 +36,9 @@ extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, un
 
 // From the generated header (nanoqwen/cuda/registry.py): kDraftThreads (draft_ngram's block),
 // kDraftLoads (its 16-byte history loads in flight a thread), kVerifyRows (the verify step's
-// most rows, 1 + K), kSampleThreads (sample_rows' block: sampler.cuh), enum StateWord and
-// kMaxEos.
+// most rows, 1 + K), kSampleThreads (sample_rows' block: sampler.cuh), enum StateWord,
+// kMaxEos, kBackoffMaxFails (SPEC_FAILS saturates there) and kBackoffMaxShift (the largest
+// skip is 2^it).
 constexpr int kHistVec = 4;  // history words a 16-byte load brings
 static_assert(kDraftThreads % kWarp == 0 && kDraftThreads <= 1024, "whole warps, one CTA");
 static_assert(kVerifyRows <= kWarp, "accept_greedy, accept_sampled: a lane a row");
@@ -66,19 +74,21 @@ __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
 // Arguments:
 //   h        int32 [capacity]   the history (16-byte aligned; capacity a multiple of 4, so the
 //                               last vector load of a window stays inside it)
-//   state    int32 [kEos0 + kMaxEos]  StateWord words: reads POS (len = POS + 1), STEP, MAX_NEW
+//   state    int32 [kEos0 + kMaxEos]  StateWord words: reads POS (len = POS + 1), STEP, MAX_NEW;
+//                               SPEC_SKIP read, and decremented when it drops found drafts
 //   tokens   int32 [1 + K]      out: h[len - 1], the d drafts, then h[len - 1] again for rows
 //                               d + 1 .. K (a verify step of fixed 1 + K rows feeds valid ids)
 //   positions int32 [1 + K]     out: POS + r for every row r (padding rows included)
-//   ndraft   int32 *            out: d, 0 .. limit
+//   ndraft   int32 *            out: d, 0 .. limit (0 when the backoff dropped the drafts)
+//   stats    int32 [4]          (may be null) stats[3] += 1 when the backoff dropped drafts
 //   K        int 1 .. kVerifyRows - 1; n_min, n_max int, 1 <= n_min <= n_max; capacity int
 //   branch   graph conditional handle (0 = none): set to d > 0, so the engine's loop body
 //            runs the verify step over 1 + K rows when there are drafts, else the decode step
 // Grid 1, block kDraftThreads.
 extern "C" __global__ void __launch_bounds__(kDraftThreads)
-draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __restrict__ tokens,
-            int* __restrict__ positions, int* __restrict__ ndraft, int K, int n_min, int n_max,
-            int capacity, unsigned long long branch) {
+draft_ngram(const int* __restrict__ h, int* __restrict__ state, int* __restrict__ tokens,
+            int* __restrict__ positions, int* __restrict__ ndraft, int* __restrict__ stats, int K,
+            int n_min, int n_max, int capacity, unsigned long long branch) {
   __shared__ unsigned long long warp_best[kDraftThreads / kWarp];
   pdl_wait();
   const int pos = state[kPos], len = pos + 1, step = state[kStep];
@@ -124,7 +134,14 @@ draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __res
   if (threadIdx.x == 0) {
     const unsigned key = (unsigned)(best & 0xFFFFFFFFull);  // 0 when nothing matched
     const int n = (int)(best >> 32);
-    const int d = n ? (int)(key / (unsigned)len) : 0;
+    int d = n ? (int)(key / (unsigned)len) : 0;
+    // Every thread read POS, STEP and MAX_NEW above, none reads SPEC_SKIP: thread 0 alone
+    // writes the state here.
+    if (d > 0 && state[kSpecSkip] > 0) {
+      state[kSpecSkip] -= 1;
+      if (stats) stats[3] += 1;
+      d = 0;
+    }
     d_s = d;
     src_s = n ? (int)(key % (unsigned)len) + n : 0;  // j + n: the first draft token
     *ndraft = d;
@@ -141,15 +158,18 @@ draft_ngram(const int* __restrict__ h, const int* __restrict__ state, int* __res
 // The end of every speculative step, shared by accept_greedy and accept_sampled (one warp, lane
 // t for the step's token t): the step emits token[0 .. agree] (lane t's `token`, valid for
 // t <= agree), cut after the first eos id (state words kEos0..) and to max_new - step tokens;
-// the state advanced as sample_finish advances it, several tokens at once. The host ring carries
-// them one slot a token as sample_finish does: host_ring[step + t] = token t, then one count
-// word host_ring[-1] = step + e after a system fence, so the host (HostRing, stream_tokens) sees
-// a step's e tokens appear together and needs no other protocol. keys[0 .. K] are re-zeroed
-// for the next step (lm_head_rows and lm_head take an atomic max into them).
+// the state advanced as sample_finish advances it, several tokens at once, and the backoff
+// words updated from d and agree (agree counts before the cuts, as SpecStats.accepted does).
+// The host ring carries them one slot a token as sample_finish does: host_ring[step + t] =
+// token t, then one count word host_ring[-1] = step + e after a system fence, so the host
+// (HostRing, stream_tokens) sees a step's e tokens appear together and needs no other protocol.
+// keys[0 .. K] are re-zeroed for the next step (lm_head_rows and lm_head take an atomic max into
+// them).
 __device__ __forceinline__ void emit_step(int token, int agree, int d, unsigned long long* keys,
                                           int* state, int* h, volatile int* host_ring,
                                           const volatile int* cancel, int* stats,
-                                          unsigned long long cond, int K) {
+                                          unsigned long long cond, int K, int backoff_cap,
+                                          int backoff_grace) {
   const int lane = threadIdx.x;
   const int step = state[kStep], pos = state[kPos];
   bool eos = false;
@@ -172,6 +192,12 @@ __device__ __forceinline__ void emit_step(int token, int agree, int d, unsigned 
     state[kPos] = pos + e;
     state[kStep] = step + e;
     state[kDone] = done ? 1 : 0;
+    if (d > 0) {  // the backoff (speculative.Backoff.update)
+      const int fails = agree > 0 ? 0 : min(state[kSpecFails] + 1, kBackoffMaxFails);
+      const int over = fails - backoff_grace;  // failures past the grace
+      state[kSpecFails] = fails;
+      state[kSpecSkip] = over > 0 ? min(backoff_cap, 1 << min(over - 1, kBackoffMaxShift)) : 0;
+    }
     if (stats) {
       stats[0] += 1;
       stats[1] += d;
@@ -192,26 +218,32 @@ __device__ __forceinline__ void emit_step(int token, int agree, int d, unsigned 
 //                             step, as sample_finish re-zeroes its key)
 //   tokens    int32 [1 + K]   draft_ngram's rows (tokens[1 .. d] the drafts)
 //   ndraft    int32 *         d
-//   state     int32 [kEos0 + kMaxEos]  StateWord words: TOKEN, POS, STEP, DONE advanced
+//   state     int32 [kEos0 + kMaxEos]  StateWord words: TOKEN, POS, STEP, DONE advanced,
+//                             SPEC_SKIP and SPEC_FAILS updated (the backoff)
 //   h         int32 [capacity]  the history: h[POS + 1 + t] = token t
 //   host_ring int32 [max_new]  mapped pinned host memory (may be null): the host streams it
 //   cancel    int32 *         mapped pinned host flag (may be null): nonzero stops the loop
-//   stats     int32 [3]       (may be null) += (1, d, agree): steps, drafted, accepted before
-//                             the eos / max_new cut (speculative.SpecStats)
+//   stats     int32 [4]       (may be null) stats[0 .. 2] += (1, d, agree): steps, drafted,
+//                             accepted before the eos / max_new cut (speculative.SpecStats;
+//                             stats[3], skipped, is draft_ngram's)
 //   cond      graph conditional handle of the generation while-loop (0 = none): set to !done
 //   K         int 1 .. kVerifyRows - 1
+//   backoff_cap int >= 0     the backoff's largest skip (0: no backoff)
+//   backoff_grace int >= 0   failures in a row it forgives before it skips
 // Grid 1, block kWarp. Greedy generations (the engine runs accept_sampled for the others).
 extern "C" __global__ void __launch_bounds__(kWarp)
 accept_greedy(unsigned long long* keys, const int* __restrict__ tokens,
               const int* __restrict__ ndraft, int* state, int* h, volatile int* host_ring,
-              const volatile int* cancel, int* stats, unsigned long long cond, int K) {
+              const volatile int* cancel, int* stats, unsigned long long cond, int K,
+              int backoff_cap, int backoff_grace) {
   pdl_wait();
   const int lane = threadIdx.x;
   const int d = *ndraft;
   const int target = lane <= K ? argmax_key_id(keys[lane]) : 0;
   const unsigned miss = __ballot_sync(0xffffffffu, lane < d && tokens[1 + lane] != target);
   const int agree = miss ? __ffs(miss) - 1 : d;
-  emit_step(target, agree, d, keys, state, h, host_ring, cancel, stats, cond, K);
+  emit_step(target, agree, d, keys, state, h, host_ring, cancel, stats, cond, K, backoff_cap,
+            backoff_grace);
 }
 
 // Speculative sampling's per-row work (speculative.accept, sampled), one CTA a row r <= d,
@@ -288,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(kWarp)
 accept_sampled(unsigned long long* keys, const int* __restrict__ tokens,
                const int* __restrict__ ndraft, const int* __restrict__ picks, int* state,
                int* h, volatile int* host_ring, const volatile int* cancel, int* stats,
-               unsigned long long cond, int K) {
+               unsigned long long cond, int K, int backoff_cap, int backoff_grace) {
   pdl_wait();
   const int lane = threadIdx.x;
   const int d = *ndraft;
@@ -296,5 +328,6 @@ accept_sampled(unsigned long long* keys, const int* __restrict__ tokens,
   const int agree = __ffs(__ballot_sync(0xffffffffu, pick >= 0)) - 1;
   const int last = __shfl_sync(0xffffffffu, pick, agree);
   const int token = lane < agree ? tokens[1 + lane] : last;
-  emit_step(token, agree, d, keys, state, h, host_ring, cancel, stats, cond, K);
+  emit_step(token, agree, d, keys, state, h, host_ring, cancel, stats, cond, K, backoff_cap,
+            backoff_grace);
 }

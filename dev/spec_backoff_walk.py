@@ -1,0 +1,116 @@
+"""The speculation backoff's projected effect: greedy speculation walked over plain greedy
+outputs under a step-cost model, for several (cap, grace) settings at once.
+
+    PYTHONPATH=. python3 dev/spec_backoff_walk.py FILE [--workloads chat,edit,fim] [--requests 8]
+        [--gen-len 128] [--backend reference] [--truths PATH] [--verify-cost 1.968]
+        [--backoffs 0,16:0,16:1,64:1,16:2]
+
+- truths: each workload's prompts (nanoqwen.harness.workloads) generated plain and greedy: the
+  truth T of each. Kept in --truths (JSON; reused when it holds the workload, so a slow CPU
+  generation runs once).
+- walk: greedy speculation emits exactly T, so a step at position i (history prompt + T[:i])
+  drafts by speculative.draft through a speculative.Backoff, accepts the drafts' agreeing
+  prefix with T[i:] and moves to i + a + 1. A step costs 1 (no drafts: the decode step) or
+  --verify-cost (the verify step over 1 + K rows, whatever d; default the real 1.5B's on an
+  H200, 1352 / 687 us: benchmarks/results/h200_1.5b_real_verify_step.json). Projected
+  speed-up = plain steps / the walk's cost; also verify steps, accepted drafts and dropped
+  matches per setting.
+
+The projection leaves out everything but the forwards (the sampler, the draft kernel, the
+graph), so it ranks settings; the bench (dev/spec_workloads.py) measures them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from nanoqwen.harness.workloads import build
+from nanoqwen.llm import LLM
+from nanoqwen.sampling import SamplingParams
+from nanoqwen.speculative import Backoff, SpeculativeConfig, draft, step_limit
+
+VERIFY_COST = 1352 / 687  # the 1.5B's verify step (M = 16) over its decode step, H200
+MAX_CONTEXT = 8192  # the longest prompt plus gen-len, with room
+
+
+def truths(path: str, workloads: list[str], args) -> dict:
+    """{workload: [{"prompt": ids, "truth": tokens}]}, from --truths or generated."""
+    cache = Path(args.truths) if args.truths else None
+    out = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    todo = [w for w in workloads if w not in out]
+    if todo:
+        params = SamplingParams(temperature=0.0, max_tokens=args.gen_len)
+        with LLM(path, backend=args.backend, max_context=MAX_CONTEXT) as llm:
+            stop = frozenset(llm.tokenizer.eos_token_ids)
+            for w in todo:
+                out[w] = []
+                for p in build(w, args.requests, args.seed):
+                    ids = [int(t) for t in llm.prepare(**p.prepare_args())]
+                    truth = list(llm.backend.generate(ids, params, stop))
+                    out[w].append({"prompt": ids, "truth": truth})
+                    print(f"  {w}: prompt {len(ids)} tokens, reply {len(truth)}", flush=True)
+                if cache:
+                    cache.write_text(json.dumps(out))
+    return out
+
+
+def walk(prompt: list[int], truth: list[int], spec: SpeculativeConfig, gen_len: int,
+         verify_cost: float) -> tuple[float, list[int]]:  # fmt: skip
+    """(cost, [verify steps, accepted drafts, dropped matches]) of greedy speculation
+    emitting `truth` after `prompt` (truth[0] is the prefill's token)."""
+    h, i, backoff, cost, counts = prompt + truth[:1], 1, Backoff(), 0.0, [0, 0, 0]
+    while i < len(truth):
+        found = draft(h, spec, step_limit(gen_len, i, len(h), MAX_CONTEXT))
+        drafts = backoff.gate(found)
+        a = 0  # the agreeing prefix, leaving truth's last token to the model
+        while a < len(drafts) and i + a < len(truth) - 1 and drafts[a] == truth[i + a]:
+            a += 1
+        backoff.update(len(drafts), a, spec)
+        cost += verify_cost if drafts else 1.0
+        counts = [counts[0] + bool(drafts), counts[1] + a, counts[2] + (len(drafts) < len(found))]
+        h += truth[i : i + a + 1]
+        i += a + 1
+    return cost, counts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("file", help=".nanoqwen model")
+    p.add_argument("--workloads", default="chat,edit,fim")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="reference", choices=("cuda", "reference"))
+    p.add_argument("--truths", default=None, help="JSON cache of the plain greedy outputs")
+    p.add_argument("--verify-cost", type=float, default=VERIFY_COST,
+                   help="the verify step's cost over the decode step's")  # fmt: skip
+    p.add_argument("--backoffs", default="0,16:0,16:1,64:1,16:2",
+                   help="comma list of CAP:GRACE (0: no backoff)")  # fmt: skip
+    args = p.parse_args()
+    workloads = args.workloads.split(",")
+    data = truths(args.file, workloads, args)
+    base = SpeculativeConfig()
+    print(f"RESULT projected speed-up (K {base.k}, n {base.n_min}:{base.n_max}, verify cost "
+          f"{args.verify_cost:.3f}, gen {args.gen_len})")  # fmt: skip
+    for w in workloads:
+        print(f"  {w} ({len(data[w])} prompts, {sum(len(r['truth']) for r in data[w])} tokens)")
+        for b in args.backoffs.split(","):
+            cap, _, grace = b.partition(":")
+            spec = replace(base, backoff_cap=int(cap), backoff_grace=int(grace or 1))
+            plain = cost = 0.0
+            total = [0, 0, 0]
+            for r in data[w]:
+                c, counts = walk(r["prompt"], r["truth"], spec, args.gen_len, args.verify_cost)
+                plain, cost = plain + len(r["truth"]) - 1, cost + c
+                total = [x + y for x, y in zip(total, counts, strict=True)]
+            print(f"    backoff {b:6s} {plain / cost:6.3f}x  verify {total[0]:4d}  accepted "
+                  f"{total[1]:5d}  dropped {total[2]:4d}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
