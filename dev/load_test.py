@@ -68,6 +68,16 @@ def request_body(args: argparse.Namespace, model: str) -> tuple[str, dict]:
     return "/v1/completions", common | {"prompt": args.prompt}
 
 
+def distinct(body: dict, i: int, start: float) -> dict:
+    """`body` with its prompt starting with the request's own tag: no page of it is in the
+    server's prefix cache, so every request pays its whole prefill."""
+    tag = f"[request {i} of run {start:.6f}]\n"
+    if "prompt" in body:
+        return body | {"prompt": tag + body["prompt"]}
+    (message,) = body["messages"]
+    return body | {"messages": [message | {"content": tag + message["content"]}]}
+
+
 async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Result:
     start = time.perf_counter()
     first: float | None = None
@@ -128,8 +138,9 @@ async def run_load(args: argparse.Namespace, concurrency: int) -> Run:
         start = time.perf_counter()
 
         async def client_loop() -> None:
-            for _ in remaining:  # the shared iterator hands out the requests
-                run.results.append(await with_retries(client, path, body, args.retries))
+            for i in remaining:  # the shared iterator hands out the requests
+                sent = distinct(body, i, start) if args.distinct else body
+                run.results.append(await with_retries(client, path, sent, args.retries))
 
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
         run.wall_s = time.perf_counter() - start
@@ -222,6 +233,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--prompt", default=PROMPT, help="prompt (chat: the user message)")
+    p.add_argument("--distinct", action="store_true",
+                   help="start each prompt with the request's own tag, so none is served "
+                   "from the prefix cache (default: the same prompt every time)")  # fmt: skip
     p.add_argument("--retries", type=int, default=0, help="retries of a 429 (after Retry-After)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request read timeout, s")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")

@@ -16,6 +16,7 @@ from .config import ModelConfig
 from .errors import ContextError
 from .kv_pages import BlockManager, KVStats
 from .sampling import SamplingParams
+from .speculative import SpecStats, SpeculativeConfig
 
 # Positions a backend holds when not told: the cuda engine sizes its KV pool for the model's
 # usual 32k; the reference keeps float32 weights and KV in CPU memory.
@@ -64,6 +65,8 @@ class Backend(Protocol):
     # instead of the prefill: a multiple of 16, at most the prompt's full pages before its last
     # token; 0 on a cold prefill and before the first generation.
     cached_tokens: int
+    speculative: SpeculativeConfig | None  # drafts in generate() (None: one token a step)
+    spec_stats: SpecStats  # the current (or last) generate()'s speculation
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]

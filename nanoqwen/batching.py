@@ -48,8 +48,17 @@ seeded request samples the same tokens whether or not it was preempted.
 
 A sequence finishes on a stop id or after max_tokens: the K/V of every id but the last sampled
 one is written and committed (the plain generate() commits the same), its pages are released.
-Speculative decoding does not run here: each decode_batch produces one token per sequence (the
-single-stream `Backend.generate` keeps its drafts).
+
+A sequence alone runs solo: through the backend's single-stream `generate` (the cuda engine's
+one-graph loop, a batch of one costs 1.44x its step; speculative drafts, which decode_batch does
+not run), one token per step() call. When a request arrives behind it (max_batch > 1), the solo
+generation is closed, which commits what it wrote to the prefix cache, and the sequence goes
+back to the front of the waiting queue with its tokens kept, like a preempted one: it resumes
+in the batch from the cached pages. When a batch shrinks to one decoding sequence with nothing
+waiting and at least SOLO_MIN_LEFT tokens to go, it leaves the batch the same way and resumes
+solo (generate() over prompt + tokens, the cached pages again). A resumed generate() draws its
+samples afresh, so a seeded sampled request goes solo only with max_batch 1 (never handed
+off): its tokens stay the same whatever runs beside it.
 
 Not thread-safe: one engine thread drives it.
 """
@@ -58,8 +67,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterator
 from collections.abc import Sequence as IdSequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from .backend import check_fits, check_prompt
@@ -67,11 +77,15 @@ from .config import PAGE_TOKENS
 from .errors import ContextError, NanoqwenError
 from .kv_pages import PageTable
 from .sampling import SamplingParams
+from .speculative import SpecStats
 
 # Prompt tokens prefilled per step across all admitted sequences: the running streams' step
 # grows by at most one chunk of this many rows, and a 32k prompt still takes only 64 steps.
 # Not yet tuned on the GPU (bench --concurrency --prefill-chunk measures the trade).
 DEFAULT_PREFILL_CHUNK = 512
+# A lone sequence leaves the batch for solo decoding only with this many tokens still to go:
+# the move costs a prefill of its last partial page (a few decode steps on the GPU).
+SOLO_MIN_LEFT = 16
 
 
 @dataclass(eq=False)
@@ -93,6 +107,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" / "length" / "cancelled" once it has left
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at its first prefill
     preemptions: int = 0
+    spec: SpecStats | None = None  # its solo stretches' speculation (backends with drafts)
     _ids: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -130,10 +145,17 @@ class Event(NamedTuple):
 class Scheduler:
     """Waiting and running sequences over one backend's KV pool and batch slots."""
 
-    def __init__(self, backend, max_batch: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend,
+        max_batch: int | None = None,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        solo: bool = True,
+    ) -> None:
         """max_batch: sequences admitted at once (default and upper bound: the backend's);
-        prefill_chunk: prompt tokens prefilled per step across sequences (module docstring)."""
+        prefill_chunk: prompt tokens prefilled per step across sequences; solo: a lone
+        sequence decodes through generate() (module docstring), False keeps it in the batch
+        (to measure the batch step at one sequence, or test the batch's own rules)."""
         limit = backend.max_batch
         self.max_batch = limit if max_batch is None else max_batch
         if not 1 <= self.max_batch <= limit:
@@ -147,9 +169,12 @@ class Scheduler:
             # forever and preemption always ends.
             raise NanoqwenError(f"the KV pool ({self.pages.num_pages} pages) is smaller than "
                                 f"the context ({backend.max_context} positions)")  # fmt: skip
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.solo_allowed = prefill_chunk, solo
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admitted, oldest first (preemption takes the last)
+        self.solo: Sequence | None = None  # decoding alone through backend.generate
+        self._solo_tokens: Iterator[int] | None = None  # that generate()
+        self._cancelled_solo: Sequence | None = None
         self.preemptions = 0
         self._free_slots = list(range(self.max_batch - 1, -1, -1))  # pop() hands out 0 first
         self._ids = itertools.count(1)
@@ -166,27 +191,47 @@ class Scheduler:
         return seq
 
     def cancel(self, seq: Sequence) -> None:
-        """Mark `seq` cancelled: the next step() frees it before running anything."""
+        """Mark `seq` cancelled: the next step() frees it before running anything; the solo
+        sequence is freed now (its seq.spec is then final)."""
         seq.cancelled = True
+        if seq is self.solo:
+            self._end_solo("cancelled")
+            self._cancelled_solo = seq  # its event comes with the next step's
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.solo)
+
+    @property
+    def active(self) -> int:
+        """Sequences decoding or prefilling: the batch's and the solo one."""
+        return len(self.running) + (self.solo is not None)
 
     def clear(self) -> list[Sequence]:
         """Drop every sequence now, without a step (after an engine failure, at shutdown):
         pages released, slots freed; returns them."""
-        dropped = [*self.running, *self.waiting]
+        dropped = [*self.running, *self.waiting, *([self.solo] if self.solo else [])]
         for seq in list(self.running):
             self._leave(seq, "cancelled")
+        if self.solo is not None:
+            self._end_solo("cancelled")
         self.waiting.clear()
+        self._cancelled_solo = None
         return dropped
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Cancel, admit, prefill one bounded chunk, decode once (module docstring)."""
+        """Cancel; then one solo token, or: admit, prefill one bounded chunk, decode once
+        (module docstring)."""
         events: list[Event] = []
         self._drop_cancelled(events)
+        if self.solo is not None and self.waiting and self.max_batch > 1:
+            self._hand_off()
+        if self.solo is None:
+            self._go_solo()
+        if self.solo is not None:
+            self._solo_step(events)
+            return events
         self._admit()
         decoding = [s for s in self.running if s.decoding]  # before the prefill adds any
         self._prefill(events)
@@ -194,6 +239,9 @@ class Scheduler:
         return events
 
     def _drop_cancelled(self, events: list[Event]) -> None:
+        if self._cancelled_solo is not None:
+            events.append(Event(self._cancelled_solo, None, "cancelled"))
+            self._cancelled_solo = None
         for seq in [s for s in self.waiting if s.cancelled]:
             self.waiting.remove(seq)
             seq.finish_reason = "cancelled"
@@ -201,6 +249,66 @@ class Scheduler:
         for seq in [s for s in self.running if s.cancelled]:
             self._leave(seq, "cancelled")
             events.append(Event(seq, None, "cancelled"))
+
+    # -- solo ----------------------------------------------------------------------------------
+    def _solo_ok(self, seq: Sequence) -> bool:
+        params = seq.params
+        return self.solo_allowed and (self.max_batch == 1 or params.greedy or params.seed is None)
+
+    def _go_solo(self) -> None:
+        """Start the lone sequence solo: a waiting one with nothing admitted (the oldest with
+        max_batch 1, which runs them one after the other), or the batch's only decoding one
+        with nothing waiting and SOLO_MIN_LEFT tokens to go."""
+        lone = len(self.waiting) == 1 or self.max_batch == 1
+        if not self.running and self.waiting and lone and self._solo_ok(self.waiting[0]):
+            seq = self.waiting.popleft()
+        elif (len(self.running) == 1 and not self.waiting and self.running[0].decoding
+              and self._solo_ok(self.running[0])
+              and self.running[0].params.max_tokens - len(self.running[0].tokens)
+              >= SOLO_MIN_LEFT):  # fmt: skip
+            seq = self.running[0]
+            self._leave(seq, None)
+        else:
+            return
+        params = replace(seq.params, max_tokens=seq.params.max_tokens - len(seq.tokens))
+        self._solo_tokens = self.backend.generate(seq.ids, params, seq.stop_ids)
+        self.solo = seq
+
+    def _solo_step(self, events: list[Event]) -> None:
+        seq = self.solo
+        fresh = not seq.tokens
+        token = next(self._solo_tokens, None)
+        if token is None:  # generate() ended on max_tokens with the last token emitted
+            self._end_solo("length")
+            return
+        if fresh:
+            seq.cached_tokens = self.backend.cached_tokens
+        seq.tokens.append(int(token))
+        finish = None
+        if token in seq.stop_ids:
+            finish = "stop"
+        elif len(seq.tokens) == seq.params.max_tokens:
+            finish = "length"
+        events.append(Event(seq, int(token), finish))
+        if finish:
+            self._end_solo(finish)
+
+    def _hand_off(self) -> None:
+        """The solo sequence goes to the front of the waiting queue, its tokens kept."""
+        seq = self.solo
+        self._end_solo(None)
+        self.waiting.appendleft(seq)
+
+    def _end_solo(self, finish: str | None) -> None:
+        """Close the solo generate(): it stops its loop, commits what it wrote to the prefix
+        cache and releases its pages; its speculation counts into seq.spec."""
+        seq, tokens = self.solo, self._solo_tokens
+        self.solo = self._solo_tokens = None
+        tokens.close()
+        if self.backend.speculative:
+            seq.spec = seq.spec or SpecStats()
+            seq.spec.add(self.backend.spec_stats)
+        seq.finish_reason = finish
 
     def _admit(self) -> None:
         while self.waiting and self._free_slots:

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
@@ -136,8 +134,8 @@ class Batch:
     """Generations of one LLM decoded together: a Scheduler (nanoqwen.batching) over the
     backend, each sequence's tokens turned into Deltas by the same rules as `LLM.stream`. A
     stop string ends a sequence here, on the host: it is cancelled, so the next step frees
-    it. Speculative decoding does not run in a batch (one token a step per sequence), so
-    deltas carry no SpecStats."""
+    it. Speculative decoding runs while a sequence decodes alone (the scheduler's solo
+    stretches); a sequence's last delta carries what its drafts did, as `stream`'s does."""
 
     def __init__(self, llm: LLM, scheduler: Scheduler) -> None:
         self.llm, self.scheduler = llm, scheduler
@@ -153,7 +151,8 @@ class Batch:
     def cancel(self, seq) -> None:
         """Stop `seq`: no more deltas; the next step frees its pages and slot."""
         self.scheduler.cancel(seq)
-        self._text.pop(seq, None)
+        if self._text.pop(seq, None) is not None:
+            self._count_spec(seq)
 
     @property
     def has_work(self) -> bool:
@@ -173,69 +172,21 @@ class Batch:
                 del self._text[event.seq]
                 if not event.finish:  # a stop string: the scheduler does not know it
                     self.scheduler.cancel(event.seq)
+                delta = dataclasses.replace(delta, speculative=self._count_spec(event.seq))
             out.append((event.seq, delta))
         return out
 
+    def _count_spec(self, seq) -> SpecStats | None:
+        """seq's SpecStats (None if it never drafted), added to the LLM's spec_totals."""
+        if seq.spec is not None:
+            self.llm.spec_totals.add(seq.spec)
+        return seq.spec
+
     def clear(self) -> None:
         """Drop every generation now (engine failure, shutdown): pages and slots freed."""
-        self.scheduler.clear()
-        self._text.clear()
-
-
-class _StreamBatch:
-    """Batch's surface over one `LLM.stream` at a time: what `LLM.batch(1)` gives with
-    speculative decoding, which the scheduler's decode_batch does not run (one token a step
-    per sequence), so that a one-stream server keeps its drafts. Each step takes one delta of
-    the running stream; a cancel closes it at once (its KV pages freed)."""
-
-    def __init__(self, llm: LLM) -> None:
-        self.llm = llm
-        self.scheduler = SimpleNamespace(max_batch=1, running=[], waiting=deque(), preemptions=0)
-        self._params: dict[object, tuple[list[int], SamplingParams]] = {}
-        self._stream: Iterator[Delta] | None = None
-
-    def add(self, ids: Sequence[int], params: SamplingParams) -> object:
-        self.llm.check_fits(len(ids), params.max_tokens)
-        handle = object()
-        self._params[handle] = (list(ids), params)
-        self.scheduler.waiting.append(handle)
-        return handle
-
-    def cancel(self, handle) -> None:
-        if handle in self.scheduler.running:
-            self._end()
-        elif handle in self.scheduler.waiting:
-            self.scheduler.waiting.remove(handle)
-        self._params.pop(handle, None)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.scheduler.running or self.scheduler.waiting)
-
-    def step(self) -> list[tuple[Any, Delta]]:
-        if self._stream is None and self.scheduler.waiting:
-            handle = self.scheduler.waiting.popleft()
-            self.scheduler.running.append(handle)
-            self._stream = self.llm.stream(*self._params.pop(handle))
-        if self._stream is None:
-            return []
-        handle = self.scheduler.running[0]
-        delta = next(self._stream, None)
-        if delta is None or delta.finish_reason:
-            self._end()
-        return [] if delta is None else [(handle, delta)]
-
-    def clear(self) -> None:
-        if self.scheduler.running:
-            self._end()
-        self.scheduler.waiting.clear()
-        self._params.clear()
-
-    def _end(self) -> None:
-        if self._stream is not None:  # None when stream() refused the request
-            self._stream.close()
-        self._stream = None
-        self.scheduler.running.clear()
+        for seq in self.scheduler.clear():
+            if self._text.pop(seq, None) is not None:
+                self._count_spec(seq)
 
 
 class LLM:
@@ -361,15 +312,11 @@ class LLM:
         return self._deltas(tokens, _Text(self.tokenizer, self._stop_ids, params))
 
     def batch(self, max_batch: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-              ) -> Batch | _StreamBatch:  # fmt: skip
+              ) -> Batch:  # fmt: skip
         """Many generations at once over the backend's batch primitives (nanoqwen.batching):
         the server's engine loop. max_batch: sequences decoded together (default and most:
-        the backend's). A batch decodes without speculative drafts; with speculation on,
-        max_batch 1 runs the generations one after the other through `stream`, drafts
-        included."""
+        the backend's; 1: one after the other, each through the single-stream loop)."""
         self._require_open()
-        if max_batch == 1 and self.speculative:
-            return _StreamBatch(self)
         return Batch(self, Scheduler(self._backend, max_batch, prefill_chunk))
 
     def _deltas(self, tokens: Generator[int], text: _Text) -> Iterator[Delta]:

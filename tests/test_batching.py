@@ -108,7 +108,7 @@ def test_seeded_sampling_is_batch_invariant(model_file, oracle):
 
 def test_long_prompt_is_chunked_between_decode_steps(model_file):
     backend = ReferenceBackend(model_file, max_context=256, max_batch=2)
-    sched = Scheduler(backend, prefill_chunk=16)
+    sched = Scheduler(backend, prefill_chunk=16, solo=False)
     rng = np.random.default_rng()
     short = sched.add(rng.integers(10, 200, 4).tolist(), SamplingParams(max_tokens=40))
     run_until = sched.step()  # the short prompt: one chunk, its first token
@@ -145,7 +145,7 @@ def test_small_pool_preempts_and_outputs_stay_identical(model_file, oracle):
 
 def test_cancel_frees_pages_within_one_step(model_file):
     backend = ReferenceBackend(model_file, max_context=256, max_batch=4)
-    sched = Scheduler(backend)
+    sched = Scheduler(backend, solo=False)
     rng = np.random.default_rng()
     a = sched.add(rng.integers(10, 200, 40).tolist(), SamplingParams(max_tokens=50))
     b = sched.add(rng.integers(10, 200, 20).tolist(), SamplingParams(max_tokens=50))
@@ -164,20 +164,23 @@ def test_cancel_frees_pages_within_one_step(model_file):
 
 
 class ScriptedBackend:
-    """The batch primitives without a model, checking the contract at every call: pages cover
-    the positions written (and the next one when sampling), slots are distinct and in range,
-    a decode feeds the last id. Its tokens are a hash of (prompt, draw number), so a preempted
-    and resumed sequence must still get the tokens it would get alone."""
+    """The batch primitives and generate() without a model, checking the contract at every
+    call: pages cover the positions written (and the next one when sampling), slots are
+    distinct and in range, a decode feeds the last id. Its next token is a hash of every id
+    before it, so a preempted, handed-off or resumed sequence must still get the tokens it
+    would get alone."""
 
     name, max_batch, max_context = "scripted", 8, 64
     config = SimpleNamespace(vocab_size=50)
+    speculative, cached_tokens = None, 0
 
     def __init__(self, pages: int) -> None:
         self.block_manager = BlockManager(pages)
         self.calls = 0
 
-    def _token(self, seq) -> int:
-        return hash((tuple(seq.prompt), len(seq.tokens))) % 40 + 5
+    @staticmethod
+    def next_token(ids) -> int:
+        return hash(tuple(ids)) % 40 + 5
 
     def _covered(self, seq, end: int) -> None:
         assert len(seq.table.pages) * PAGE_TOKENS >= end and len(seq.table.tokens) == seq.kv_len
@@ -186,7 +189,7 @@ class ScriptedBackend:
         self._covered(seq, end + sample)
         assert seq.kv_len < end <= len(seq.ids) and 0 <= seq.slot < self.max_batch
         seq.kv_len = end
-        return self._token(seq) if sample else None
+        return self.next_token(seq.ids[:end]) if sample else None
 
     def decode_batch(self, seqs):
         assert 1 <= len(seqs) <= self.max_batch and len({s.slot for s in seqs}) == len(seqs)
@@ -196,11 +199,38 @@ class ScriptedBackend:
             self._covered(seq, seq.kv_len + 1)
             assert seq.kv_len == len(seq.ids) - 1
             seq.kv_len += 1
-            out.append(self._token(seq))
+            out.append(self.next_token(seq.ids))
         return out
 
     def release_slot(self, seq):
         assert seq.slot >= 0
+
+    @classmethod
+    def alone(cls, prompt, params, stop_ids):
+        """The tokens a request gets: next_token over its growing ids, to a stop id or
+        max_tokens."""
+        ids = list(prompt)
+        for _ in range(params.max_tokens):
+            ids.append(cls.next_token(ids))
+            yield ids[-1]
+            if ids[-1] in stop_ids:
+                return
+
+    def generate(self, prompt, params, stop_ids):
+        """As a backend's: pages for prompt + max_tokens held while it runs; at the end the
+        ids whose K/V it wrote (all but the last token) committed and the pages released."""
+        pages, tokens = self.block_manager, []
+        table = pages.admit(prompt)
+        self.cached_tokens = table.cached_tokens
+        try:
+            pages.reserve(table, len(prompt) + params.max_tokens)
+            for token in self.alone(prompt, params, stop_ids):
+                tokens.append(token)
+                yield token
+        finally:
+            if len(table.pages) * PAGE_TOKENS >= len(prompt) + params.max_tokens:
+                pages.commit(table, [*prompt, *tokens][len(table.tokens) : -1])
+            pages.release(table)
 
 
 def churn(sched: Scheduler, requests: int, rnd: random.Random, max_tokens: int, left: Counter):
@@ -231,8 +261,8 @@ def test_thousand_requests_random_cancels_leak_no_page():
     sched = Scheduler(backend, prefill_chunk=24)
     left = Counter()
     for seq in churn(sched, 1000, random.Random(), 34, left):
-        alone = [hash((tuple(seq.prompt), i)) % 40 + 5 for i in range(len(seq.tokens))]
-        assert seq.tokens == alone  # the tokens it gets alone, preempted or not
+        alone = list(backend.alone(seq.prompt, seq.params, seq.stop_ids))
+        assert seq.tokens == alone  # the tokens it gets alone, preempted or handed off or not
     assert backend.block_manager.pages_held == 0
     assert sched.preemptions > 0 and left["cancelled"] > 100 and left["length"] > 300
     assert left["stop"] > 0
@@ -261,18 +291,78 @@ def test_add_refuses_what_cannot_fit(model_file):
     assert not sched.has_work
 
 
-def test_speculative_backend_decodes_one_token_a_step(tiny_model):
+def test_speculative_drafts_run_solo_not_in_the_batch(tiny_model):
     # The tiny synthetic model repeats itself, so generate()'s n-gram drafts are accepted.
     spec = SpeculativeConfig(k=4)
     with NanoqwenFile(tiny_model) as f:
         backend = ReferenceBackend(f, max_context=128, speculative=spec)
         prompt = np.random.default_rng().integers(10, 200, 8).tolist()
         params = SamplingParams(max_tokens=16)
-        sched = Scheduler(backend)
-        seq = sched.add(prompt, params)
-        counts = []
-        while sched.has_work:
-            counts.append(sum(e.token is not None for e in sched.step()))
-        alone = list(backend.generate(prompt, params, frozenset()))  # drafts: fewer steps
-        assert counts == [1] * 16 and seq.tokens == alone
-        assert backend.spec_stats.accepted > 0 and backend.spec_stats.steps < 15
+        alone = list(backend.generate(prompt, params, frozenset()))
+        for solo in (False, True):
+            sched = Scheduler(backend, solo=solo)
+            seq = sched.add(prompt, params)
+            counts = []
+            while sched.has_work:
+                counts.append(sum(e.token is not None for e in sched.step()))
+            assert counts == [1] * 16 and seq.tokens == alone  # one token a step() either way
+            if solo:  # the drafts ran, accepted
+                assert seq.spec.accepted > 0 and seq.spec.steps < 15
+            else:
+                assert seq.spec is None
+
+
+def test_lone_sequence_runs_solo_and_hands_off(model_file):
+    rng = np.random.default_rng()
+    backend = ReferenceBackend(model_file, max_context=256, max_batch=4)
+    sched = Scheduler(backend)
+    first = (rng.integers(10, 200, 40).tolist(), SamplingParams(max_tokens=60))
+    a = sched.add(*first)
+    for _ in range(20):
+        assert [e.seq for e in sched.step()] == [a]
+        assert sched.solo is a and not sched.running and a.table is None
+    assert backend.block_manager.pages_held >= -(-(40 + 19) // PAGE_TOKENS)  # generate()'s
+    second = (rng.integers(10, 200, 5).tolist(), SamplingParams(max_tokens=20))
+    b = sched.add(*second)
+    hits = backend.kv_stats.hit_tokens
+    sched.step()  # a leaves solo for the batch, resumed from its cached pages, b admitted
+    assert sched.solo is None and sched.running == [a, b] and a.preemptions == 0
+    assert backend.kv_stats.hit_tokens - hits == 48  # 40 + 20 ids, 3 full pages
+    while b.finish_reason is None:
+        assert sched.solo is None
+        sched.step()
+    sched.step()  # a alone, 60 - 39 >= SOLO_MIN_LEFT to go: solo, its 40th token by generate()
+    assert len(a.tokens) == 40 and sched.solo is a and not sched.running
+    run(sched)
+    for seq, (prompt, params) in ((a, first), (b, second)):  # no stop id: all of max_tokens
+        assert seq.tokens == list(backend.generate(prompt, params, frozenset()))
+    assert backend.block_manager.pages_held == 0
+
+
+def test_solo_rules(model_file):
+    rng = np.random.default_rng()
+    backend = ReferenceBackend(model_file, max_context=256, max_batch=4)
+    seeded = SamplingParams(temperature=40.0, seed=3, max_tokens=30)
+    prompt = rng.integers(10, 200, 9).tolist()
+    # A seeded sampled request with max_batch > 1 stays in the batch: a resumed generate()
+    # would draw afresh. With max_batch 1 nothing joins it, so it runs solo.
+    for max_batch, solo in ((4, False), (1, True)):
+        sched = Scheduler(backend, max_batch)
+        seq = sched.add(prompt, seeded)
+        sched.step()
+        assert (sched.solo is seq) == solo and sched.active == 1
+        run(sched)
+        assert seq.tokens == list(backend.generate(prompt, seeded, frozenset()))
+    # max_batch 1: the second request waits for the solo one, which is not handed off.
+    sched = Scheduler(backend, 1)
+    a = sched.add(prompt, SamplingParams(max_tokens=10))
+    sched.step()
+    b = sched.add(prompt, SamplingParams(max_tokens=10))
+    for _ in range(9):
+        assert [e.seq for e in sched.step()] == [a] and list(sched.waiting) == [b]
+    sched.step()
+    assert sched.solo is b
+    # A cancel ends the solo generation at once: its pages are free before the next step.
+    sched.cancel(b)
+    assert sched.solo is None and backend.block_manager.pages_held == 0
+    assert b.finish_reason == "cancelled" and not sched.has_work

@@ -77,7 +77,7 @@ class FakeBatch:
 
     def __init__(self, llm: FakeLLM, max_batch: int) -> None:
         self.llm = llm
-        self.scheduler = SimpleNamespace(max_batch=max_batch, running=[], waiting=[],
+        self.scheduler = SimpleNamespace(max_batch=max_batch, active=0, waiting=[],
                                          preemptions=0)  # fmt: skip
         self.live: list[FakeSeq] = []
 
@@ -92,7 +92,7 @@ class FakeBatch:
     def add(self, ids, params: SamplingParams) -> FakeSeq:
         self.llm.seen.append((self.llm._prompt, params))
         self.live.append(FakeSeq(ids, params))
-        self.scheduler.running = list(self.live)
+        self.scheduler.active = len(self.live)
         return self.live[-1]
 
     def cancel(self, seq: FakeSeq) -> None:
@@ -103,7 +103,7 @@ class FakeBatch:
 
     def step(self) -> list[tuple[FakeSeq, Delta]]:
         self.live = [s for s in self.live if not s.cancelled]
-        self.scheduler.running = list(self.live)
+        self.scheduler.active = len(self.live)
         if not self.live:
             return []
         self.llm.gate.wait()

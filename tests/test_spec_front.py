@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import json
 import sysconfig
 from pathlib import Path
@@ -241,31 +242,41 @@ def test_usage_and_metrics_report_speculation(tiny_model):
     assert parsed.completion_tokens == 16 and parsed.model_extra["speculative"] == spec
 
 
-def test_a_batched_server_decodes_without_drafts(tiny_model):
-    """With --max-batch above 1 the same speculative LLM runs its requests through the
-    scheduler: one token a step, no draft, no speculative usage, the same greedy text."""
+def test_a_batched_server_drafts_while_a_request_is_alone(tiny_model):
+    """With --max-batch above 1 a lone request decodes solo, drafts included; requests side
+    by side hand off into the batch (one token a step) and keep their greedy text. Each
+    reply's speculative usage is what its solo stretches drafted, and /metrics' totals are
+    their sum."""
     import httpx
 
     from nanoqwen.server import Worker, create_app
 
-    async def run() -> tuple[dict, str]:
-        worker = Worker(llm, max_queue=2, max_batch=2)
+    async def run() -> tuple[dict, list[dict]]:
+        worker = Worker(llm, max_queue=4, max_batch=2)
         worker.start()
         try:
             transport = httpx.ASGITransport(app=create_app(llm, worker))
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 body = {"model": llm.model_name, "prompt": REPEATING, "max_tokens": 16}
-                return (await client.post("/v1/completions", json=body)).json()
+                lone = (await client.post("/v1/completions", json=body)).json()
+                pair = await asyncio.gather(
+                    *(client.post("/v1/completions", json=body) for _ in range(2))
+                )
+                return lone, [r.json() for r in pair]
         finally:
             worker.stop()
 
     with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as llm:
-        reply = asyncio.run(run())
+        lone, pair = asyncio.run(run())
+        totals = dataclasses.replace(llm.spec_totals)
         alone = llm.generate(llm.prepare(REPEATING), SamplingParams(max_tokens=16))
-        assert alone.completion_tokens == 16 and llm.spec_totals.accepted > 0  # it drafts alone
-        assert llm.spec_totals.steps + llm.spec_totals.accepted == 15  # only that one counted
-    assert "speculative" not in reply["usage"] and reply["usage"]["completion_tokens"] == 16
-    assert reply["choices"][0]["text"] == alone.text
+    spec = lone["usage"]["speculative"]
+    assert spec["accepted_tokens"] > 0 and spec["steps"] + spec["accepted_tokens"] == 15
+    for reply in (lone, *pair):
+        assert reply["choices"][0]["text"] == alone.text
+        assert reply["usage"]["completion_tokens"] == 16
+    drafted = [r["usage"].get("speculative", {}).get("drafted_tokens", 0) for r in (lone, *pair)]
+    assert totals.drafted == sum(drafted)
 
 
 def test_usage_has_no_speculative_field_without_speculation():

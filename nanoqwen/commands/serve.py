@@ -191,9 +191,9 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
         llm.close()
         raise
     if llm.speculative and worker.max_batch > 1:
-        print(f"nanoqwen serve: speculative decoding is off in batches of {worker.max_batch}: "
-              "a batch decodes one token a step per request (--max-batch 1 keeps the drafts)",
-              file=sys.stderr)  # fmt: skip
+        print("nanoqwen serve: speculative decoding runs while a request decodes alone; "
+              f"up to {worker.max_batch} decode together one token a step "
+              "(--max-batch 1 keeps the drafts always)", file=sys.stderr)  # fmt: skip
     try:
         app = create_app(
             llm,

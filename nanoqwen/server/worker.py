@@ -171,10 +171,10 @@ class Worker:
 
     @property
     def scheduled(self) -> tuple[int, int, int]:
-        """(sequences admitted, sequences waiting for admission, preemptions so far) of the
-        batch's scheduler; waiting counts preempted ones, not the queue."""
+        """(sequences admitted or decoding solo, sequences waiting for admission, preemptions
+        so far) of the batch's scheduler; waiting counts preempted ones, not the queue."""
         scheduler = self._batch.scheduler
-        return len(scheduler.running), len(scheduler.waiting), scheduler.preemptions
+        return scheduler.active, len(scheduler.waiting), scheduler.preemptions
 
     def submit(self, job: Job) -> None:
         """Queue `job`, or raise EngineDown / QueueFull without queueing it."""
