@@ -10,7 +10,7 @@ correct  12 sequences of mixed prompt lengths (1, 15, 16, 17, 100, 511, 513, 200
          three that share a prefix with earlier ones), admitted through the block manager
          (prefix cache hits included) and prefill_chunk in chunks of 512, one chunk between
          decode steps, then decode_batch over --steps steps while sequences join and leave
-         (the scheduler's calls, emulated here with a stand-in Sequence). Checks:
+         (the scheduler's calls, emulated here on nanoqwen.batching.Sequence). Checks:
          - greedy rows: each sequence's tokens against CudaBackend.generate alone on the same
            file; at a split the batch logits' top-2 margin must be under SPLIT_MARGIN logit
            stds (a near-tie: the M-row kernels round differently from the decode kernels)
@@ -31,6 +31,12 @@ timing   (runs first) B = 1, 2, 4, 8, 16 sequences at context 512, and 16 with o
 sampler  sample_batch against sample_finish on the same logits: 16 rows of mixed parameters
          (greedy, temperature, top-k, top-p; seeds and draw counters of their own) in one
          launch, each row the plain sampler's token for its state words, bit for bit.
+handoff  nanoqwen.batching.Scheduler on the engine: a lone greedy request decodes solo (the
+         one-graph loop) for 24 tokens, a second one arrives and it moves into the batch
+         (resumed from its pages in the prefix cache), and back to solo once alone; both
+         requests' tokens against generate() alone (at a split, the top-2 margin of
+         generate()'s own teacher-forced logits must be under SPLIT_MARGIN stds), no page
+         held at the end.
 speculative  a backend built with speculative=SpeculativeConfig() (after the first one is
          closed) runs three repetitive prompts through decode_batch: one token a sequence a
          step, the tokens compared with the plain backend's run of the same (reported).
@@ -49,17 +55,16 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
+from nanoqwen.batching import Sequence
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.gpu_script import run_part
-from nanoqwen.kv_pages import PageTable
 from nanoqwen.sampling import SamplingParams
 
 TIE = 0.05  # logit stds: a top-2 margin under this is a near-tie (dev/verify_step.py's)
@@ -74,25 +79,12 @@ BATCHES = (1, 2, 4, 8, 16)
 
 
 @dataclass(eq=False)
-class Seq:
-    """Stand-in for nanoqwen.batching.Sequence: the contract's fields only."""
+class Seq(Sequence):
+    """nanoqwen.batching.Sequence with the check's own bookkeeping."""
 
-    prompt: list[int]
-    params: SamplingParams
-    stop_ids: frozenset = frozenset()
-    tokens: list[int] = field(default_factory=list)
-    table: PageTable | None = None
-    slot: int = -1
-    kv_len: int = 0
-    sampler: Any = None
-    # the check's own bookkeeping
     name: str = ""
     target: int = 0  # tokens to generate
     join: int = 0  # decode step at which it is admitted
-
-    @property
-    def ids(self) -> list[int]:
-        return [*self.prompt, *self.tokens]
 
 
 class Driver:
@@ -491,6 +483,45 @@ def small_run(e: CudaBackend) -> dict:
     return {"tokens": [s.tokens for s in seqs], "one_token_a_step": one_a_step}
 
 
+def check_handoff(e: CudaBackend, log) -> dict:
+    """The handoff part (module docstring)."""
+    from nanoqwen.batching import Scheduler
+
+    rng = np.random.default_rng()
+    V = e.config.vocab_size
+    reqs = [(rng.integers(0, V, 300).tolist(), SamplingParams(max_tokens=96)),
+            (rng.integers(0, V, 120).tolist(), SamplingParams(max_tokens=40))]  # fmt: skip
+    sched = Scheduler(e)
+    a = sched.add(*reqs[0])
+    modes = []
+    for _ in range(24):
+        sched.step()
+        modes.append("solo" if sched.solo is a else "batch")
+    b = sched.add(*reqs[1])
+    while sched.has_work:
+        sched.step()
+        if a.finish_reason is None:  # a's mode while it runs
+            modes.append("solo" if sched.solo is a else "batch")
+    went = "".join("s" if m == "solo" else "b" for m in modes)
+    moved = went.startswith("s" * 24 + "b") and went.rstrip("s") != went  # solo, batch, solo
+    ok = moved and e.kv_pages_in_use == 0
+    for seq, (prompt, params) in zip((a, b), reqs, strict=True):
+        alone = list(e.generate(prompt, params, frozenset()))
+        split = next((i for i, (x, y) in enumerate(zip(seq.tokens, alone, strict=False))
+                      if x != y), None)  # fmt: skip
+        margin = None
+        if split is not None:
+            logits = e.logits([*prompt, *alone[:split]])[-1]
+            margin = top2_margin(logits)
+            ok &= margin < SPLIT_MARGIN
+        ok &= len(seq.tokens) == len(alone)
+        log(f"  handoff: {len(prompt)}-token prompt, {len(seq.tokens)} tokens, split {split} "
+            f"margin {margin}")  # fmt: skip
+    log(f"  handoff: steps solo/batch {went.count('s')}/{went.count('b')}, solo -> batch -> "
+        f"solo {moved}, pages held {e.kv_pages_in_use}")  # fmt: skip
+    return {"ok": ok, "modes": went, "pages_held": e.kv_pages_in_use}
+
+
 def check_speculative(f, max_context: int, kv_tokens: int, plain: dict, log) -> dict:
     """A backend built with speculative=... answers decode_batch one token a step, the same
     tokens as the plain backend's (the batch path has no drafts)."""
@@ -511,8 +542,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", help=".nanoqwen model file")
     ap.add_argument("--out", required=True, help="directory for the log and batch_check.json")
-    ap.add_argument("--parts", default="timing,sampler,correct,speculative",
-                    help="comma list: timing,sampler,correct,speculative")  # fmt: skip
+    ap.add_argument("--parts", default="timing,sampler,correct,handoff,speculative",
+                    help="comma list: timing,sampler,correct,handoff,speculative")  # fmt: skip
     ap.add_argument("--steps", type=int, default=64, help="decode steps of the longest rows")
     ap.add_argument("--long", type=int, default=8192, help="the long sequence's prompt")
     ap.add_argument("--kv-tokens", type=int, default=65536, help="the KV pool's positions")
@@ -545,6 +576,8 @@ def main() -> int:
                 run_part("sampler", results, log, lambda: check_sampler(e, log))
             if "correct" in parts:
                 run_part("correct", results, log, lambda: check_correct(e, args, log))
+            if "handoff" in parts:
+                run_part("handoff", results, log, lambda: check_handoff(e, log))
             plain = None
             if "speculative" in parts:
                 plain = run_part("plain_small", results, log, lambda: small_run(e))

@@ -96,7 +96,7 @@ class Sequence:
 
     prompt: list[int]  # the request's prompt ids
     params: SamplingParams
-    stop_ids: frozenset[int]
+    stop_ids: frozenset[int] = frozenset()
     tokens: list[int] = field(default_factory=list)  # generated so far
     table: PageTable | None = None  # its KV pages while admitted
     slot: int = -1  # 0 .. max_batch - 1 while admitted, unique among admitted sequences

@@ -2,12 +2,10 @@
 row-state staging words and what each step copies, padding rows, the memory plan with the KV
 pool's kv_tokens and the batch buffers. The step itself runs on a GPU: dev/batch_check.py."""
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 import pytest
 
+from nanoqwen.batching import Sequence
 from nanoqwen.config import preset
 from nanoqwen.cuda import registry
 from nanoqwen.cuda.batch import batch_attention_scratch_buffers, spare_clusters
@@ -30,20 +28,6 @@ from nanoqwen.engine.kv_cache import kv_cache_buffers
 from nanoqwen.errors import NanoqwenError
 from nanoqwen.kv_pages import BlockManager, PageTable
 from nanoqwen.sampling import SamplingParams
-
-
-@dataclass(eq=False)
-class Seq:
-    """The contract's Sequence fields (nanoqwen.batching's stand-in)."""
-
-    prompt: list[int]
-    params: SamplingParams = field(default_factory=SamplingParams)
-    stop_ids: frozenset = frozenset()
-    tokens: list[int] = field(default_factory=list)
-    table: PageTable | None = None
-    slot: int = -1
-    kv_len: int = 0
-    sampler: Any = None
 
 
 def test_buckets():
@@ -76,7 +60,7 @@ def _stager(rows=4, ppr=8, pad=999):
 
 
 def _seq(bm, prompt, tokens=(), params=None):
-    s = Seq(list(prompt), params or SamplingParams(), tokens=list(tokens))
+    s = Sequence(list(prompt), params or SamplingParams(), tokens=list(tokens))
     s.table = bm.admit(s.prompt)
     s.kv_len = len(s.prompt) + len(s.tokens) - 1
     bm.reserve(s.table, s.kv_len + 1)
