@@ -14,6 +14,15 @@
 #                                      32B's float32 reference takes 131 GB at 64 layers);
 #                                      packing takes ~30 s (3B) to ~4 minutes (32B): one
 #                                      preset a call
+#   bash dev/h200_record.sh batching   continuous batching on the synthetic 7B: dev/batch_check.py
+#                                      (every part), bench --concurrency 1,2,4,8,16 (prompt
+#                                      512, 128 tokens), a server under dev/load_test.py at the
+#                                      same levels with one shared and with distinct prompts
+#   bash dev/h200_record.sh speculation FILE
+#                                      on a real pack (dev/stage_real.py puts the 1.5B at
+#                                      /tmp/real/1.5b.nanoqwen): the drafting backoff's caps
+#                                      0, 16:1, 16:0 on the three workloads, greedy and sampled
+#                                      (dev/spec_workloads.py), bench --concurrency 1,2,4,8,16
 #
 # The bench results keep stable names, overwritten by every run, in $OUT/results/:
 # h200_7b_synthetic_{512,8k,32k}.json and h200_7b_synthetic_itl_{512,32k}.png. They are
@@ -57,6 +66,26 @@ report() {  # the tails of the named logs, the status table; the logs into one a
     tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -r "$LOGS"
 }
 
+load_levels() {  # load_levels NAME [ARGS]: a CUDA-backed server on the 7B under dev/load_test.py
+    # at N = 1..16, 64 requests of a ~510-token prompt and 128 tokens; JSON and plot by NAME
+    nq serve /tmp/s7b.nanoqwen --backend cuda --port 8012 --log-level warning &
+    local pid=$! name=$1
+    shift
+    for _ in $(seq 120); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8012/health')" \
+            2>/dev/null && break
+        sleep 1
+    done
+    python3 dev/load_test.py --url http://127.0.0.1:8012 --endpoint completions \
+        --concurrency 1,2,4,8,16 --requests 64 --max-tokens 128 \
+        --prompt "$(python3 -c "print('def f(x):\n    return x + 1\n\n' * 46, end='')")" \
+        --out "$RESULTS/$name.json" --plot "$RESULTS/$name.png" "$@"
+    local rc=$?
+    kill "$pid"
+    wait "$pid"
+    return $rc
+}
+
 serve_once() {  # one client against a CUDA-backed server: TTFT of the stream and tokens/s
     nq serve /tmp/s7b.nanoqwen --backend cuda --port 8011 --log-level warning &
     local pid=$!
@@ -86,6 +115,27 @@ if [ "$PART" = bench ]; then
         --json "$RESULTS/h200_7b_synthetic_32k.json"
     step validate-7b nq validate /tmp/s7b.nanoqwen --tier all
     report bench-512 bench-8k bench-32k validate-7b
+elif [ "$PART" = batching ]; then
+    pack 7b /tmp/s7b.nanoqwen
+    step batch-check python3 dev/batch_check.py /tmp/s7b.nanoqwen --out "$RESULTS"
+    step concurrency nq bench /tmp/s7b.nanoqwen --concurrency 1,2,4,8,16 --prompt-len 512 \
+        --gen-len 128 --json "$RESULTS/h200_7b_synthetic_concurrency.json" \
+        --plot "$RESULTS/h200_7b_synthetic_concurrency.png"
+    step load-shared load_levels h200_7b_synthetic_load_shared
+    step load-distinct load_levels h200_7b_synthetic_load_distinct --distinct
+    report batch-check concurrency load-shared load-distinct
+elif [ "$PART" = speculation ]; then
+    FILE=${2:?usage: h200_record.sh speculation FILE}
+    m=$(basename "$FILE" .nanoqwen)
+    step spec-greedy python3 dev/spec_workloads.py "$FILE" --runs 3 --spec-backoff 0,16:1,16:0 \
+        --json "$RESULTS/h200_${m}_real_speculative_backoff.json"
+    step spec-sampled python3 dev/spec_workloads.py "$FILE" --runs 3 \
+        --spec-backoff 0,16:1,16:0 --sampled \
+        --json "$RESULTS/h200_${m}_real_speculative_backoff_sampled.json"
+    step concurrency nq bench "$FILE" --concurrency 1,2,4,8,16 --prompt-len 512 \
+        --gen-len 128 --json "$RESULTS/h200_${m}_real_concurrency.json" \
+        --plot "$RESULTS/h200_${m}_real_concurrency.png"
+    report spec-greedy spec-sampled concurrency
 elif [ "$PART" = family ]; then
     shift
     names=()
