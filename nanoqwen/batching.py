@@ -155,8 +155,10 @@ class Scheduler:
         """max_batch: sequences admitted at once (default and upper bound: the backend's);
         prefill_chunk: prompt tokens prefilled per step across sequences; solo: a lone
         sequence decodes through generate() (module docstring), False keeps it in the batch
-        (to measure the batch step at one sequence, or test the batch's own rules)."""
-        limit = backend.max_batch
+        (to measure the batch step at one sequence, or test the batch's own rules). A backend
+        without the batched step (max_batch 0: the cuda engine with an int8 lm_head) serves
+        one sequence at a time, solo."""
+        limit = backend.max_batch or int(solo)
         self.max_batch = limit if max_batch is None else max_batch
         if not 1 <= self.max_batch <= limit:
             raise NanoqwenError(f"max_batch {self.max_batch} must be in [1, {limit}] (the "
@@ -283,13 +285,7 @@ class Scheduler:
             return
         if fresh:
             seq.cached_tokens = self.backend.cached_tokens
-        seq.tokens.append(int(token))
-        finish = None
-        if token in seq.stop_ids:
-            finish = "stop"
-        elif len(seq.tokens) == seq.params.max_tokens:
-            finish = "length"
-        events.append(Event(seq, int(token), finish))
+        finish = self._emit(seq, token, events)
         if finish:
             self._end_solo(finish)
 
@@ -347,8 +343,8 @@ class Scheduler:
             token = self.backend.prefill_chunk(seq, end, sample)
             self.pages.commit(seq.table, seq.ids[start:end])
             budget -= end - start
-            if sample:
-                self._emit(seq, token, events)
+            if sample and (finish := self._emit(seq, token, events)):
+                self._leave(seq, finish)
 
     def _decode(self, batch: list[Sequence], events: list[Event]) -> None:
         for seq in batch:
@@ -360,10 +356,13 @@ class Scheduler:
         tokens = self.backend.decode_batch(batch)
         for seq, token in zip(batch, tokens, strict=True):
             self.pages.commit(seq.table, seq.ids[seq.kv_len - 1 : seq.kv_len])
-            self._emit(seq, token, events)
+            if finish := self._emit(seq, token, events):
+                self._leave(seq, finish)
 
     # -- helpers -------------------------------------------------------------------------------
-    def _emit(self, seq: Sequence, token: int, events: list[Event]) -> None:
+    def _emit(self, seq: Sequence, token: int, events: list[Event]) -> str | None:
+        """Append `token` to seq and its event; whether it ends seq ("stop" on a stop id,
+        "length" at max_tokens, else None): the caller lets it go."""
         seq.tokens.append(int(token))
         finish = None
         if token in seq.stop_ids:
@@ -371,8 +370,7 @@ class Scheduler:
         elif len(seq.tokens) == seq.params.max_tokens:
             finish = "length"
         events.append(Event(seq, int(token), finish))
-        if finish:
-            self._leave(seq, finish)
+        return finish
 
     def _reserve(self, seq: Sequence, length: int) -> bool:
         """Pages for `length` positions of `seq`, preempting the most recently admitted

@@ -291,6 +291,25 @@ def test_add_refuses_what_cannot_fit(model_file):
     assert not sched.has_work
 
 
+def test_a_backend_without_the_batch_step_serves_one_at_a_time():
+    # The cuda engine with an int8 lm_head has max_batch 0: generate() only.
+    backend = ScriptedBackend(pages=12)
+    backend.max_batch = 0
+    backend.decode_batch = backend.prefill_chunk = None  # never called
+    sched = Scheduler(backend)
+    assert sched.max_batch == 1
+    rnd = random.Random()
+    seqs = [sched.add([rnd.randrange(10, 40) for _ in range(9)], SamplingParams(max_tokens=20))
+            for _ in range(3)]  # fmt: skip
+    run(sched)
+    for seq in seqs:
+        assert seq.tokens == list(backend.alone(seq.prompt, seq.params, frozenset()))
+    assert backend.block_manager.pages_held == 0
+    for bad in ({"max_batch": 2}, {"solo": False}):
+        with pytest.raises(NanoqwenError, match="must be in"):
+            Scheduler(backend, **bad)
+
+
 def test_speculative_drafts_run_solo_not_in_the_batch(tiny_model):
     # The tiny synthetic model repeats itself, so generate()'s n-gram drafts are accepted.
     spec = SpeculativeConfig(k=4)

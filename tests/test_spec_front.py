@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import dataclasses
 import json
 import sysconfig
@@ -195,31 +196,38 @@ def test_generate_prints_the_stats_line(tiny_model, capsys):
     assert "speculative" not in capsys.readouterr().err
 
 
-def test_usage_and_metrics_report_speculation(tiny_model):
-    """A one-stream server (--max-batch 1) keeps speculative decoding."""
+@contextlib.asynccontextmanager
+async def served(llm: LLM, **worker):
+    """An httpx client of the app over `llm`, its Worker(llm, **worker) running meanwhile."""
     import httpx
 
     from nanoqwen.server import Worker, create_app
 
-    async def run() -> tuple[dict, dict, str]:
-        llm = LLM(tiny_model, backend="reference", max_context=512, speculative="ngram")
-        worker = Worker(llm, max_queue=2, max_batch=1)
-        worker.start()
-        try:
-            transport = httpx.ASGITransport(app=create_app(llm, worker))
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-                body = {"model": llm.model_name, "prompt": REPEATING, "max_tokens": 16}
-                plain = (await client.post("/v1/completions", json=body)).json()
-                body |= {"stream": True, "stream_options": {"include_usage": True}}
-                r = await client.post("/v1/completions", json=body)
-                chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e[6:7] == "{"]
-                metrics = (await client.get("/metrics")).text
-            return plain["usage"], chunks[-1]["usage"], metrics, llm.spec_totals
-        finally:
-            worker.stop()
-            llm.close()
+    engine = Worker(llm, **worker)
+    engine.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(llm, engine))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            yield client
+    finally:
+        engine.stop()
 
-    usage, streamed, metrics, totals = asyncio.run(run())
+
+def test_usage_and_metrics_report_speculation(tiny_model):
+    """A one-stream server (--max-batch 1) keeps speculative decoding."""
+
+    async def run() -> tuple[dict, dict, str]:
+        async with served(llm, max_queue=2, max_batch=1) as client:
+            body = {"model": llm.model_name, "prompt": REPEATING, "max_tokens": 16}
+            plain = (await client.post("/v1/completions", json=body)).json()
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+            r = await client.post("/v1/completions", json=body)
+            chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e[6:7] == "{"]
+            metrics = (await client.get("/metrics")).text
+        return plain["usage"], chunks[-1]["usage"], metrics, llm.spec_totals
+
+    with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as llm:
+        usage, streamed, metrics, totals = asyncio.run(run())
     assert usage["completion_tokens"] == streamed["completion_tokens"] == 16
     # The two requests need not take the same steps: the second one prefills only past its
     # cached prefix, and the tiny random model's logits have near-ties that rounding can flip.
@@ -247,24 +255,15 @@ def test_a_batched_server_drafts_while_a_request_is_alone(tiny_model):
     by side hand off into the batch (one token a step) and keep their greedy text. Each
     reply's speculative usage is what its solo stretches drafted, and /metrics' totals are
     their sum."""
-    import httpx
-
-    from nanoqwen.server import Worker, create_app
 
     async def run() -> tuple[dict, list[dict]]:
-        worker = Worker(llm, max_queue=4, max_batch=2)
-        worker.start()
-        try:
-            transport = httpx.ASGITransport(app=create_app(llm, worker))
-            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-                body = {"model": llm.model_name, "prompt": REPEATING, "max_tokens": 16}
-                lone = (await client.post("/v1/completions", json=body)).json()
-                pair = await asyncio.gather(
-                    *(client.post("/v1/completions", json=body) for _ in range(2))
-                )
-                return lone, [r.json() for r in pair]
-        finally:
-            worker.stop()
+        async with served(llm, max_queue=4, max_batch=2) as client:
+            body = {"model": llm.model_name, "prompt": REPEATING, "max_tokens": 16}
+            lone = (await client.post("/v1/completions", json=body)).json()
+            pair = await asyncio.gather(
+                *(client.post("/v1/completions", json=body) for _ in range(2))
+            )
+            return lone, [r.json() for r in pair]
 
     with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as llm:
         lone, pair = asyncio.run(run())

@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-batch",
         type=int_range(1),
         default=None,
-        help="requests decoded together (continuous batching); None = the backend's max_batch "
-        "(reference: 8); 1 runs one generation at a time",
+        help="requests decoded together (continuous batching; a request alone keeps the "
+        "single-stream loop); None = the backend's max_batch (cuda: 16, reference: 8); 1 runs "
+        "one generation at a time",
     )
     p.add_argument(
         "--max-body-bytes",

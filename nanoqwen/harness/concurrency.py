@@ -37,7 +37,7 @@ def _percentile(values, q: float) -> float:
 def run_level(backend, n: int, prompt_len: int, gen_len: int, prefill_chunk: int,
               rng: np.random.Generator) -> dict:  # fmt: skip
     """One timed run of `n` streams (module docstring); the row of the result's `levels`."""
-    sched = Scheduler(backend, min(n, backend.max_batch), prefill_chunk)
+    sched = Scheduler(backend, min(n, backend.max_batch or 1), prefill_chunk)  # 0: solo only
     vocab = backend.config.vocab_size
     params = SamplingParams(max_tokens=gen_len)
     start = time.perf_counter()
