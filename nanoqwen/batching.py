@@ -23,7 +23,8 @@ releases pages; it drives any backend with the batch primitives:
 (ReferenceBackend's are the oracle: exactly generate()'s tokens). Each `step()`:
 
 1. drops cancelled sequences: their pages (committed as far as written) are released and their
-   slot freed, so a cancel frees its KV within one step;
+   slot freed, so a cancel frees its KV within one step; then, when a sequence runs solo
+   (below) and stays so, takes its next token and does nothing else; otherwise:
 2. admits waiting sequences, oldest first, while a slot is free and the pool has pages for the
    sequence's first chunk besides the pages this step's decode takes (so an admission does not
    force a preemption in its own step); admission takes the prompt's cached prefix
@@ -134,8 +135,9 @@ class Sequence:
 
 
 class Event(NamedTuple):
-    """What a step did to one sequence: a new token (None for a cancellation) and, when the
-    sequence left, why ("stop", "length" or "cancelled")."""
+    """What a step did to one sequence: a new token (None for a cancellation, or a solo
+    generate() that ended without a finishing token) and, when the sequence left, why
+    ("stop", "length" or "cancelled")."""
 
     seq: Sequence
     token: int | None
@@ -264,10 +266,7 @@ class Scheduler:
         lone = len(self.waiting) == 1 or self.max_batch == 1
         if not self.running and self.waiting and lone and self._solo_ok(self.waiting[0]):
             seq = self.waiting.popleft()
-        elif (len(self.running) == 1 and not self.waiting and self.running[0].decoding
-              and self._solo_ok(self.running[0])
-              and self.running[0].params.max_tokens - len(self.running[0].tokens)
-              >= SOLO_MIN_LEFT):  # fmt: skip
+        elif len(self.running) == 1 and not self.waiting and self._leaves_batch(self.running[0]):
             seq = self.running[0]
             self._leave(seq, None)
         else:
@@ -276,12 +275,17 @@ class Scheduler:
         self._solo_tokens = self.backend.generate(seq.ids, params, seq.stop_ids)
         self.solo = seq
 
+    def _leaves_batch(self, seq: Sequence) -> bool:
+        left = seq.params.max_tokens - len(seq.tokens)
+        return seq.decoding and self._solo_ok(seq) and left >= SOLO_MIN_LEFT
+
     def _solo_step(self, events: list[Event]) -> None:
         seq = self.solo
         fresh = not seq.tokens
         token = next(self._solo_tokens, None)
-        if token is None:  # generate() ended on max_tokens with the last token emitted
+        if token is None:  # generate() ended without a finishing token (LLM.stream's "length")
             self._end_solo("length")
+            events.append(Event(seq, None, "length"))
             return
         if fresh:
             seq.cached_tokens = self.backend.cached_tokens

@@ -164,10 +164,13 @@ class Batch:
         out = []
         for event in self.scheduler.step():
             text = self._text.get(event.seq)
-            if text is None or event.token is None:  # cancelled
+            if text is None or event.finish == "cancelled":
                 continue
-            cached = event.seq.cached_tokens if len(event.seq.tokens) == 1 else 0
-            delta = text.feed(event.token, cached)
+            if event.token is None:  # a backend's generate() that ended on its own
+                delta = text.end()
+            else:
+                cached = event.seq.cached_tokens if len(event.seq.tokens) == 1 else 0
+                delta = text.feed(event.token, cached)
             if delta.finish_reason:
                 del self._text[event.seq]
                 if not event.finish:  # a stop string: the scheduler does not know it

@@ -16,6 +16,7 @@ compared exactly.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -308,6 +309,28 @@ def test_a_backend_without_the_batch_step_serves_one_at_a_time():
     for bad in ({"max_batch": 2}, {"solo": False}):
         with pytest.raises(NanoqwenError, match="must be in"):
             Scheduler(backend, **bad)
+
+
+def test_a_solo_generation_that_ends_on_its_own_leaves():
+    backend = ScriptedBackend(pages=12)
+    full = backend.generate
+
+    def three(ids, params, stop_ids):  # a generation that stops after 3 tokens, unasked
+        tokens = full(ids, params, stop_ids)
+        try:
+            yield from itertools.islice(tokens, 3)
+        finally:
+            tokens.close()
+
+    backend.generate = three
+    sched = Scheduler(backend)
+    seq = sched.add([11, 12, 13], SamplingParams(max_tokens=10))
+    log = []
+    run(sched, log)
+    assert [e.token for events in log for e in events] == [*seq.tokens, None]
+    assert log[-1] == [(seq, None, "length")] and seq.finish_reason == "length"
+    assert len(seq.tokens) == 3 and sched.solo is None and not sched.has_work
+    assert backend.block_manager.pages_held == 0
 
 
 def test_speculative_drafts_run_solo_not_in_the_batch(tiny_model):

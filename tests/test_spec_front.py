@@ -9,6 +9,7 @@ import ast
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import sysconfig
 from pathlib import Path
@@ -458,3 +459,27 @@ def test_one_stream_batch_with_speculation_cancels_at_once(tiny_model):
             out += batch.step()
         assert {h for h, _ in out} == {second} and out[-1][1].finish_reason == "length"
         assert len(out) == 8 and out[-1][1].speculative is not None
+
+
+def test_batch_ends_a_generation_its_backend_ended(tiny_model):
+    """A solo generate() that stops before max_tokens without a stop id (LLM.stream's
+    text.end() case) still gives its request a last delta, finish_reason "length"."""
+    with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as llm:
+        full = llm.backend.generate
+
+        def three(ids, params, stop_ids):
+            tokens = full(ids, params, stop_ids)
+            try:
+                yield from itertools.islice(tokens, 3)
+            finally:
+                tokens.close()
+
+        llm.backend.generate = three
+        batch = llm.batch()
+        handle = batch.add(llm.prepare(REPEATING), SamplingParams(max_tokens=8))
+        out = []
+        while batch.has_work:
+            out += batch.step()
+        assert [h for h, _ in out] == [handle] * 4 and out[-1][1].finish_reason == "length"
+        assert sum(len(d.token_ids) for _, d in out) == 3 and out[-1][1].speculative is not None
+        assert llm.kv_pages_in_use == 0
