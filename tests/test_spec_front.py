@@ -252,9 +252,9 @@ def test_usage_and_metrics_report_speculation(tiny_model):
 
 
 def test_a_batched_server_drafts_while_a_request_is_alone(tiny_model):
-    """With --max-batch above 1 a lone request decodes solo, drafts included; requests side
-    by side hand off into the batch (one token a step) and keep their greedy text. Each
-    reply's speculative usage is what its solo stretches drafted, and /metrics' totals are
+    """With --max-batch above 1 a lone request decodes solo, drafts included, its text that of
+    generate() alone; requests side by side hand off into the batch (one token a step). Each
+    reply's speculative usage is what its solo stretches drafted, and the LLM's totals are
     their sum."""
 
     async def run() -> tuple[dict, list[dict]]:
@@ -269,11 +269,16 @@ def test_a_batched_server_drafts_while_a_request_is_alone(tiny_model):
     with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as llm:
         lone, pair = asyncio.run(run())
         totals = dataclasses.replace(llm.spec_totals)
-        alone = llm.generate(llm.prepare(REPEATING), SamplingParams(max_tokens=16))
+    # The same computation as the lone request's: a cold prefill (an empty prefix cache).
+    with LLM(tiny_model, backend="reference", max_context=512, speculative="ngram") as fresh:
+        alone = fresh.generate(fresh.prepare(REPEATING), SamplingParams(max_tokens=16))
     spec = lone["usage"]["speculative"]
     assert spec["accepted_tokens"] > 0 and spec["steps"] + spec["accepted_tokens"] == 15
+    assert lone["choices"][0]["text"] == alone.text  # solo: generate(), as alone
+    # The pair's texts are not compared: where a request ran batched depends on timing, and
+    # this repetitive model has near-ties that the batched arithmetic can flip (greedy
+    # identity across handoffs is tests/test_batching.py's, on a model without near-ties).
     for reply in (lone, *pair):
-        assert reply["choices"][0]["text"] == alone.text
         assert reply["usage"]["completion_tokens"] == 16
     drafted = [r["usage"].get("speculative", {}).get("drafted_tokens", 0) for r in (lone, *pair)]
     assert totals.drafted == sum(drafted)
