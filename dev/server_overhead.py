@@ -3,12 +3,13 @@
     python3 -m nanoqwen.cli pack --synthetic tiny -o /tmp/tiny.nanoqwen
     PYTHONPATH=. python3 dev/server_overhead.py /tmp/tiny.nanoqwen [--step-ms 3] \
         [--levels 1,4,8,16] [--max-tokens 128] [--rounds 3] [--wait sleep,spin] \
-        [--profile DIR] [--json OUT.json]
+        [--profile DIR] [--gil-check] [--json OUT.json]
 
 The engine is `nanoqwen.harness.paced.PacedLLM`: the model file's tokenizer and the real LLM
 front end (scheduler, detokenizer, stop strings) over a backend whose every step takes
 --step-ms and does nothing else. For each --wait kind (`sleep` releases the GIL during the
-step as the cuda backend's stream sync does; `spin` holds it: the bracket) and each level N:
+step, as the cuda backend's stream sync does if cuda.bindings releases it; `block` holds it in
+a blocking C call, as a binding that does not; `spin` holds it in a Python loop) and each N:
 
     offline   N streams through `LLM.batch()` stepped in a loop, no HTTP (bench
               --concurrency's measurement, with the text front end): per-stream ITL
@@ -28,6 +29,13 @@ The server runs in its own process, as `nanoqwen serve` does under dev/load_test
 GPU host: clients in the server's process would take the GIL from its event loop and engine
 thread. An in-process httpx.ASGITransport would skip uvicorn's protocol and the socket writes,
 which are part of the cost measured.
+
+--gil-check (GPU host): first, does the batch step's wait release the GIL? The step ends in
+`Gpu.download`'s cuStreamSynchronize (cuda.bindings); a host function on the stream (libc's
+usleep, run by the driver's own thread) keeps it busy GIL_CHECK_MS while another Python thread
+counts, and the count rate during the sync is printed beside the rate during a time.sleep:
+about the same, the bindings release the GIL (read the `sleep` rows); near zero, they hold it
+(read the `block` rows).
 
 --profile DIR: the server process also runs cProfile in its event loop thread and in the
 engine thread, and writes DIR/{loop,engine}_<wait>.pstats at exit (the figures are then not
@@ -52,6 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import load_test  # noqa: E402 (dev/ is not a package)
 
+GIL_CHECK_MS = 20
 # argv[1] of the server process: `nanoqwen serve` over the stand-in; argv[2:8] are the step
 # in seconds, the wait kind, the profile directory ("-": none), the model file, the port and
 # the file where a SIGUSR1 writes the stand-in's step times since the last one (JSON).
@@ -70,7 +79,7 @@ def serve(step_s: float, wait: str, profile: str, file: str, port: int, times: s
     opened = []
 
     def open_paced(path, args, max_batch=None):
-        opened.append(PacedLLM(path, step_s, hold_gil=wait == "spin", max_batch=max_batch or 16))
+        opened.append(PacedLLM(path, step_s, wait, max_batch=max_batch or 16))
         return opened[-1]
 
     def write_times(*_) -> None:  # on the main thread, between two bytecodes of the loop
@@ -117,6 +126,44 @@ def profiled(main, out: Path, wait: str) -> int:
         prof.dump_stats(out / f"loop_{wait}.pstats")
 
 
+def gil_check() -> dict:
+    """Python steps per second on another thread while this one waits in cuStreamSynchronize
+    and in time.sleep (module docstring)."""
+    import ctypes
+
+    from cuda.bindings import driver
+
+    from nanoqwen.cuda.device import Gpu, check
+
+    gpu = Gpu()
+    usleep = driver.CUhostFn(ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value)
+    count, stop = [0], threading.Event()
+
+    def counter() -> None:
+        while not stop.is_set():
+            count[0] += 1
+
+    def synced() -> None:
+        check(driver.cuLaunchHostFunc(gpu.stream.handle, usleep, GIL_CHECK_MS * 1000), "host fn")
+        check(driver.cuStreamSynchronize(gpu.stream.handle), "cuStreamSynchronize")
+
+    thread = threading.Thread(target=counter)
+    thread.start()
+    rates = {}
+    try:
+        for name, wait in (("sync", synced), ("sleep", lambda: time.sleep(GIL_CHECK_MS / 1e3))):
+            start, before = time.perf_counter(), count[0]
+            wait()
+            rates[name] = (count[0] - before) / (time.perf_counter() - start)
+    finally:
+        stop.set()
+        thread.join()
+    verdict = "released" if rates["sync"] > 0.3 * rates["sleep"] else "HELD"
+    print(f"GIL check: another thread ran {rates['sync']:.3g} steps/s during cuStreamSynchronize, "
+          f"{rates['sleep']:.3g} during time.sleep: the GIL is {verdict}", flush=True)  # fmt: skip
+    return rates | {"verdict": verdict}
+
+
 def offline(file: str, step_s: float, wait: str, n: int, max_tokens: int, rounds: int) -> dict:
     """`n` streams of `max_tokens` stepped together through LLM.batch(), `rounds` times:
     per-stream ITL (p50 over the streams of every round of each stream's median gap, and of
@@ -125,7 +172,7 @@ def offline(file: str, step_s: float, wait: str, n: int, max_tokens: int, rounds
     from nanoqwen.sampling import SamplingParams
 
     medians, means = [], []
-    with PacedLLM(file, step_s, hold_gil=wait == "spin", max_batch=16) as llm:
+    with PacedLLM(file, step_s, wait, max_batch=16) as llm:
         ids = llm.prepare(PROMPT)
         for _ in range(rounds):
             batch = llm.batch(n)
@@ -256,15 +303,22 @@ def main() -> int:
     ap.add_argument("--levels", default="1,4,8,16", help="concurrent streaming clients")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
     ap.add_argument("--rounds", type=int, default=3, help="requests per client and level")
-    ap.add_argument("--wait", default="sleep,spin", help="how the step waits: sleep, spin")
+    ap.add_argument(
+        "--wait", default="sleep,block,spin", help="how the step waits: sleep, block, spin"
+    )
     ap.add_argument("--port", type=int, default=PORT, help="the stand-in server's port")
     ap.add_argument("--profile", default=None, metavar="DIR", help="cProfile the server")
+    ap.add_argument("--gil-check", action="store_true",
+                    help="GPU host: does cuStreamSynchronize release the GIL (first)")  # fmt: skip
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
-    rows = [row for wait in args.wait.split(",") for row in measure(args, wait)]
+    out: dict = {"command": " ".join(sys.argv)}
+    if args.gil_check:
+        out["gil_check"] = gil_check()
+    out["rows"] = [row for wait in args.wait.split(",") for row in measure(args, wait)]
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}))
+        Path(args.json).write_text(json.dumps(out))
     return 0
 
 

@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-from nanoqwen.harness.paced import TEXT, PacedLLM
+from nanoqwen.harness.paced import TEXT, WAITS, PacedLLM
 from nanoqwen.sampling import SamplingParams
 
 
-@pytest.mark.parametrize("hold_gil", [False, True])
-def test_batch_streams_the_text_one_step_apart_and_frees_its_pages(tiny_model, hold_gil) -> None:
+@pytest.mark.parametrize("wait", WAITS)
+def test_batch_streams_the_text_one_step_apart_and_frees_its_pages(tiny_model, wait) -> None:
     step_s = 0.002
-    with PacedLLM(tiny_model, step_s, hold_gil=hold_gil, max_batch=4) as llm:
+    with PacedLLM(tiny_model, step_s, wait, max_batch=4) as llm:
         batch = llm.batch(3)
         lengths = (5, 9, 17)
         seqs = [batch.add(llm.prepare("x" * n), SamplingParams(max_tokens=n)) for n in lengths]

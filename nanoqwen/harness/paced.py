@@ -9,15 +9,21 @@ server or a benchmark over it pays everything a GPU-backed one pays except the G
 its per-token latency minus `step_s` is the host's cost that the step does not hide
 (dev/server_overhead.py).
 
-How it waits brackets how a GPU backend waits. `hold_gil=False` sleeps, which releases the
-GIL as the cuda backend's cuStreamSynchronize does (cuda.bindings calls the driver without
-the GIL): the server's event loop runs during the step. `hold_gil=True` spins on the clock
-with the GIL held, as a backend would whose wait never released it: the event loop then
-gets the GIL only at the interpreter's switch interval (worker.SWITCH_INTERVAL_S).
+How it waits (`wait`) brackets how a GPU backend waits for its step:
+
+    sleep   time.sleep: the GIL is released, as the cuda backend's cuStreamSynchronize releases
+            it if cuda.bindings calls the driver without the GIL; the server's event loop runs
+            during the step
+    block   libc usleep called with the GIL held (ctypes.PyDLL): a binding that blocks in the
+            driver without releasing the GIL; nothing else in the process runs during the step
+    spin    a busy loop on the clock in Python, the GIL held: the event loop gets the GIL only
+            at the interpreter's switch interval (worker.SWITCH_INTERVAL_S), and the engine
+            thread waits as long to get it back
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -30,6 +36,7 @@ from ..speculative import SpecStats
 
 # What the stand-in "generates", cycled: code, so a token stream reads like a completion.
 TEXT = "def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n"
+WAITS = ("sleep", "block", "spin")
 
 
 class PacedBackend:
@@ -41,9 +48,12 @@ class PacedBackend:
     cached_tokens = 0  # no prefix is served from a cache: every prompt is "prefilled"
 
     def __init__(self, config: ModelConfig, max_context: int, max_batch: int, step_s: float,
-                 hold_gil: bool, text_ids: Sequence[int]) -> None:  # fmt: skip
+                 wait: str, text_ids: Sequence[int]) -> None:  # fmt: skip
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {', '.join(WAITS)}, got {wait!r}")
         self.config, self.max_context, self.max_batch = config, max_context, max_batch
-        self.step_s, self.hold_gil, self.text_ids = step_s, hold_gil, list(text_ids)
+        self.step_s, self.wait, self.text_ids = step_s, wait, list(text_ids)
+        self._usleep = ctypes.PyDLL(None).usleep  # PyDLL: the call keeps the GIL
         # Room for every slot's whole context: the stand-in never preempts.
         self.block_manager = BlockManager(max_batch * -(-max_context // PAGE_TOKENS))
         self.spec_stats = SpecStats()
@@ -63,11 +73,13 @@ class PacedBackend:
         start = time.perf_counter()
         if self._waited is not None:
             self.gaps.append(start - self._waited)
-        if self.hold_gil:
+        if self.wait == "sleep":
+            time.sleep(self.step_s)
+        elif self.wait == "block":
+            self._usleep(round(self.step_s * 1e6))
+        else:
             while time.perf_counter() < start + self.step_s:
                 pass
-        else:
-            time.sleep(self.step_s)
         self._waited = time.perf_counter()
         self.waits.append(self._waited - start)
 
@@ -119,14 +131,14 @@ class PacedBackend:
 class PacedLLM(LLM):
     """LLM over a model file's tokenizer and front end, its engine a `PacedBackend`."""
 
-    def __init__(self, path: str | os.PathLike, step_s: float, hold_gil: bool = False,
+    def __init__(self, path: str | os.PathLike, step_s: float, wait: str = "sleep",
                  max_batch: int = 16, max_context: int | None = None) -> None:  # fmt: skip
-        self._paced = (step_s, hold_gil)
+        self._paced = (step_s, wait)
         # The reference backend's context rule; `_open_backend` below builds the stand-in.
         super().__init__(path, "reference", max_context, speculative="off", max_batch=max_batch)
         self.backend_name = self.backend_reason = "paced"
 
     def _open_backend(self) -> PacedBackend:
-        step_s, hold_gil = self._paced
+        step_s, wait = self._paced
         ids = [t for t in self.tokenizer.encode(TEXT) if t not in self.tokenizer.eos_token_ids]
-        return PacedBackend(self.config, self.max_context, self._max_batch, step_s, hold_gil, ids)
+        return PacedBackend(self.config, self.max_context, self._max_batch, step_s, wait, ids)
