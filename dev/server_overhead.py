@@ -2,7 +2,7 @@
 
     python3 -m nanoqwen.cli pack --synthetic tiny -o /tmp/tiny.nanoqwen
     PYTHONPATH=. python3 dev/server_overhead.py /tmp/tiny.nanoqwen [--step-ms 3] \
-        [--levels 1,4,8,16] [--max-tokens 128] [--rounds 3] [--wait sleep,spin] \
+        [--levels 1,4,8,16] [--max-tokens 128] [--rounds 3] [--wait sleep,block,spin] \
         [--profile DIR] [--gil-check] [--json OUT.json]
 
 The engine is `nanoqwen.harness.paced.PacedLLM`: the model file's tokenizer and the real LLM
@@ -22,8 +22,9 @@ a blocking C call, as a binding that does not; `spin` holds it in a Python loop)
 and the host's cost per step that the step does not hide: the mean ITL minus --step-ms, offline
 (the scheduler and the text) and online (that plus the server); their difference is the
 server's. Beside them, from the server process: the stand-in's median gap between two steps
-(the engine thread's host work, GIL waits included) and wait (a sleep overshoots), and the CPU
-time of the event loop thread per token and of the engine thread per step.
+(the engine thread's host work, GIL waits included) and wait (a sleep overshoots; with `block`
+it also holds the wait for the GIL once the C call returns), and the CPU time of the event
+loop thread per token and of the engine thread per step.
 
 The server runs in its own process, as `nanoqwen serve` does under dev/load_test.py on the
 GPU host: clients in the server's process would take the GIL from its event loop and engine
@@ -315,7 +316,11 @@ def main() -> int:
     args.levels = [int(x) for x in args.levels.split(",")]
     out: dict = {"command": " ".join(sys.argv)}
     if args.gil_check:
-        out["gil_check"] = gil_check()
+        try:
+            out["gil_check"] = gil_check()
+        except Exception as exc:  # a diagnostic: the rows below are still worth having
+            print(f"GIL check failed: {exc!r}", file=sys.stderr)
+            out["gil_check"] = {"error": repr(exc)}
     out["rows"] = [row for wait in args.wait.split(",") for row in measure(args, wait)]
     if args.json:
         Path(args.json).write_text(json.dumps(out))
