@@ -11,8 +11,10 @@ front end (scheduler, detokenizer, stop strings) over a backend whose every step
 step, as the cuda backend's stream sync does if cuda.bindings releases it; `block` holds it in
 a blocking C call, as a binding that does not; `spin` holds it in a Python loop) and each N:
 
-    offline   N streams through `LLM.batch()` stepped in a loop, no HTTP (bench
-              --concurrency's measurement, with the text front end): per-stream ITL
+    scheduler N streams through the bare Scheduler stepped in a loop (bench --concurrency's
+              measurement): per-stream ITL
+    offline   the same through `LLM.batch()` (the server's engine loop: the text front end
+              added, no HTTP)
     online    `nanoqwen serve` (the CLI's own path: uvicorn on a loopback port, the engine
               worker, the app) in a child process over the same stand-in, dev/load_test.py's
               clients in this process: N clients, each streaming --rounds completions of
@@ -165,25 +167,33 @@ def gil_check() -> dict:
     return rates | {"verdict": verdict}
 
 
-def offline(file: str, step_s: float, wait: str, n: int, max_tokens: int, rounds: int) -> dict:
-    """`n` streams of `max_tokens` stepped together through LLM.batch(), `rounds` times:
-    per-stream ITL (p50 over the streams of every round of each stream's median gap, and of
-    its mean gap) and the stand-in's median gap and wait."""
+def offline(file: str, step_s: float, wait: str, n: int, max_tokens: int, rounds: int,
+            text: bool = True) -> dict:  # fmt: skip
+    """`n` streams of `max_tokens` stepped together `rounds` times through LLM.batch() (text:
+    the server's engine loop without the server) or through the bare Scheduler (bench
+    --concurrency's loop): per-stream ITL (p50 over the streams of every round of each
+    stream's median gap, and of its mean gap) and the stand-in's median gap and wait."""
+    from nanoqwen.batching import Scheduler
     from nanoqwen.harness.paced import PacedLLM
     from nanoqwen.sampling import SamplingParams
 
     medians, means = [], []
     with PacedLLM(file, step_s, wait, max_batch=16) as llm:
-        ids = llm.prepare(PROMPT)
+        ids, params = llm.prepare(PROMPT), SamplingParams(max_tokens=max_tokens)
+        stops = frozenset(llm.tokenizer.eos_token_ids)
         for _ in range(rounds):
-            batch = llm.batch(n)
-            stamps: dict = {batch.add(ids, SamplingParams(max_tokens=max_tokens)): []
-                            for _ in range(n)}  # fmt: skip
+            if text:
+                batch = llm.batch(n)
+                stamps: dict = {batch.add(ids, params): [] for _ in range(n)}
+            else:
+                batch = Scheduler(llm.backend, n)
+                stamps = {batch.add(ids, params, stops): [] for _ in range(n)}
             while batch.has_work:
                 out = batch.step()
                 now = time.perf_counter()
-                for seq, _ in out:
-                    stamps[seq].append(now)
+                for event in out:  # (seq, delta) or the scheduler's Event(seq, token, finish)
+                    if text or event.token is not None:
+                        stamps[event[0]].append(now)
             for s in stamps.values():
                 gaps = [b - a for a, b in zip(s, s[1:], strict=False)]
                 medians.append(statistics.median(gaps))
@@ -268,8 +278,10 @@ def measure(args: argparse.Namespace, wait: str) -> list[dict]:
                 1e3 * (after["cpu"]["engine"] - before["engine"]) / (len(after["waits"]) or 1)
             )
             alone = offline(args.file, step_s, wait, n, args.max_tokens, args.rounds)
+            bare = offline(args.file, step_s, wait, n, args.max_tokens, args.rounds, text=False)
             row |= {f"online_{k}": v for k, v in served.items()}
             row |= {f"offline_{k}": v for k, v in alone.items()}
+            row |= {f"scheduler_{k}": v for k, v in bare.items()}
             row["host_offline_ms"] = row["offline_itl_mean_ms"] - args.step_ms
             row["host_online_ms"] = row["online_itl_mean_ms"] - args.step_ms
             row["server_ms"] = row["online_itl_mean_ms"] - row["offline_itl_mean_ms"]
@@ -282,12 +294,14 @@ def measure(args: argparse.Namespace, wait: str) -> list[dict]:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['wait']:>5} step {r['step_ms']:.2f} ms N={r['n']:<2} ITL p50/mean offline "
+    print(f"{r['wait']:>5} step {r['step_ms']:.2f} ms N={r['n']:<2} ITL p50/mean scheduler "
+          f"{r['scheduler_itl_ms']:.3f}/{r['scheduler_itl_mean_ms']:.3f} offline "
           f"{r['offline_itl_ms']:.3f}/{r['offline_itl_mean_ms']:.3f} online "
           f"{r['online_itl_ms']:.3f}/{r['online_itl_mean_ms']:.3f} (p99 "
           f"{r['online_itl_p99_ms']:.2f}) | host/step offline {r['host_offline_ms']:+.3f} online "
           f"{r['host_online_ms']:+.3f} server {r['server_ms']:+.3f} | TTFT p50 "
-          f"{r['online_ttft_p50_ms']:.1f} | engine gap offline {r['offline_gap_ms']:.3f} online "
+          f"{r['online_ttft_p50_ms']:.1f} | engine gap scheduler {r['scheduler_gap_ms']:.3f} "
+          f"offline {r['offline_gap_ms']:.3f} online "
           f"{r['online_gap_ms']:.3f}, wait {r['offline_wait_ms']:.3f}/{r['online_wait_ms']:.3f} "
           f"| CPU loop {r['online_loop_cpu_us_per_token']:.1f} us/token, engine "
           f"{r['online_engine_cpu_ms_per_step']:.3f} ms/step (ms unless said)",
