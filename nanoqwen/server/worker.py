@@ -8,9 +8,9 @@ admissions, a bounded prefill chunk, one decode step for every running sequence)
 step's `Delta`s to their jobs' event loop through `loop.call_soon_threadsafe`, so the HTTP
 handlers await results without ever blocking the event loop, and the engine is never touched by
 two threads. A step's events go in one call per event loop (`post_all`), not one per event:
-each call is a wake-up write to the loop's self-pipe on the engine thread, between two steps,
-and each wake-up lets the loop thread take the GIL from the engine thread's work for the next
-step. With `max_batch` 1 it runs one generation at a time, as a batch-1 server does.
+the calls are made on the engine thread between two steps, where nothing hides their cost, and
+the loop is woken once a step and runs the step's deliveries together. With `max_batch` 1 it
+runs one generation at a time, as a batch-1 server does.
 
 Cancellation: the handler sets `job.cancelled` (client disconnected, response torn down). The
 worker checks it before every step and cancels the job's sequence, which the step then frees
