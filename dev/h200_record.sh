@@ -17,7 +17,9 @@
 #   bash dev/h200_record.sh batching   continuous batching on the synthetic 7B: dev/batch_check.py
 #                                      (every part), bench --concurrency 1,2,4,8,16 (prompt
 #                                      512, 128 tokens), a server under dev/load_test.py at the
-#                                      same levels with one shared and with distinct prompts
+#                                      same levels with one shared and with distinct prompts,
+#                                      dev/server_overhead.py (the host's cost per token over a
+#                                      stand-in engine of the 7B's step time, N = 1..16)
 #   bash dev/h200_record.sh speculation FILE
 #                                      on a real pack (dev/stage_real.py puts the 1.5B at
 #                                      /tmp/real/1.5b.nanoqwen): the drafting backoff's caps
@@ -123,7 +125,10 @@ elif [ "$PART" = batching ]; then
         --plot "$RESULTS/h200_7b_synthetic_concurrency.png"
     step load-shared load_levels h200_7b_synthetic_load_shared
     step load-distinct load_levels h200_7b_synthetic_load_distinct --distinct
-    report batch-check concurrency load-shared load-distinct
+    pack tiny /tmp/tiny.nanoqwen
+    step server-overhead python3 dev/server_overhead.py /tmp/tiny.nanoqwen --step-ms 2.9 --gil-check \
+        --json "$RESULTS/h200_server_overhead.json"
+    report batch-check concurrency load-shared load-distinct server-overhead
 elif [ "$PART" = speculation ]; then
     FILE=${2:?usage: h200_record.sh speculation FILE}
     m=$(basename "$FILE" .nanoqwen)

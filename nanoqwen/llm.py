@@ -114,7 +114,7 @@ class _Text:
         self.count += 1
         if token in self.stop_ids:  # EOS: ends the text, adds none
             return Delta(self._flush("")[0], (token,), "stop", cached)
-        text, stopped = self.matcher.feed(self.detok.feed([token]))
+        text, stopped = self.matcher.feed(self.detok.feed_one(token))
         if not stopped and self.count == self.max_tokens:
             text, stopped = self._flush(text)
             return Delta(text, (token,), "stop" if stopped else "length", cached)

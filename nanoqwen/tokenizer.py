@@ -412,6 +412,10 @@ class IncrementalDetokenizer:
         raw = b"".join(self._tokenizer.token_bytes(i) for i in token_ids)
         return self._decoder.decode(raw)
 
+    def feed_one(self, token_id: int) -> str:
+        """`feed([token_id])` without the join: the per-token path of every stream."""
+        return self._decoder.decode(self._tokenizer.token_bytes(token_id))
+
     def finish(self) -> str:
         return self._decoder.decode(b"", final=True)
 
@@ -433,6 +437,8 @@ class StopMatcher:
         self.stopped = False
 
     def feed(self, text: str) -> tuple[str, bool]:
+        if not self._stops:  # most requests: nothing to match or hold back
+            return text, False
         if self.stopped:
             return "", True
         buf = self._held + text

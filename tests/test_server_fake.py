@@ -24,7 +24,7 @@ from nanoqwen.kv_pages import KVStats  # noqa: E402
 from nanoqwen.llm import Delta  # noqa: E402
 from nanoqwen.sampling import SamplingParams  # noqa: E402
 from nanoqwen.server import Worker, create_app  # noqa: E402
-from nanoqwen.server.worker import DONE, EngineDown, Job, QueueFull  # noqa: E402
+from nanoqwen.server.worker import DONE, EngineDown, Job, QueueFull, post_all  # noqa: E402
 from nanoqwen.speculative import SpecStats  # noqa: E402
 
 
@@ -415,6 +415,66 @@ def test_jobs_share_the_batch_and_a_cancel_leaves_the_others_running() -> None:
         assert [e.token_ids for e in events[:-1]] == [(100 + i,) for i in range(30)]
         await _wait_idle(worker)
         assert llm.kv_pages_in_use == 0 and llm.produced < 30 * 3 + 60
+        worker.stop()
+
+    asyncio.run(main())
+
+
+class StubLoop:
+    """An event loop's call_soon_threadsafe, recorded; `closed` raises as a closed loop does."""
+
+    def __init__(self, closed: bool = False) -> None:
+        self.calls: list[tuple] = []
+        self.closed = closed
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        if self.closed:
+            raise RuntimeError("Event loop is closed")
+        self.calls.append((callback, args))
+
+    def run(self) -> None:
+        for callback, args in self.calls:
+            callback(*args)
+
+
+def test_post_all_makes_one_call_per_loop_in_order_and_cancels_on_a_closed_loop() -> None:
+    loops = [StubLoop(), StubLoop(), StubLoop(closed=True)]
+    a, b, c, gone = (Job([1], SamplingParams(), loop) for loop in (*loops[:2], loops[0], loops[2]))
+    deltas = [Delta(str(i), (i,)) for i in range(5)]
+    post_all([(a, deltas[0]), (b, deltas[1]), (gone, deltas[2]), (a, deltas[3]), (c, deltas[4]),
+              (a, DONE)])  # fmt: skip
+    assert [len(loop.calls) for loop in loops[:2]] == [1, 1]
+    assert not a.events, "delivered before the loop ran the callback"
+    for loop in loops[:2]:
+        loop.run()
+    assert list(a.events) == [deltas[0], deltas[3], DONE]
+    assert list(b.events) == [deltas[1]] and list(c.events) == [deltas[4]]
+    assert gone.cancelled.is_set() and not gone.events and not a.cancelled.is_set()
+    post_all([])
+    assert [len(loop.calls) for loop in loops[:2]] == [1, 1]
+
+
+def test_a_step_posts_its_events_in_one_call() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        calls = []  # the engine thread's wake-ups of this loop
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: calls.append(a) or real(*a)
+        llm = FakeLLM(step_s=0.002)
+        worker = Worker(llm, max_queue=4, max_batch=3)
+        batch, steps = llm.batches[0], []  # the number of deltas of each step
+        step = batch.step
+        batch.step = lambda: steps.append(len(out := step())) or out
+        worker.start()
+        jobs = [Job([1], SamplingParams(max_tokens=n), loop) for n in (4, 6, 6)]
+        for job in jobs:
+            worker.submit(job)
+        for job, n in zip(jobs, (4, 6, 6), strict=True):
+            events = await _until_done(job)
+            assert [e.token_ids for e in events[:-1]] == [(100 + i,) for i in range(n)]
+        await _wait_idle(worker)
+        assert sum(steps) == 16 and max(steps) > 1
+        assert len(calls) == sum(1 for n in steps if n), "one call a step, not one per event"
         worker.stop()
 
     asyncio.run(main())

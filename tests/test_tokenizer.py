@@ -194,6 +194,23 @@ def test_split_emoji_is_held_back(tok):
     assert detok.finish() == ""
 
 
+def test_feed_one_is_feed_of_one_token(tok):
+    ids = tok.encode("a😀b\xff\n")
+    one, many = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    assert [one.feed_one(i) for i in ids] == [many.feed([i]) for i in ids]
+    assert one.finish() == many.finish()
+
+
+def test_stop_matcher_without_stops_passes_text_through():
+    matcher = StopMatcher(())
+    assert [matcher.feed(t) for t in ("a", "", "b\n")] == [
+        ("a", False),
+        ("", False),
+        ("b\n", False),
+    ]
+    assert matcher.finish() == "" and not matcher.stopped
+
+
 def test_invalid_and_truncated_bytes_become_replacement_chars(tok):
     detok = IncrementalDetokenizer(tok)
     assert detok.feed([0xFF, ord("x")]) == "\ufffdx"

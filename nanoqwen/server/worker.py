@@ -4,10 +4,13 @@ Requests become `Job`s in a bounded FIFO (`queue.Queue(maxsize=max_queue)`); a f
 refused at once (`QueueFull` -> HTTP 429) rather than letting latency grow without bound. The
 worker thread moves queued jobs into the LLM's `Batch` (nanoqwen.llm, over the scheduler of
 nanoqwen.batching) while fewer than `max_batch` are in it, runs one batch step (cancellations,
-admissions, a bounded prefill chunk, one decode step for every running sequence) and hands each
-`Delta` to its job's event loop through `loop.call_soon_threadsafe`, so the HTTP handlers await
-results without ever blocking the event loop, and the engine is never touched by two threads.
-With `max_batch` 1 it runs one generation at a time, as a batch-1 server does.
+admissions, a bounded prefill chunk, one decode step for every running sequence) and hands the
+step's `Delta`s to their jobs' event loop through `loop.call_soon_threadsafe`, so the HTTP
+handlers await results without ever blocking the event loop, and the engine is never touched by
+two threads. A step's events go in one call per event loop (`post_all`), not one per event:
+the calls are made on the engine thread between two steps, where nothing hides their cost, and
+the loop is woken once a step and runs the step's deliveries together. With `max_batch` 1 it
+runs one generation at a time, as a batch-1 server does.
 
 Cancellation: the handler sets `job.cancelled` (client disconnected, response torn down). The
 worker checks it before every step and cancels the job's sequence, which the step then frees
@@ -95,10 +98,7 @@ class Job:
 
     def post(self, event: Any) -> None:
         """Called from the worker thread: deliver `event` on the job's event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._deliver, event)
-        except RuntimeError:  # the loop is closed: the server is gone, nobody is listening
-            self.cancel()
+        post_all([(self, event)])
 
     def _deliver(self, event: Any) -> None:
         self.events.append(event)
@@ -122,6 +122,26 @@ class Job:
             if not self.events:
                 return None
         return self.events.popleft()
+
+
+def post_all(events: list[tuple[Job, Any]]) -> None:
+    """Deliver each (job, event) on its job's event loop, in order: one call_soon_threadsafe
+    per loop (module docstring). A job whose loop is closed (the server is gone, nobody is
+    listening) is cancelled."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Any]]] = {}
+    for job, event in events:
+        by_loop.setdefault(job._loop, []).append((job, event))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_all, pairs)
+        except RuntimeError:
+            for job, _ in pairs:
+                job.cancel()
+
+
+def _deliver_all(events: list[tuple[Job, Any]]) -> None:
+    for job, event in events:
+        job._deliver(event)
 
 
 class Worker:
@@ -246,21 +266,22 @@ class Worker:
         except Exception as exc:  # an engine bug must not kill the worker: answer 500
             self._fail_running(exc)
             return
+        events: list[tuple[Job, Any]] = []
         for seq, delta in out:
             job = self._jobs.get(seq)
             if job is None or job.cancelled.is_set():
                 continue  # cancelled: the next round frees it
-            job.post(delta)
+            events.append((job, delta))
             if delta.finish_reason:
-                job.post(DONE)
+                events.append((job, DONE))
                 del self._jobs[seq]
+        post_all(events)
 
     def _fail_running(self, exc: BaseException) -> None:
         """Every job in the batch gets `exc`; the batch is emptied (pages and slots freed)."""
         jobs = list(self._jobs.values())
         self._jobs.clear()
-        for job in jobs:
-            job.post(exc)
+        post_all([(job, exc) for job in jobs])
         self._batch.clear()
 
     def _die(self, exc: DeviceError) -> None:

@@ -1,0 +1,144 @@
+"""A stand-in engine that takes a fixed time per step, for timing the host path around it.
+
+`PacedLLM` is the real `nanoqwen.llm.LLM` front end of a model file (its tokenizer, `prepare`,
+the scheduler of `batch()`, the detokenizer and stop strings) over `PacedBackend`, which has
+the batch primitives (nanoqwen.batching) and `generate` but no model: each call of
+`prefill_chunk`, `decode_batch` and each token of `generate` waits `step_s`, then hands out
+the next ids of a fixed piece of text (so every token decodes to text, none is an EOS). A
+server or a benchmark over it pays everything a GPU-backed one pays except the GPU's work, so
+its per-token latency minus `step_s` is the host's cost that the step does not hide
+(dev/server_overhead.py).
+
+How it waits (`wait`) brackets how a GPU backend waits for its step:
+
+    sleep   time.sleep: the GIL is released, as the cuda backend's cuStreamSynchronize releases
+            it if cuda.bindings calls the driver without the GIL; the server's event loop runs
+            during the step
+    block   libc usleep called with the GIL held (ctypes.PyDLL): a binding that blocks in the
+            driver without releasing the GIL; nothing else in the process runs during the step
+    spin    a busy loop on the clock in Python, the GIL held: the event loop gets the GIL only
+            at the interpreter's switch interval (worker.SWITCH_INTERVAL_S), and the engine
+            thread waits as long to get it back
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+from ..config import PAGE_TOKENS, ModelConfig
+from ..kv_pages import BlockManager, KVStats
+from ..llm import LLM
+from ..sampling import SamplingParams
+from ..speculative import SpecStats
+
+# What the stand-in "generates", cycled: code, so a token stream reads like a completion.
+TEXT = "def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n"
+WAITS = ("sleep", "block", "spin")
+
+
+class PacedBackend:
+    """The batch primitives and generate() over a KV pool of pages only: every step waits
+    `step_s` (module docstring) and yields `text_ids` in turn from each sequence's position."""
+
+    name = "paced"
+    speculative = None
+    cached_tokens = 0  # no prefix is served from a cache: every prompt is "prefilled"
+
+    def __init__(self, config: ModelConfig, max_context: int, max_batch: int, step_s: float,
+                 wait: str, text_ids: Sequence[int]) -> None:  # fmt: skip
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {', '.join(WAITS)}, got {wait!r}")
+        self.config, self.max_context, self.max_batch = config, max_context, max_batch
+        self.step_s, self.wait, self.text_ids = step_s, wait, list(text_ids)
+        self._usleep = ctypes.PyDLL(None).usleep  # PyDLL: the call keeps the GIL
+        # Room for every slot's whole context: the stand-in never preempts.
+        self.block_manager = BlockManager(max_batch * -(-max_context // PAGE_TOKENS))
+        self.spec_stats = SpecStats()
+        # Seconds from the end of each wait to the start of the next (the engine thread's own
+        # work between two steps, which a GPU step does not hide), and of each wait (a sleep
+        # overshoots step_s by the OS's wake-up latency). `take_times` empties both.
+        self.gaps: list[float] = []
+        self.waits: list[float] = []
+        self._waited: float | None = None  # when the last wait ended
+
+    def take_times(self) -> tuple[list[float], list[float]]:
+        """(gaps, waits) since the last call; the next gap starts at the next wait's end."""
+        times, self.gaps, self.waits, self._waited = (self.gaps, self.waits), [], [], None
+        return times
+
+    def _wait(self) -> None:
+        start = time.perf_counter()
+        if self._waited is not None:
+            self.gaps.append(start - self._waited)
+        if self.wait == "sleep":
+            time.sleep(self.step_s)
+        elif self.wait == "block":
+            self._usleep(round(self.step_s * 1e6))
+        else:
+            while time.perf_counter() < start + self.step_s:
+                pass
+        self._waited = time.perf_counter()
+        self.waits.append(self._waited - start)
+
+    def _token(self, generated: int) -> int:
+        return self.text_ids[generated % len(self.text_ids)]
+
+    def prefill_chunk(self, seq, end: int, sample: bool) -> int | None:
+        self._wait()
+        seq.kv_len = end
+        return self._token(len(seq.tokens)) if sample else None
+
+    def decode_batch(self, seqs: list) -> list[int]:
+        self._wait()
+        for seq in seqs:
+            seq.kv_len += 1
+        return [self._token(len(seq.tokens)) for seq in seqs]
+
+    def release_slot(self, seq) -> None:
+        pass
+
+    def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
+    ) -> Iterator[int]:
+        """One token per `step_s` after one wait for the prompt, to max_tokens; its pages held
+        while it runs, as a backend's are."""
+        table = self.block_manager.admit(prompt_ids)
+        try:
+            self.block_manager.reserve(table, len(prompt_ids) + params.max_tokens)
+            self._wait()  # the prefill
+            for i in range(params.max_tokens):
+                if i:
+                    self._wait()
+                yield self._token(i)
+        finally:
+            self.block_manager.release(table)
+
+    @property
+    def kv_pages_in_use(self) -> int:
+        return self.block_manager.pages_held
+
+    @property
+    def kv_stats(self) -> KVStats:
+        return self.block_manager.stats
+
+    def close(self) -> None:
+        pass
+
+
+class PacedLLM(LLM):
+    """LLM over a model file's tokenizer and front end, its engine a `PacedBackend`."""
+
+    def __init__(self, path: str | os.PathLike, step_s: float, wait: str = "sleep",
+                 max_batch: int = 16, max_context: int | None = None) -> None:  # fmt: skip
+        self._paced = (step_s, wait)
+        # The reference backend's context rule; `_open_backend` below builds the stand-in.
+        super().__init__(path, "reference", max_context, speculative="off", max_batch=max_batch)
+        self.backend_name = self.backend_reason = "paced"
+
+    def _open_backend(self) -> PacedBackend:
+        step_s, wait = self._paced
+        ids = [t for t in self.tokenizer.encode(TEXT) if t not in self.tokenizer.eos_token_ids]
+        return PacedBackend(self.config, self.max_context, self._max_batch, step_s, wait, ids)

@@ -1,0 +1,42 @@
+"""The stand-in engine of dev/server_overhead.py (nanoqwen.harness.paced): the real front end
+over a backend whose steps only take time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nanoqwen.harness.paced import TEXT, WAITS, PacedLLM
+from nanoqwen.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("wait", WAITS)
+def test_batch_streams_the_text_one_step_apart_and_frees_its_pages(tiny_model, wait) -> None:
+    step_s = 0.002
+    with PacedLLM(tiny_model, step_s, wait, max_batch=4) as llm:
+        batch = llm.batch(3)
+        lengths = (5, 9, 17)
+        seqs = [batch.add(llm.prepare("x" * n), SamplingParams(max_tokens=n)) for n in lengths]
+        text = {seq: "" for seq in seqs}
+        start = time.perf_counter()
+        while batch.has_work:
+            for seq, delta in batch.step():
+                text[seq] += delta.text
+        elapsed = time.perf_counter() - start
+        for seq, n in zip(seqs, lengths, strict=True):
+            assert seq.finish_reason == "length" and text[seq] == (TEXT * 2)[: len(text[seq])]
+            assert len(llm.tokenizer.encode(text[seq])) == n
+        gaps, waits = llm.backend.take_times()
+        assert len(waits) == len(gaps) + 1 and min(waits) >= step_s
+        assert elapsed >= len(waits) * step_s
+        assert llm.kv_pages_in_use == 0 and llm.backend.take_times() == ([], [])
+
+
+def test_a_lone_stream_runs_solo_through_generate(tiny_model) -> None:
+    with PacedLLM(tiny_model, 0.001) as llm:
+        deltas = list(llm.stream(llm.prepare("hello"), SamplingParams(max_tokens=12)))
+        assert "".join(d.text for d in deltas) == TEXT[: len("".join(d.text for d in deltas))]
+        assert len(deltas) == 12 and deltas[-1].finish_reason == "length"
+        assert len(llm.backend.waits) == 12  # the prefill, then one wait per token after the first
+        assert llm.kv_pages_in_use == 0
