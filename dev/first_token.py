@@ -28,10 +28,12 @@ Each request's response is read to its end before the next is sent, so every req
 the engine idle (a client that hung up after its first chunk would leave the engine finishing
 a decode step, and the next request would wait for it).
 
---instant swaps the engine under LLM.stream, in this process and in the server's, for one
+--instant swaps the backend's generate (under LLM.stream, and under a lone request in the
+server's batch, which decodes solo through it), in this process and in the server's, for one
 whose first token is ready at once (then a token every INSTANT_STEP_S, waited for as the cuda
-backend waits): the stream rows are then the front end alone and the server rows the server's
-own cost. The script also runs on the CPU, the engine then the reference backend:
+backend waits): the engine row is then nothing, the stream rows the front end alone and the
+server rows the server's own cost. The script also runs on the CPU, the engine then the
+reference backend:
 
     python3 -m nanoqwen.cli pack --synthetic tiny -o /tmp/tiny.nanoqwen
     PYTHONPATH=. python3 dev/first_token.py /tmp/tiny.nanoqwen --backend reference --server \\
@@ -51,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanoqwen.llm import LLM, Delta
+from nanoqwen.llm import LLM
 from nanoqwen.sampling import SamplingParams
 
 WARMUP = 5
@@ -114,27 +116,22 @@ def first_text(stream) -> None:
 
 
 def instant(llm: LLM) -> LLM:
-    """`llm` with an engine whose first token is ready at once: its tokenizer and checks as
-    they are, then one delta per token (the prompt's ids over again), the first at once and
-    each next one a decode step later."""
+    """`llm` with a backend whose first token is ready at once: the backend's `generate`
+    (what LLM.stream and a lone request in the server's batch decode through) yields the
+    prompt's ids over again, the first at once and each next one a decode step later; the
+    tokenizer, checks and text front end stay as they are."""
 
-    def stream(ids, params: SamplingParams):
-        llm.check_fits(len(ids), params.max_tokens)
-        return _instant_deltas(llm, list(ids), params.max_tokens)
+    def generate(ids, params: SamplingParams, stop_ids):
+        ids = list(ids)
+        for i in range(params.max_tokens):
+            if i:
+                step_end = time.perf_counter() + INSTANT_STEP_S
+                while time.perf_counter() < step_end:
+                    time.sleep(POLL_S)
+            yield ids[i % len(ids)]
 
-    llm.stream = stream
+    llm.backend.generate = generate
     return llm
-
-
-def _instant_deltas(llm: LLM, ids: list[int], max_tokens: int):
-    for i in range(max_tokens):
-        if i:
-            step_end = time.perf_counter() + INSTANT_STEP_S
-            while time.perf_counter() < step_end:
-                time.sleep(POLL_S)
-        token = ids[i % len(ids)]
-        last = i == max_tokens - 1
-        yield Delta(llm.tokenizer.decode([token]), (token,), "length" if last else None)
 
 
 def run_server(options: list[str], argv: list[str]) -> int:
