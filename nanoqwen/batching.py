@@ -51,15 +51,15 @@ A sequence finishes on a stop id or after max_tokens: the K/V of every id but th
 one is written and committed (the plain generate() commits the same), its pages are released.
 
 A sequence alone runs solo: through the backend's single-stream `generate` (the cuda engine's
-one-graph loop, a batch of one costs 1.44x its step; speculative drafts, which decode_batch does
-not run), one token per step() call. When a request arrives behind it (max_batch > 1), the solo
-generation is closed, which commits what it wrote to the prefix cache, and the sequence goes
-back to the front of the waiting queue with its tokens kept, like a preempted one: it resumes
-in the batch from the cached pages. When a batch shrinks to one decoding sequence with nothing
-waiting and at least SOLO_MIN_LEFT tokens to go, it leaves the batch the same way and resumes
-solo (generate() over prompt + tokens, the cached pages again). A resumed generate() draws its
-samples afresh, so a seeded sampled request goes solo only with max_batch 1 (never handed
-off): its tokens stay the same whatever runs beside it.
+one-graph loop, whose step a batch of one costs 1.44x; and speculative drafts, which
+decode_batch does not run), one token per step() call. When a request arrives behind it
+(max_batch > 1), the solo generation is closed, which commits what it wrote to the prefix
+cache, and the sequence goes back to the front of the waiting queue with its tokens kept, like
+a preempted one: it resumes in the batch from the cached pages. When a batch shrinks to one
+decoding sequence with nothing waiting and at least SOLO_MIN_LEFT tokens to go, it leaves the
+batch the same way and resumes solo (generate() over prompt + tokens, the cached pages again).
+A resumed generate() draws its samples afresh, so a seeded sampled request goes solo only with
+max_batch 1 (never handed off): its tokens stay the same whatever runs beside it.
 
 Not thread-safe: one engine thread drives it.
 """
@@ -82,7 +82,8 @@ from .speculative import SpecStats
 
 # Prompt tokens prefilled per step across all admitted sequences: the running streams' step
 # grows by at most one chunk of this many rows, and a 32k prompt still takes only 64 steps.
-# Not yet tuned on the GPU (bench --concurrency --prefill-chunk measures the trade).
+# A larger chunk trades those stalls for time to first token (docs/EXPERIMENTS.md, Server:
+# 1024 and 2048 on the H200 doubled and tripled the stalls for 9-15% off the TTFT).
 DEFAULT_PREFILL_CHUNK = 512
 # A lone sequence leaves the batch for solo decoding only with this many tokens still to go:
 # the move costs a prefill of its last partial page (a few decode steps on the GPU).
