@@ -181,6 +181,7 @@ class Scheduler:
         self._solo_tokens: Iterator[int] | None = None  # that generate()
         self._cancelled_solo: Sequence | None = None
         self.preemptions = 0
+        self.solo_moves = 0  # sequences moved from solo into the batch or back
         self._free_slots = list(range(self.max_batch - 1, -1, -1))  # pop() hands out 0 first
         self._ids = itertools.count(1)
 
@@ -270,6 +271,7 @@ class Scheduler:
         elif len(self.running) == 1 and not self.waiting and self._leaves_batch(self.running[0]):
             seq = self.running[0]
             self._leave(seq, None)
+            self.solo_moves += 1
         else:
             return
         params = replace(seq.params, max_tokens=seq.params.max_tokens - len(seq.tokens))
@@ -299,6 +301,7 @@ class Scheduler:
         seq = self.solo
         self._end_solo(None)
         self.waiting.appendleft(seq)
+        self.solo_moves += 1
 
     def _end_solo(self, finish: str | None) -> None:
         """Close the solo generate(): it stops its loop, commits what it wrote to the prefix

@@ -369,12 +369,14 @@ def test_lone_sequence_runs_solo_and_hands_off(model_file):
     hits = backend.kv_stats.hit_tokens
     sched.step()  # a leaves solo for the batch, resumed from its cached pages, b admitted
     assert sched.solo is None and sched.running == [a, b] and a.preemptions == 0
+    assert sched.solo_moves == 1
     assert backend.kv_stats.hit_tokens - hits == 48  # 40 + 20 ids, 3 full pages
     while b.finish_reason is None:
         assert sched.solo is None
         sched.step()
     sched.step()  # a alone, 60 - 39 >= SOLO_MIN_LEFT to go: solo, its 40th token by generate()
     assert len(a.tokens) == 40 and sched.solo is a and not sched.running
+    assert sched.solo_moves == 2
     run(sched)
     for seq, (prompt, params) in ((a, first), (b, second)):  # no stop id: all of max_tokens
         assert seq.tokens == list(backend.generate(prompt, params, frozenset()))

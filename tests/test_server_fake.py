@@ -78,7 +78,7 @@ class FakeBatch:
     def __init__(self, llm: FakeLLM, max_batch: int) -> None:
         self.llm = llm
         self.scheduler = SimpleNamespace(max_batch=max_batch, active=0, waiting=[],
-                                         preemptions=0)  # fmt: skip
+                                         preemptions=0, solo_moves=0)  # fmt: skip
         self.live: list[FakeSeq] = []
 
     @property

@@ -171,6 +171,7 @@ def test_metrics_move_as_requests_are_served(ops):
     second.join(30)
     assert busy["nanoqwen_engine_running"] == 2 and busy["nanoqwen_queue_depth"] == 0
     assert busy["nanoqwen_sequences_waiting"] == 0 and busy["nanoqwen_preemptions_total"] == 0
+    assert busy["nanoqwen_solo_moves_total"] >= 1  # the first left solo for the batch
     assert busy["nanoqwen_kv_pages_in_use"] > 0
 
 

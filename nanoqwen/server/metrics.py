@@ -104,7 +104,7 @@ class Metrics:
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
-        r.register(PreemptionCollector(worker))
+        r.register(SchedulerCollector(worker))
         r.register(PrefixCacheCollector(llm))
         r.register(SpeculationCollector(llm))
 
@@ -112,17 +112,26 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class PreemptionCollector:
-    """Sequences preempted (pages released, recomputed later) since the start: a counter."""
+class SchedulerCollector:
+    """The scheduler's counters since the start: sequences preempted (pages released,
+    recomputed later) and sequences moved between solo decoding and the batch (each move
+    closes one loop and prefills the sequence's last partial page in the other)."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
     def collect(self):
+        _, _, preemptions, moves = self.worker.scheduled
         family = CounterMetricFamily(
             "nanoqwen_preemptions", "Sequences preempted when the KV pool ran out"
         )
-        family.add_metric([], self.worker.scheduled[2])
+        family.add_metric([], preemptions)
+        yield family
+        family = CounterMetricFamily(
+            "nanoqwen_solo_moves",
+            "Sequences moved from solo decoding into the batch, or back (nanoqwen.batching)",
+        )
+        family.add_metric([], moves)
         yield family
 
 

@@ -190,11 +190,12 @@ class Worker:
         return len(self._jobs)
 
     @property
-    def scheduled(self) -> tuple[int, int, int]:
+    def scheduled(self) -> tuple[int, int, int, int]:
         """(sequences admitted or decoding solo, sequences waiting for admission, preemptions
-        so far) of the batch's scheduler; waiting counts preempted ones, not the queue."""
-        scheduler = self._batch.scheduler
-        return scheduler.active, len(scheduler.waiting), scheduler.preemptions
+        so far, moves between solo and the batch so far) of the batch's scheduler; waiting
+        counts preempted ones, not the queue."""
+        s = self._batch.scheduler
+        return s.active, len(s.waiting), s.preemptions, s.solo_moves
 
     def submit(self, job: Job) -> None:
         """Queue `job`, or raise EngineDown / QueueFull without queueing it."""
