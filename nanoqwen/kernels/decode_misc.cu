@@ -286,9 +286,34 @@ lm_head_argmax_q8(const half* __restrict__ x, const half* __restrict__ norm_w,
                      V);
 }
 
-// Picks the next token and advances the decode state (one CTA of kSampleThreads): with
-// temperature > 0 and top_k != 1 one draw from the kept set (sampler.cuh) with the counter
-// `step`, else the argmax (lowest id on ties).
+// The sampler's rule, one CTA of kSampleThreads over one row of logits: with temperature > 0
+// and top_k != 1 one draw from the kept set (sampler.cuh) with the counter state[kStep], else
+// the argmax key's id (lowest id on ties). The token is valid in thread 0 only. The branch is
+// uniform over the CTA (the words are the same for every thread): kept_set's barriers are whole.
+// logits fp32 [V]; key: the row's u64 argmax key; state: the row's StateWord words (reads
+// TEMP, TOP_K, TOP_P, SEED_LO, SEED_HI, STEP).
+__device__ __forceinline__ int pick_token(const float* __restrict__ logits, int V,
+                                          unsigned long long key, const int* state) {
+  const float temp = __int_as_float(state[kTemp]);
+  const int top_k = state[kTopK];
+  int token = argmax_key_id(key);
+  if (temp > 0.f && top_k != 1) {
+    __shared__ float part[kSampleThreads];
+    const KeptSet s = kept_set(logits, V, argmax_key_value(key), temp, top_k,
+                               __int_as_float(state[kTopP]));
+    kept_parts(logits, V, s, -1, part);
+    if (threadIdx.x == 0) {
+      const unsigned long long seed =
+          ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
+      const int pick = draw_parts(logits, V, s, -1, part, parts_total(part),
+                                  uniform01(seed, (unsigned long long)state[kStep]));
+      if (pick >= 0) token = pick;  // -1: no kept weight (total 0), the argmax stands
+    }
+  }
+  return token;
+}
+
+// Picks the next token (pick_token) and advances the decode state (one CTA of kSampleThreads).
 // logits   fp32 [V]; key: u64 argmax key from lm_head_argmax (re-zeroed here)
 // state    int32 [kEos0 + kMaxEos]  (StateWord)
 // ring     int32 [max_new]  device copy of the generated ids (ring[step] = token)
@@ -302,23 +327,7 @@ sample_finish(const float* __restrict__ logits, unsigned long long* key, int* st
               volatile int* host_ring, const volatile int* cancel,
               unsigned long long cond, int V) {
   pdl_wait();
-  const unsigned long long k = *key;
-  const float temp = __int_as_float(state[kTemp]);
-  const int top_k = state[kTopK];
-  int token = argmax_key_id(k);
-  if (temp > 0.f && top_k != 1) {
-    __shared__ float part[kSampleThreads];
-    const KeptSet s = kept_set(logits, V, argmax_key_value(k), temp, top_k,
-                               __int_as_float(state[kTopP]));
-    kept_parts(logits, V, s, -1, part);
-    if (threadIdx.x == 0) {
-      const unsigned long long seed =
-          ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
-      const int pick = draw_parts(logits, V, s, -1, part, parts_total(part),
-                                  uniform01(seed, (unsigned long long)state[kStep]));
-      if (pick >= 0) token = pick;  // -1: no kept weight (total 0), the argmax stands
-    }
-  }
+  const int token = pick_token(logits, V, *key, state);
   if (threadIdx.x == 0) {
     const int step = state[kStep];
     ring[step] = token;
@@ -340,11 +349,9 @@ sample_finish(const float* __restrict__ logits, unsigned long long* key, int* st
 }
 
 // Per-row sampling of the batched decode step (engine/batch.py) and of a batch sequence's
-// first token (CudaBackend.prefill_chunk): row r picks by sample_finish's rule with its own
-// words, so a row's draw is the plain loop's draw for the same (seed, step): with temperature
-// > 0 and top_k != 1 one draw from the row's kept set (sampler.cuh) with counter params[r][kStep],
-// else the argmax key's id (greedy rows). Nothing else of a decode state is read or advanced:
-// the host keeps each sequence's state.
+// first token (CudaBackend.prefill_chunk): row r picks by pick_token with its own words, so
+// a row's draw is the plain loop's draw for the same (seed, step). Nothing else of a decode
+// state is read or advanced: the host keeps each sequence's state.
 // logits  fp32 [rows, V]                  row r at r * V (lm_head_rows)
 // keys    u64 [rows]                      each row's argmax key (re-zeroed here)
 // params  int32 [rows, kEos0 + kMaxEos]   row r's StateWord words; reads TEMP, TOP_K, TOP_P,
@@ -357,25 +364,8 @@ sample_batch(const float* __restrict__ logits, unsigned long long* keys,
   pdl_wait();
   pdl_trigger();
   const int r = blockIdx.x;
-  const float* row = logits + (size_t)r * V;
-  const int* state = params + r * (kEos0 + kMaxEos);
-  const unsigned long long k = keys[r];
-  const float temp = __int_as_float(state[kTemp]);
-  const int top_k = state[kTopK];
-  int token = argmax_key_id(k);
-  if (temp > 0.f && top_k != 1) {  // uniform over the CTA: every barrier below is whole
-    __shared__ float part[kSampleThreads];
-    const KeptSet s = kept_set(row, V, argmax_key_value(k), temp, top_k,
-                               __int_as_float(state[kTopP]));
-    kept_parts(row, V, s, -1, part);
-    if (threadIdx.x == 0) {
-      const unsigned long long seed =
-          ((unsigned long long)(uint32_t)state[kSeedHi] << 32) | (uint32_t)state[kSeedLo];
-      const int pick = draw_parts(row, V, s, -1, part, parts_total(part),
-                                  uniform01(seed, (unsigned long long)state[kStep]));
-      if (pick >= 0) token = pick;  // -1: no kept weight (total 0), the argmax stands
-    }
-  }
+  const int token = pick_token(logits + (size_t)r * V, V, keys[r],
+                               params + r * (kEos0 + kMaxEos));
   if (threadIdx.x == 0) {
     tokens[r] = token;
     keys[r] = 0ull;
