@@ -501,10 +501,11 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
 // b over slice j only, so x of one slice (MT x GS groups, 61 KB at GS = 15, MT = 16) stays
 // resident for all its stages (no per-slice double buffer or drain) and L2 carries R x M x K x
 // 2 bytes of x (13 ranges at the 7B: 8 MB at M = 16 beside 35 MB of weights). The slices'
-// sums meet in a workspace, added in a fixed order by a second, small kernel (deterministic);
-// a last-CTA reduction through a counter (fence, atomic, a re-read of the slots) cost ~12 us a
-// launch in gemv_rows' first design (docs/EXPERIMENTS.md, Decode GEMV), where the next
-// kernel's PDL launch hides most of a second kernel's start.
+// sums meet in a workspace, added in a fixed order by a second, small kernel (deterministic;
+// PDL launches it while the first runs, so it waits resident and costs its pass over the
+// workspace, an L2 read). A last-CTA reduction through a counter (fence, atomic, a re-read of
+// the slots) cost ~12 us a launch in gemv_rows' first design (docs/EXPERIMENTS.md, Decode
+// GEMV).
 // A stage is kMrSplitSub sub-stages, each gemv_rows' S > 1 stage layout for 16 consecutive rows
 // (run a: rows 0..7, run b: rows 8..15, one 8-row TMA box each; then the 16 rows' scales): the
 // consumer warps split into kMrSplitSub teams, one a sub-stage, so a stage carries
@@ -536,8 +537,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
                 const half* __restrict__ scales, float* __restrict__ part, int N, int M) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
   static_assert(S > 1, "a split over K (one slice is gemv_rows' S = 1)");
-  static_assert(MT % 8 == 0 && 16 * MT <= kMrConsumers * kWarp,
-                "n8 token tiles; a sub-stage's (row, token) sums at most one a thread");
+  static_assert(MT % 8 == 0, "n8 token tiles");
   static_assert(kMrConsumers % kMrSplitSub == 0, "whole consumer teams");
   using Sh = MrShape<K, MT, S>;
   using Sp = SplitShape<K, MT, S>;
@@ -624,7 +624,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
     consumer_sync<C>();
     if (tid == 0) mbar_arrive(smem_addr(&x_bar));
     const int g = lane / 4, t4 = lane % 4, team = warp / CW, w = warp % CW;
-    float* out = part + ((size_t)split * blocks + b0) * Sp::kRows * MT;
+    float* dst = part + ((size_t)split * blocks + b0) * Sp::kRows * MT;  // stage 0's sums
     int slot = 0, phase = 0;
     for (int i = 0; i < b1 - b0; ++i) {
       const int r0 = (b0 + i) * Sp::kRows + team * 16;  // the team's sub-stage's first row
@@ -655,7 +655,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
         float v = 0.f;
 #pragma unroll
         for (int ww = 0; ww < CW; ++ww) v += src[ww * 16 * MT];
-        out[(size_t)i * Sp::kRows * MT + e] = v;
+        dst[(size_t)i * Sp::kRows * MT + e] = v;
       }
       if (++slot == stages) {
         slot = 0;
