@@ -578,7 +578,9 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
     // ---- producer warp: lanes 0 .. 2 kMrSplitSub - 1 copy the stage's 8-row boxes of the
     // slice (box u / 2 of sub-stage u / 2: run u % 2), which read GS groups (one past a shorter
     // slice, unused) and zeros past row N; the rows' scales of the slice go by 4-byte cp.async
-    // (gemv_rows' S > 1 producer: why), whose completion each lane counts on "full".
+    // (gemv_rows' S > 1 producer: why), a lane a row (~9 copies a lane, where a warp along
+    // each row in turn would issue kRows rounds of them), whose completion each lane counts
+    // on "full".
     int slot = 0, phase = 0;
     bool x_in = false;
     for (int i = 0; i < b1 - b0; ++i) {
@@ -597,12 +599,13 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
       if (lane < 2 * kMrSplitSub)
         tma_load_2d(smem_addr(st + (lane / 2) * Sh::kStage + (lane % 2) * Sh::kRun), w_map,
                     g0 * (kMrGroupBytes / 4), r0 + 8 * lane, full);
-      for (int rr = 0; rr < Sp::kRows && r0 + rr < N; ++rr) {
+      for (int rr = lane; rr < Sp::kRows; rr += kWarp) {  // stage row rr: its units in turn
+        if (r0 + rr >= N) continue;
         const size_t first = (size_t)(r0 + rr) * G + g0;  // in halves
-        const size_t e0 = first & ~(size_t)1;
-        const int units = (int)((first + gs + 1 - e0) / 2);
+        const half* src = scales + (first & ~(size_t)1);
+        const int units = (int)((first + gs + 1 - (first & ~(size_t)1)) / 2);
         unsigned char* dst = st + (rr / 16) * Sh::kStage + 2 * Sh::kRun + (rr % 16) * Sh::kScRow;
-        for (int u = lane; u < units; u += kWarp) cp_async4(dst + 4 * u, scales + e0 + 2 * u);
+        for (int u = 0; u < units; ++u) cp_async4(dst + 4 * u, src + 2 * u);
       }
       cp_async_arrive_noinc(full);
       if (++slot == stages) {
