@@ -182,8 +182,8 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
     # The GEMM's tile at M <= 16 (PrefillKernels.pick_gemm's choice there), compiled alone.
     tiles = tuple(t for t in GEMM_TILES if t.tokens == 16 and not t.swiglu)
     gemm = PrefillKernels(gpu, cfg, tiles=tiles) if "down" in kinds else None
-    builds = [("gemv_rows", k)] + [
-        (f"rows {text}", DecodeKernels(gpu, cfg, geometry, rows=True))
+    builds = [("", k)] + [  # (the label's suffix, the kernels)
+        (f" {text}", DecodeKernels(gpu, cfg, geometry, rows=True))
         for text, geometry in ((v, DEFAULT_GEOMETRY.override_text(v)) for v in variants)
     ]
     bufs = []
@@ -241,13 +241,10 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
             for w, sc in weights["down"]:
                 gemm.gemm(x, w, sc, None, out, m, h, kdim, residual=out, stream=s)
 
-        paths = [(label, lambda s, m, kr=kr: rows_m(s, m, kr)) for label, kr in builds]
+        paths = [(f"gemv_rows{sfx}", lambda s, m, kr=kr: rows_m(s, m, kr)) for sfx, kr in builds]
         if kind == "down":
-            paths += [
-                (label.replace("gemv_rows", "split", 1), lambda s, m, kr=kr: split_m(s, m, kr))
-                for label, kr in builds
-            ]
-            paths.append(("gemm", gemm_m))  # fmt: skip
+            paths += [(f"split{sfx}", lambda s, m, kr=kr: split_m(s, m, kr)) for sfx, kr in builds]
+            paths.append(("gemm", gemm_m))
         base = time_graph(gpu, today, reps=2, timed=7) / LAYERS * 1e6
         table.append((name, kind, "gemv_int4", 1, base, 1.0))
         for m in (1, 2, 4, 8, 16):
