@@ -42,6 +42,7 @@ that leaves the CUDA context unusable or a hang prints and the rest goes on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -147,7 +148,9 @@ def part_check(gpu, name: str, ms: tuple[int, ...], kinds, rng, rows: list) -> N
         weights = (
             None if kind == "qkv" else _rand_int4(rng, 2 * n if kind == "gate_up" else n, kdim)
         )
-        for m in ms:
+        # down_proj twice: gemv_rows, then the split over K (gemv_rows_split + its sum)
+        cases = [(kind, False)] + ([("down split", True)] if kind == "down" else [])
+        for m, (case, split) in itertools.product(ms, cases):
             try:
                 if kind == "qkv":
                     for stride in (0, 1):
@@ -159,15 +162,11 @@ def part_check(gpu, name: str, ms: tuple[int, ...], kinds, rng, rows: list) -> N
                         )
                         dev.free()
                 else:
-                    err = check_linear(k, dev, cfg, kind, m, rng, weights)
+                    err = check_linear(k, dev, cfg, kind, m, rng, weights, split)
                     tol = TOL["swiglu" if kind == "gate_up" else "linear"]
-                    rows.append((name, kind, m, err, err <= tol, ""))
-                if kind == "down":
-                    dev.free()
-                    err = check_linear(k, dev, cfg, kind, m, rng, weights, split=True)
-                    rows.append((name, "down split", m, err, err <= TOL["linear"], ""))
+                    rows.append((name, case, m, err, err <= tol, ""))
             except Exception as e:  # noqa: BLE001 - one case's failure must not hide the rest
-                rows.append((name, kind, m, float("nan"), False, f"{type(e).__name__}: {e}"))
+                rows.append((name, case, m, float("nan"), False, f"{type(e).__name__}: {e}"))
                 gpu.ensure_ok()
             dev.free()
 
