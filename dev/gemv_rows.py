@@ -1,4 +1,5 @@
-"""The M-row INT4 GEMV (gemv_rows.cu): validated against float64 numpy, then timed.
+"""The M-row INT4 GEMV (gemv_rows.cu) and its split over K for down_proj: validated against
+float64 numpy, then timed.
 
     PYTHONPATH=. python3 dev/gemv_rows.py [--presets 7b,1.5b,14b:5:16,32b:1:8:16@down]
         [--time-presets 7b,1.5b] [--kinds qkv,o,gate_up,down] [--parts check,time]
@@ -13,20 +14,27 @@ check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16 
   reference on the dequantized weights in float64 (RMSNorm rounded to fp16 as the kernels'
   reference does). q/k/v: one sequence (page_stride 0) at consecutive positions 14.. across a
   page boundary of a scattered page table, and one table per row (page_stride > 0); every
-  other cache slot must stay NaN. Tolerance (max |err| / rms(ref)): 5e-3 for the linear
-  epilogues (fp32 sums of exact products; what is left is the fp16 output and, with RMSNorm,
-  one fp16 rounding of x c w per element), 2e-2 for SwiGLU (fp16 output of silu(g) u with
-  large g), the ladder's values (nanoqwen/config/nanoqwen.yaml).
+  other cache slot must stay NaN. down_proj is checked twice: gemv_rows ("down") and the
+  split over K ("down split": gemv_rows_split + gemv_rows_split_sum; its fp32 workspace
+  poisoned with NaN, so a partial sum not written before the sum reads it shows). Tolerance
+  (max |err| / rms(ref)): 5e-3 for the linear epilogues (fp32 sums of exact products; what is
+  left is the fp16 output and, with RMSNorm, one fp16 rounding of x c w per element), 2e-2
+  for SwiGLU (fp16 output of silu(g) u with large g), the ladder's values
+  (nanoqwen/config/nanoqwen.yaml).
   Weights are drawn once per (preset, kind), inputs per case.
 time: the 7B and 1.5B shapes (--time-presets), each as one CUDA graph of 28 launches over 28
   layers' own weights (so the L2 does not hold them), median of 7 replays: today's batch-1
   kernel (gemv_int4) and gemv_rows at M = 1, 2, 4, 8, 16; us a launch, the ratio to
-  gemv_int4, and a layer's sum. --variant NAME=v,NAME=v (repeatable): gemv_rows built again
-  with those Geometry values (C names, as dev/kernel_tune.py's --set) and timed beside the
-  shipped geometry's in the same process: an A/B of a geometry. The check part takes the
-  shipped geometry.
+  gemv_int4, and a layer's sum by kernel (with the kinds it covers). down_proj also times, at
+  each M, "split" (gemv_rows_split and gemv_rows_split_sum, both launches) and "gemm" (the
+  prefill's tensor-core GEMM, its 16-token tile: the verify and batch steps' path before the
+  split). --variant NAME=v,NAME=v (repeatable): gemv_rows (and the split) built again with
+  those Geometry values (C names, as dev/kernel_tune.py's --set) and timed beside the shipped
+  geometry's in the same process: an A/B of a geometry. The check part takes the shipped
+  geometry.
 The target (issue #26): gemv_rows at M = 8 within ~1.25x of gemv_int4 at M = 1 on down_proj
-(7B, 1.5B), ~1.1x on the others.
+(7B, 1.5B), ~1.1x on the others; the split's: down_proj at M = 1..16 in ~10-13 us a launch
+at the 7B (the weight stream, 8.7 us at 4 TB/s, plus a small fixed cost).
 Each part of each preset runs in its own process (--timeout seconds at most): a failure, a trap
 that leaves the CUDA context unusable or a hang prints and the rest goes on.
 """
@@ -34,6 +42,7 @@ that leaves the CUDA context unusable or a hang prints and the rest goes on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -45,7 +54,13 @@ import numpy as np
 from nanoqwen.config import PAGE_TOKENS, preset
 from nanoqwen.cuda.decode import DecodeKernels
 from nanoqwen.cuda.device import Gpu
-from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, gemv_shapes
+from nanoqwen.cuda.prefill import PrefillKernels
+from nanoqwen.cuda.registry import (
+    DEFAULT_GEOMETRY,
+    GEMM_TILES,
+    gemv_shapes,
+    rows_split_workspace,
+)
 from nanoqwen.engine.kv_cache import kv_cache_from_device
 from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.validate import _Dev, _f16, _rand_int4, _rel_err, _rms, _rope_ref
@@ -57,9 +72,10 @@ TOL = {"linear": 5e-3, "swiglu": 2e-2}
 LAYERS = 28
 
 
-def check_linear(k, dev, cfg, kind, m, rng, weights) -> float:
+def check_linear(k, dev, cfg, kind, m, rng, weights, split: bool = False) -> float:
     """o / down (+ residual) and gate_up (RMSNorm + SwiGLU) over m rows; weights: _rand_int4's
-    (words, scales, dequantized) of the kind's shape."""
+    (words, scales, dequantized) of the kind's shape. split: down through gemv_rows_split and
+    its sum, the workspace NaN-poisoned."""
     kdim, n, norm, _ = gemv_shapes(cfg)[kind]
     words, scales, deq = weights
     x = _f16(rng.standard_normal((m, kdim)))
@@ -76,8 +92,12 @@ def check_linear(k, dev, cfg, kind, m, rng, weights) -> float:
         resid = _f16(rng.standard_normal((m, n)))
         ref = resid.astype(np.float64) + y
         optr, host = dev.put(resid), np.empty((m, n), np.float16)
-    k.gemv_rows(kind, m, dev.put(x), dev.put(normw) if norm else 0, dev.put(words),
-                dev.put(scales), optr)  # fmt: skip
+    if split:
+        part, _ = dev.out((rows_split_workspace(cfg, k.geometry) // 4,), np.float32)
+        k.gemv_rows_split(m, dev.put(x), dev.put(words), dev.put(scales), optr, part)
+    else:
+        k.gemv_rows(kind, m, dev.put(x), dev.put(normw) if norm else 0, dev.put(words),
+                    dev.put(scales), optr)  # fmt: skip
     return _rel_err(dev.get(optr, host), ref)
 
 
@@ -128,7 +148,9 @@ def part_check(gpu, name: str, ms: tuple[int, ...], kinds, rng, rows: list) -> N
         weights = (
             None if kind == "qkv" else _rand_int4(rng, 2 * n if kind == "gate_up" else n, kdim)
         )
-        for m in ms:
+        # down_proj twice: gemv_rows, then the split over K (gemv_rows_split + its sum)
+        cases = [(kind, False)] + ([("down split", True)] if kind == "down" else [])
+        for m, (case, split) in itertools.product(ms, cases):
             try:
                 if kind == "qkv":
                     for stride in (0, 1):
@@ -140,23 +162,27 @@ def part_check(gpu, name: str, ms: tuple[int, ...], kinds, rng, rows: list) -> N
                         )
                         dev.free()
                 else:
-                    err = check_linear(k, dev, cfg, kind, m, rng, weights)
+                    err = check_linear(k, dev, cfg, kind, m, rng, weights, split)
                     tol = TOL["swiglu" if kind == "gate_up" else "linear"]
-                    rows.append((name, kind, m, err, err <= tol, ""))
+                    rows.append((name, case, m, err, err <= tol, ""))
             except Exception as e:  # noqa: BLE001 - one case's failure must not hide the rest
-                rows.append((name, kind, m, float("nan"), False, f"{type(e).__name__}: {e}"))
+                rows.append((name, case, m, float("nan"), False, f"{type(e).__name__}: {e}"))
                 gpu.ensure_ok()
             dev.free()
 
 
 def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
     """us a launch of each GEMV shape (of `kinds`) of preset `name`, 28 layers' own weights in
-    one graph: gemv_int4, gemv_rows of the shipped geometry, then of each variant."""
+    one graph: gemv_int4, gemv_rows of the shipped geometry, then of each variant; down_proj
+    also the split over K (each build's) and the prefill GEMM."""
     cfg, rng = preset(name), np.random.default_rng(0)
     shapes = {kd: v for kd, v in gemv_shapes(cfg).items() if kd in kinds}
     k = DecodeKernels(gpu, cfg, rows=True)
-    builds = [("gemv_rows", k)] + [
-        (f"rows {text}", DecodeKernels(gpu, cfg, geometry, rows=True))
+    # The GEMM's tile at M <= 16 (PrefillKernels.pick_gemm's choice there), compiled alone.
+    tiles = tuple(t for t in GEMM_TILES if t.tokens == 16 and not t.swiglu)
+    gemm = PrefillKernels(gpu, cfg, tiles=tiles) if "down" in kinds else None
+    builds = [("", k)] + [  # (the label's suffix, the kernels)
+        (f" {text}", DecodeKernels(gpu, cfg, geometry, rows=True))
         for text, geometry in ((v, DEFAULT_GEOMETRY.override_text(v)) for v in variants)
     ]
     bufs = []
@@ -179,6 +205,8 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
         put(np.arange(npages, dtype=np.int32)),
     )
     kv = [put(np.zeros(npages * cfg.kv_size * PAGE_TOKENS, np.float16)) for _ in range(2)]
+    part = put(np.zeros(max(rows_split_workspace(cfg, kr.geometry) for _, kr in builds) // 4,
+                        np.float32))  # fmt: skip
     weights = {}
     for kind, (kdim, n, _, _) in shapes.items():
         rows = 2 * n if kind == "gate_up" else n
@@ -204,11 +232,23 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
                 kr.gemv_rows(kind, m, x, nw, w, sc, out, bias=bias, pos=pos, rope=rope,
                              pages=pages, kc=kv[0], vc=kv[1], stream=s)  # fmt: skip
 
+        def split_m(s, m, kr, x=x, out=out):
+            for w, sc in weights["down"]:
+                kr.gemv_rows_split(m, x, w, sc, out, part, stream=s)
+
+        def gemm_m(s, m, x=x, out=out, kdim=kdim):
+            for w, sc in weights["down"]:
+                gemm.gemm(x, w, sc, None, out, m, h, kdim, residual=out, stream=s)
+
+        paths = [(f"gemv_rows{sfx}", lambda s, m, kr=kr: rows_m(s, m, kr)) for sfx, kr in builds]
+        if kind == "down":
+            paths += [(f"split{sfx}", lambda s, m, kr=kr: split_m(s, m, kr)) for sfx, kr in builds]
+            paths.append(("gemm", gemm_m))
         base = time_graph(gpu, today, reps=2, timed=7) / LAYERS * 1e6
         table.append((name, kind, "gemv_int4", 1, base, 1.0))
         for m in (1, 2, 4, 8, 16):
-            for label, kr in builds:  # side by side at each M: the same clocks and L2
-                t = time_graph(gpu, lambda s, m=m, kr=kr: rows_m(s, m, kr), reps=2, timed=7)
+            for label, body in paths:  # side by side at each M: the same clocks and L2
+                t = time_graph(gpu, lambda s, m=m, body=body: body(s, m), reps=2, timed=7)
                 t = t / LAYERS * 1e6
                 table.append((name, kind, label, m, t, t / base))
     for b in bufs:
@@ -225,10 +265,13 @@ def print_times(times: list[tuple]) -> None:
     for name in dict.fromkeys(t[0] for t in times):
         rows = [t for t in times if t[0] == name]
         base = sum(t[4] for t in rows if t[2] == "gemv_int4")
-        print(f"  {name}: a layer's GEMVs (sum over the kinds timed):")
+        print(f"  {name}: a layer's GEMVs (sum over the kinds timed; down_proj's own paths:")
+        print("  split, gemm, summed over down alone)")
         for kern, m in dict.fromkeys((t[2], t[3]) for t in rows):
-            s = sum(t[4] for t in rows if t[2] == kern and t[3] == m)
-            print(f"    {kern:{width}} M={m:2d} {s:8.2f} us  {s / base:5.2f}x")
+            got = [t for t in rows if t[2] == kern and t[3] == m]
+            s = sum(t[4] for t in got)
+            kinds = "+".join(t[1] for t in got)
+            print(f"    {kern:{width}} M={m:2d} {s:8.2f} us  {s / base:5.2f}x  ({kinds})")
 
 
 def run_part(part: str, target: str, kinds: str, seed, variants: list[str], checks: list,
@@ -311,14 +354,12 @@ def main() -> int:
             print(f"!! {part} {target}: {why}")
     bad = [c for c in checks if not c[4]]
     print(f"\n== check: {len(checks) - len(bad)}/{len(checks)} pass (tolerance {TOL})")
-    for c in checks:
-        if not c[4] or c[2] in (1, 8, 16):
-            print(
-                f"  {c[0]:5} {c[1]:16} M={c[2]:2} err {c[3]:.2e} {'ok' if c[4] else 'FAIL'} {c[5]}"
-            )
+    for c in checks:  # every case, PASS or FAIL
+        print(f"  {c[0]:5} {c[1]:16} M={c[2]:2} err {c[3]:.2e} {'PASS' if c[4] else 'FAIL'} {c[5]}")
     if times:
         print_times(times)
     print(f"\nfailed parts: {', '.join(failed) or 'none'}")
+    print(f"RESULT {'FAIL' if failed or bad else 'PASS'}")
     return 1 if failed or bad else 0
 
 

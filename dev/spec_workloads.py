@@ -14,8 +14,8 @@ i). Validate (greedy): each prompt's speculative tokens against its plain tokens
 differing index when not). Time: decode ms/token of each mode, medians over --runs. A run that
 fails does not stop the others. RESULT last: one row a (backoff, workload) with its target and
 whether it is met; --spec-backoff 0 is speculation without the backoff, for the A/B. --down
-gemm|rows forces the verify step's down_proj path (engine.verify.down_gemm, replaced for this
-process) to A/B the engine's rule.
+gemm|split|rows forces the verify step's down_proj path (engine.verify.down_path, replaced for
+this process) to A/B the engine's rule.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> int:
                    help="temperature 0.8, top-k 50, top-p 0.95 instead of greedy")  # fmt: skip
     p.add_argument("--backend", default="cuda", choices=("cuda", "reference"))
     p.add_argument("--max-context", type=int, default=8192)
-    p.add_argument("--down", choices=("engine", "gemm", "rows"), default="engine",
+    p.add_argument("--down", choices=("engine", *verify.DOWN_PATHS), default="engine",
                    help="the verify step's down_proj: the engine's rule, or forced")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -70,7 +70,7 @@ def main() -> int:
              for b in args.spec_backoff.split(",")]  # fmt: skip
     sampling = SAMPLED if args.sampled else None
     if args.down != "engine":
-        verify.down_gemm = lambda *_: args.down == "gemm"  # looked up when Verify is built
+        verify.down_path = lambda *_: args.down  # looked up when Verify is built
 
     def open_llm(config):
         return LLM(args.file, backend=args.backend, max_context=args.max_context,

@@ -2,7 +2,7 @@
 decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
-        [--down gemm,rows] [--kernels]
+        [--down gemm,split,rows] [--kernels]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
 tokens at the consecutive positions start .. start + M - 1 of one sequence (the token of the
@@ -38,7 +38,7 @@ from nanoqwen.cuda.decode import DecodeKernels
 from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, Geometry
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
-from nanoqwen.engine.verify import Verify
+from nanoqwen.engine.verify import DOWN_PATHS, Verify
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.bench import aggregate_kernels, compare_steps, launch_times, time_graph
 from nanoqwen.harness.gpu_script import run_part
@@ -188,10 +188,11 @@ def main() -> int:
     ap.add_argument("--ms", default="1,2,4,8,16", help="row counts checked and timed")
     ap.add_argument("--seed", type=int, default=None, help="inputs' seed (default: fresh)")
     ap.add_argument("--json", default="", help="write the timing table here")
-    ap.add_argument("--down", default="gemm,rows",
+    ap.add_argument("--down", default="gemm,split,rows",
                     help="down_proj paths to check and time in turn: gemm (the prefill's "
-                         "tensor-core GEMM), rows (gemv_rows); the engine picks by "
-                         "engine.verify.down_gemm")  # fmt: skip
+                         "tensor-core GEMM), split (gemv_rows_split + its sum: K split "
+                         "across the CTAs), rows (gemv_rows); the engine picks by "
+                         "engine.verify.down_path")  # fmt: skip
     ap.add_argument("--variant", default="",
                     help="NAME=v,NAME=v: also check and time the verify step with its kernels "
                          "built on the engine's geometry with these values (C names, e.g. "
@@ -202,6 +203,9 @@ def main() -> int:
                          "goes)")  # fmt: skip
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
+    unknown = set(args.down.split(",")) - set(DOWN_PATHS)
+    if unknown:
+        ap.error(f"--down {args.down!r}: {sorted(unknown)} not among {', '.join(DOWN_PATHS)}")
     try:
         variant = args.variant and DEFAULT_GEOMETRY.override_text(args.variant)
     except ValueError as exc:
@@ -216,7 +220,7 @@ def main() -> int:
     prefill_context(e, rng.integers(0, e.config.vocab_size, args.context).astype(np.int32))
     ok, tables, breakdowns = True, {}, {}
     for down, (name, vs) in itertools.product(args.down.split(","), steps.items()):
-        vs.v.down_gemm = down == "gemm"
+        vs.v.down = down
         down = down + name  # the table's name: the path, and the variant if any
         results: dict = {}
         print(f"== down_proj: {down}")

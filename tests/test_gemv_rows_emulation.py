@@ -3,7 +3,8 @@ TMA boxes, the scales' cp.async) into a stage's bytes, the swizzled x, each lane
 fragments of mma.m16n8k16, the scales' offsets, the groups' rotation over the warps, the stage
 reduction, the K slices a CTA takes in turn (x double-buffered, sums added slice after slice)
 and the epilogue's items, on small awkward shapes; the result must be the dequantized weights'
-product.
+product. The same for down_proj's split over K (gemv_rows_split's grid of row ranges x K
+slices, its sub-stages and teams, the workspace layout, gemv_rows_split_sum's slice order).
 
 The emulation follows the kernel statement by statement (names as there); it checks the
 layout arithmetic, not the hardware: a mismatch here is an indexing bug in one of the two.
@@ -52,6 +53,8 @@ class Emulation:
     """gemv_rows<K, MT, *, EPI, S> over words uint32 [R, K/8], scales fp16 [R, G], x fp16
     [M, K] (already normalized), N features, on `ncl` CTAs. run() -> [M, R] float64: each
     row's epilogue sums (kRope's rows a and b written raw)."""
+
+    warps = C  # the warps that split a stage's groups
 
     def __init__(self, words, scales, x, n, epi, mt, s, ncl):
         self.words, self.x, self.n, self.epi, self.mt, self.s, self.ncl = (
@@ -155,7 +158,8 @@ class Emulation:
         sh, mt = self.sh, self.mt
         sc = st[2 * sh["kRun"] :].view(np.float16).astype(np.float64)
         acc = np.zeros((8, 4, mt // 8, 4))  # lane (g, t4): [tt][c]
-        for j in range((warp + C - i % C) % C, gs, C):
+        c = self.warps
+        for j in range((warp + c - i % c) % c, gs, c):
             for g in range(8):
                 if self.s == 1:
                     sa = (self.row_a(p) * sh["G"]) % 8 + g * sh["G"]
@@ -224,4 +228,98 @@ def test_gemv_rows_emulated(k_groups, n, epi, m, mt, s, ncl):
     ref = x.astype(np.float64) @ dequantize_packed(words, scales).astype(np.float64).T
     with np.errstate(invalid="ignore", over="ignore"):  # stale rows and columns, discarded
         got = Emulation(words, scales, x, n, epi, mt, s, ncl).run()
+    np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+
+
+# -- gemv_rows_split + gemv_rows_split_sum ------------------------------------------------------
+SUB = registry.DEFAULT_GEOMETRY.mr_split_sub  # kMrSplitSub: 16-row sub-stages a stage
+K_ROWS = 16 * SUB  # SplitShape::kRows
+
+
+class SplitEmulation(Emulation):
+    """gemv_rows_split<K, MT, S> on a (ranges x S) grid, then gemv_rows_split_sum, over a
+    residual. A sub-stage is gemv_rows' S > 1 stage with run a = rows p .. p + 7 and run b =
+    p + 8 .. p + 15 (Emulation.stage with those rows), its groups split over one team's
+    C / kMrSplitSub warps."""
+
+    warps = C // SUB
+
+    def row_a(self, p):
+        return p
+
+    def row_b(self, p):
+        return p + 8
+
+    def run_split(self, ranges):
+        """part fp32 [S][Npad][MT] as the CTAs store it (NaN where nothing is stored)."""
+        sh, n, mt = self.sh, self.n, self.mt
+        blocks = -(-n // K_ROWS)
+        part = np.full(self.s * blocks * K_ROWS * mt, np.nan)
+        for split in range(self.s):
+            g0 = split * sh["G"] // self.s
+            gs = (split + 1) * sh["G"] // self.s - g0
+            assert 1 <= gs <= sh["GS"] <= registry.ROWS_SLICE_GROUPS
+            for b in range(ranges):
+                b0, b1 = b * blocks // ranges, (b + 1) * blocks // ranges
+                xs = self.rng.integers(0, 255, (mt * sh["GS"] * 16, 16)).astype(np.uint8)
+                for r in range(self.m):
+                    for u in range(gs * 16):
+                        e = g0 * GROUP_SIZE + u * 8
+                        xs[r * sh["GS"] * 16 + xr_unit(r, u)] = self.x[r, e : e + 8].view(np.uint8)
+                xh = xs.view(np.float16).astype(np.float64)
+                dst = (split * blocks + b0) * K_ROWS * mt
+                for i in range(b1 - b0):
+                    reds = []
+                    for team in range(SUB):
+                        p = (b0 + i) * K_ROWS + team * 16
+                        st = self.stage(p, 8, g0, gs)
+                        reds += [self.warp_sums(st, xh, p, i, w, g0, gs) for w in range(C // SUB)]
+                    rb = np.stack(reds).reshape(-1)  # [C][16][MT]
+                    for e in range(K_ROWS * mt):
+                        src = (e // (16 * mt)) * (C // SUB) * 16 * mt + e % (16 * mt)
+                        v = 0.0
+                        for ww in range(C // SUB):
+                            v += rb[src + ww * 16 * mt]
+                        at = dst + i * K_ROWS * mt + e
+                        assert np.isnan(part[at])  # each sum stored once
+                        part[at] = v
+        return part
+
+    def run_sum(self, part, resid):
+        """gemv_rows_split_sum's threads over part (flat) and the residual [M, N]."""
+        n, m, q = self.n, self.m, self.mt // 4
+        npad = -(-n // K_ROWS) * K_ROWS
+        out = resid.astype(np.float64).copy()
+        for t in range(npad * q):
+            nn, r0 = t // q, 4 * (t % q)
+            if nn >= n or r0 >= m:
+                continue
+            acc = np.zeros(4)
+            for s in range(self.s):
+                acc += part[(t + s * npad * q) * 4 : (t + s * npad * q) * 4 + 4]
+            for c in range(4):
+                if r0 + c < m:
+                    out[r0 + c, nn] += acc[c]
+        return out
+
+
+@pytest.mark.parametrize(
+    "k_groups, n, m, mt, s, ranges",
+    [
+        (37, 100, 3, 8, 3, 2),  # uneven slices (12, 12, 13); rows past N in the last stage
+        (37, 64, 16, 16, 5, 1),  # boxes past a shorter slice's end (the matrix's), two tiles
+        (148, 64, 9, 16, 10, 2),  # the 7B's down_proj K: 10 slices of 14-15 groups
+    ],
+)
+def test_gemv_rows_split_emulated(k_groups, n, m, mt, s, ranges):
+    rng = np.random.default_rng(0)
+    k = k_groups * GROUP_SIZE
+    words = rng.integers(0, 2**32, (n, k // 8), dtype=np.uint64).astype(np.uint32)
+    scales = rng.uniform(0.5, 1.5, (n, k // GROUP_SIZE)).astype(np.float16)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    resid = rng.standard_normal((m, n)).astype(np.float16)
+    ref = resid + x.astype(np.float64) @ dequantize_packed(words, scales).astype(np.float64).T
+    emu = SplitEmulation(words, scales, x, n, RESIDUAL, mt, s, 1)
+    with np.errstate(invalid="ignore", over="ignore"):  # stale rows and columns, discarded
+        got = emu.run_sum(emu.run_split(ranges), resid)
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())

@@ -265,3 +265,58 @@ def test_gemv_rows_split_fits(name, num_sms):
             assert sum(widths) == groups and min(widths) >= 1
             if name == "7b":
                 assert (s == 1) == (kind != "down"), (kind, mt, s)
+
+
+@pytest.mark.parametrize("name", ["1.5b", "7b", "32b"])
+def test_gemv_rows_split_specs_compile(name):
+    """down_proj's split over K (gemv_rows_split and its sum) at both token buckets: no
+    spills, one CTA an SM within the register file, the shared memory within 227 KB."""
+    cfg = preset(name)
+    specs = registry.rows_split_specs(cfg)
+    assert [s.key for s in specs] == [f"gemv_rows_split{p}_m{mt}" for mt in registry.ROW_BUCKETS
+                                      for p in ("_down", "_sum")]  # fmt: skip
+    res = registry.compile_specs(specs, cfg)[registry.GEMV_ROWS].resources()
+    for s in specs:
+        r = res[s.expression]
+        assert r.spill_bytes == 0, s.expression
+        assert r.registers * s.threads <= 65536, s.expression
+        assert s.smem + r.smem_bytes <= 227 * 1024, s.expression
+
+
+@pytest.mark.parametrize("name", ["0.5b", "1.5b", "3b", "7b", "14b", "32b"])
+@pytest.mark.parametrize("num_sms", [132, 114])
+@pytest.mark.parametrize("mt", [*registry.ROW_BUCKETS, 32])
+def test_gemv_rows_split_grid_covers_the_matrix(name, num_sms, mt):
+    """gemv_rows_split's plan, as the kernel splits it: the K slices (at most one TMA box row of
+    ROWS_SLICE_GROUPS groups, none empty) cover K, the row ranges (whole stages, none empty)
+    cover Npad, one wave of one CTA an SM, mr_split_min_stages ring stages, and the workspace
+    holds [S][Npad][MT] (MT = 32: the rule alone, no bucket compiles it)."""
+    cfg, g = preset(name), registry.DEFAULT_GEOMETRY
+    k, n, _, _ = registry.gemv_shapes(cfg)["down"]
+    groups, rows = k // 128, registry.rows_split_stage_rows(g)
+    ranges, s = registry.rows_split_grid(k, n, mt, num_sms)
+    assert s == registry.rows_split_slices(k, mt) >= 2 and ranges * s <= num_sms
+    widths = [(j + 1) * groups // s - j * groups // s for j in range(s)]
+    assert sum(widths) == groups and 1 <= min(widths)
+    assert max(widths) == -(-groups // s) <= registry.ROWS_SLICE_GROUPS
+    assert registry.rows_split_stages(k, mt, s) >= g.mr_split_min_stages
+    npad = registry.rows_split_padded(n)
+    blocks = npad // rows
+    assert npad % rows == 0 and n <= npad < n + rows
+    spans = [(b + 1) * blocks // ranges - b * blocks // ranges for b in range(ranges)]
+    assert sum(spans) == blocks and min(spans) >= 1
+    if mt in registry.ROW_BUCKETS:
+        assert registry.rows_split_workspace(cfg) >= s * npad * mt * 4
+    if name == "7b" and mt == 16:
+        assert (ranges, s) == ((13, 10) if num_sms == 132 else (11, 10))
+
+
+def test_gemv_rows_split_bad_rows_raise():
+    """M = 0 or M > 16 (or not an int) is refused before anything is launched."""
+    from nanoqwen.cuda.decode import DecodeKernels
+    from nanoqwen.errors import NanoqwenError
+
+    k = DecodeKernels.__new__(DecodeKernels)  # no GPU: the check comes first
+    for m in (0, registry.MAX_ROWS + 1, 2.0):
+        with pytest.raises(NanoqwenError, match="m must be 1..16"):
+            k.gemv_rows_split(m, 0, 0, 0, 0, 0)

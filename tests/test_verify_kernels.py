@@ -57,6 +57,27 @@ def test_bad_row_counts_raise(m):
     assert vk._check_rows(16) == 16 and vk._check_rows(1) == 1
 
 
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_down_path_and_its_workspace(name):
+    """down_proj's path by rows: the split over K wherever gemv_rows would take
+    DOWN_SLICED_MIN_SLICES K slices or more (every bucket of the 7B), else gemv_rows; the
+    verify step's buffers include the split's workspace whatever the path."""
+    from nanoqwen.engine import verify
+
+    cfg, g = preset(name), registry.DEFAULT_GEOMETRY
+    k, n, _, epi = registry.gemv_shapes(cfg)["down"]
+    for m in range(1, registry.MAX_ROWS + 1):
+        slices = registry.rows_split(k, n, epi, registry.row_bucket(m), g)
+        want = verify.DOWN_SLICED if slices >= verify.DOWN_SLICED_MIN_SLICES else "rows"
+        assert verify.down_path(cfg, m, g) == want
+        if name == "7b":
+            assert want == "split"
+    plan = verify.verify_plan(cfg, 16, g)
+    assert registry.rows_split_workspace(cfg, g) in plan
+    with pytest.raises(ValueError, match="down_proj path 'nope'"):
+        verify.down_proj(None, 1, "nope", 0, None, 0, 0, None)
+
+
 # -- attn_rows' split and merges, emulated ------------------------------------------------------
 def emulate_attn_rows(q, k, v, start, splits, g: registry.Geometry):
     """attn_rows' algorithm in float64 for one kv head: q [M, G, D], k, v [start + M, D] ->

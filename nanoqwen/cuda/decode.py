@@ -71,7 +71,9 @@ class DecodeKernels(Launcher):
     ) -> None:
         specs = registry.decode_specs(config, geometry)
         if rows:  # the M-row GEMVs (gemv_rows), only for the engines that launch them
-            specs += registry.rows_specs(config, geometry)
+            specs += registry.rows_specs(config, geometry) + registry.rows_split_specs(
+                config, geometry
+            )
         super().__init__(gpu, config, specs, geometry, pdl=pdl)
         g = self.geometry
         # One carveout for the step's kernels: overlapping (PDL) kernels with different
@@ -89,6 +91,7 @@ class DecodeKernels(Launcher):
             self._gemv_grid(f"gemv_{kind}", n)
             for mt in registry.ROW_BUCKETS if rows else ():
                 self._rows_grid(f"gemv_rows_{kind}_m{mt}", n)
+        self._split_grids = {mt: self._split_grid(mt) for mt in registry.ROW_BUCKETS if rows}
         # Attention splits: whole clusters, at most attn_splits, about attn_ctas CTAs in all.
         cl = g.attn_cluster
         per_head = min(g.attn_splits, g.attn_ctas // config.num_kv_heads)
@@ -224,6 +227,54 @@ class DecodeKernels(Launcher):
             )
         self._rows_grids[key, n] = grid
         return grid
+
+    def gemv_rows_split(self, m, x, qweight, scales, out, part, *, stream=None) -> None:
+        """down_proj over m = 1..16 token rows, split over K: gemv_rows_split (grid: row
+        ranges x K slices, registry.rows_split_grid) writes each slice's sums into `part`,
+        then gemv_rows_split_sum adds them to the residual in slice order (deterministic).
+
+        m        token rows (1..registry.MAX_ROWS; compiled in buckets of 8 and 16)
+        x        fp16 [m, I] row-major (the SwiGLU output)
+        qweight  uint32 [H, I/8] ValueShuffle rows; scales fp16 [H, I/128]
+        out      fp16 [m, H], the residual stream: out += W x, in place
+        part     fp32 workspace of registry.rows_split_workspace(config) bytes, the step's own
+                 (allocated once; each launch writes what its sum then reads)
+        """
+        if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
+            raise NanoqwenError(
+                f"gemv_rows_split: m must be 1..{registry.MAX_ROWS} token rows, got {m!r}"
+            )
+        mt = registry.row_bucket(int(m))
+        key, sum_key = f"gemv_rows_split_down_m{mt}", f"gemv_rows_split_sum_m{mt}"
+        if key not in self.specs:
+            raise NanoqwenError(f"{key}: DecodeKernels was built without rows=True")
+        k, _, s = self.specs[key].targs
+        n = self.config.hidden_size
+        w_map = self._rows_map(qweight, n, k, s)
+        self.launch(key, (self._split_grids[mt], s, 1), w_map, x, scales, part, _I32(n),
+                    _I32(m), stream=stream, label="gemv_rows_split down",
+                    nbytes=n * k // 2 + n * (k // GROUP_SIZE) * 2)  # fmt: skip
+        quads = registry.rows_split_padded(n, self.geometry) * mt // 4  # a thread each
+        threads = self.specs[sum_key].threads
+        self.launch(sum_key, (-(-quads // threads), 1, 1), part, out, _I32(n), _I32(m),
+                    stream=stream, label="gemv_rows_split sum",
+                    nbytes=s * n * m * 4 + 2 * m * n * 2)  # fmt: skip
+
+    def _split_grid(self, mt: int) -> int:
+        """gemv_rows_split's row ranges at bucket mt on this GPU; raises when its ring would
+        hold fewer than two stages (the kernel would trap)."""
+        spec = self.specs[f"gemv_rows_split_down_m{mt}"]
+        k, _, s = spec.targs
+        ranges, s_grid = registry.rows_split_grid(k, self.config.hidden_size, mt,
+                                                  self.gpu.num_sms, self.geometry)  # fmt: skip
+        stages = registry.rows_split_stages(k, mt, s, self.geometry)
+        if stages < 2 or s_grid != s:
+            raise NanoqwenError(
+                f"{spec.expression}: {spec.smem} bytes of shared memory hold {stages} stage(s) "
+                f"of its ring (at least 2 are needed), its grid takes {s_grid} K slices "
+                "(registry.rows_split_stages, rows_split_slices)"
+            )
+        return ranges
 
     def rope_kv(self, qkv, pos0: int, rope, pages, kc, vc, q, T, stream=None) -> None:
         """RoPE + paged K/V write for T tokens at positions pos0 .. pos0 + T - 1.

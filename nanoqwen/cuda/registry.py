@@ -112,6 +112,12 @@ class Geometry:
     mr_smem: int = 224 * 1024  # host only
     mr_min_sms: int = 112  # host only
     mr_min_pairs: int = 8  # host only
+    # gemv_rows_split (down_proj split over K, gemv_rows.cu): 16-row sub-stages a stage (one a
+    # team of kMrConsumers / kMrSplitSub warps: weight bytes a consumer barrier), the fewest
+    # ring stages its K slices must leave (rows_split_slices), gemv_rows_split_sum's block.
+    mr_split_sub: int = 2
+    mr_split_min_stages: int = 3  # host only
+    mr_sum_threads: int = 128  # host only
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
     # flight a warp (fp16 rows; int8 rows, half the bytes, so twice as many keep the same
     # bytes in flight), the sampler's block and the most candidates its thresholds sort in
@@ -335,6 +341,7 @@ _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
                 "kGvBalance")  # fmt: skip
 _MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages")
+_MR_SPLIT_TUNABLES = (*_MR_TUNABLES, "kMrSplitSub")
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
 _MATTN_TUNABLES = ("kVerifyRows", "kMattnConsumers", "kMattnSplits", "kMattnStages",
@@ -545,6 +552,77 @@ def rows_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[Ker
     )  # fmt: skip
 
 
+def rows_split_stage_rows(g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """Weight rows a stage of gemv_rows_split (SplitShape::kRows): mr_split_sub x 16."""
+    return 16 * g.mr_split_sub
+
+
+def rows_split_stages(k: int, mt: int, s: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """The ring stages of gemv_rows_split<K, MT, S>: what mr_smem leaves beside x of one slice
+    (MT x ceil(G / S) groups), the stage reduction and the alignment, in stages of mr_split_sub
+    gemv_rows S > 1 stages, at most mr_max_stages (the kernel traps below two)."""
+    gs = -(-(k // GROUP_SIZE) // s)
+    x = mt * gs * GROUP_SIZE * 2
+    red = 2 * g.mr_consumers * 16 * mt * 4
+    free = g.mr_smem - ROWS_ALIGN - x - red
+    return min(g.mr_max_stages, free // (g.mr_split_sub * rows_stage_bytes(k, s)))
+
+
+def rows_split_slices(k: int, mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """S, gemv_rows_split's K slices (its grid's second dimension): the fewest slices of at
+    most ROWS_SLICE_GROUPS groups (a TMA box row), at least two, whose x leaves
+    mr_split_min_stages ring stages. Fewer slices: less x from L2 (ranges x M x K x 2 bytes)
+    and fewer partial sums; the box bounds it below (the 7B's down: 10 slices of 14-15
+    groups; at MT = 32 the 32B's would take more, shorter slices)."""
+    groups = k // GROUP_SIZE
+    s = max(2, -(-groups // ROWS_SLICE_GROUPS))
+    while rows_split_stages(k, mt, s, g) < g.mr_split_min_stages:
+        s += 1
+        if s > groups:
+            raise ValueError(f"gemv_rows_split: K={k} at MT={mt} fits no split")
+    return s
+
+
+def rows_split_grid(k: int, n: int, mt: int, num_sms: int,
+                    g: Geometry = DEFAULT_GEOMETRY) -> tuple[int, int]:  # fmt: skip
+    """gemv_rows_split's grid (R row ranges, S K slices): one wave of one CTA an SM (R x S <=
+    num_sms), at most one range a stage of rows."""
+    s = rows_split_slices(k, mt, g)
+    blocks = -(-n // rows_split_stage_rows(g))
+    return max(1, min(num_sms // s, blocks)), s
+
+
+def rows_split_padded(n: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """Npad: the workspace's rows, n rounded up to whole stages of gemv_rows_split."""
+    rows = rows_split_stage_rows(g)
+    return -(-n // rows) * rows
+
+
+def rows_split_workspace(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """Bytes of gemv_rows_split's partial sums, fp32 [S][Npad][MT], for the largest bucket
+    (one buffer serves every bucket and every layer: each launch writes what its sum reads)."""
+    k, n, _, _ = gemv_shapes(config)["down"]
+    return max(rows_split_slices(k, mt, g) * rows_split_padded(n, g) * mt * 4
+               for mt in ROW_BUCKETS)  # fmt: skip
+
+
+def rows_split_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
+    """down_proj split over K at each token bucket: gemv_rows_split (the slices' sums into
+    the workspace) and gemv_rows_split_sum (their sum into the residual)."""
+    k, _, _, _ = gemv_shapes(config)["down"]
+    specs: tuple[KernelSpec, ...] = ()
+    for mt in ROW_BUCKETS:
+        s = rows_split_slices(k, mt, g)
+        specs += (
+            KernelSpec(f"gemv_rows_split_down_m{mt}", GEMV_ROWS, "gemv_rows_split",
+                       (g.mr_consumers + 1) * 32, g.mr_smem, targs=(k, mt, s),
+                       tunables=_MR_SPLIT_TUNABLES),
+            KernelSpec(f"gemv_rows_split_sum_m{mt}", GEMV_ROWS, "gemv_rows_split_sum",
+                       g.mr_sum_threads, targs=(mt, s), tunables=("kMrSplitSub",)),
+        )  # fmt: skip
+    return specs
+
+
 def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """The decode step's kernels (and the token-parallel ones the prefill shares)."""
     gemv = tuple(
@@ -647,11 +725,12 @@ def prefill_specs(
 
 def kernel_table(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """Every kernel of the engine for `config`: the decode step's, the multi-row step's (M-row
-    GEMVs, attention, lm_head), the batched step's, speculation's drafting and acceptance, then
-    the prefill's."""
+    GEMVs, down_proj split over K, attention, lm_head), the batched step's, speculation's
+    drafting and acceptance, then the prefill's."""
     return (
         decode_specs(config, g)
         + rows_specs(config, g)
+        + rows_split_specs(config, g)
         + verify_specs(config, g)
         + batch_specs(config, g)
         + speculate_specs(g)

@@ -9,8 +9,8 @@ Per step, for the B rows (row r: the r-th sequence by slot; buffers for max_batc
                  tables [max_batch, pages_per_row], row r's at r * pages_per_row), attention
                  over each row's own context (attn_decode<true>: a sequence's splits follow its
                  own length), gemv_rows o (+ residual), gate/up (RMSNorm, SwiGLU), down
-                 (+ residual; the prefill's 16-token GEMM tile where gemv_rows would take K in
-                 many slices: verify.down_gemm's rule)
+                 (+ residual; split over K across the CTAs where gemv_rows would take K in
+                 many slices: verify.down_path's rule)
     lm_head_rows final RMSNorm, logits [B, V], each row's argmax key
     sample_batch each row's token by the plain sampler's rule with its own temperature /
                  top-k / top-p / seed, the draw counter = the sequence's draw number
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import PAGE_TOKENS, ModelConfig
+from ..cuda import registry
 from ..cuda.batch import BatchKernels, batch_attention_scratch_buffers
 from ..cuda.decode import DecodeKernels, VerifyKernels
 from ..cuda.prefill import PrefillKernels
@@ -59,7 +60,7 @@ from ..cuda.registry import MAX_ROWS, STATE_WORDS, Geometry, StateWord
 from ..errors import NanoqwenError
 from .decode_loop import DecodeState
 from .kv_cache import KVCache
-from .verify import down_gemm
+from .verify import down_path, down_proj
 from .weights import Weights
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -146,7 +147,8 @@ def batch_plan(config: ModelConfig, rows: int, max_context: int, geometry: Geome
     """Every device buffer BatchStep allocates, in bytes (engine.memory); the pinned staging
     words are host memory."""
     scratch = batch_attention_scratch_buffers(config, geometry, rows)
-    return [*batch_buffers(config, rows, max_context).values(), *scratch.values()]
+    split = registry.rows_split_workspace(config, geometry)  # down_proj's split: BatchStep.part
+    return [*batch_buffers(config, rows, max_context).values(), *scratch.values(), split]
 
 
 def sequence_seed(seq) -> int:
@@ -255,11 +257,13 @@ class BatchStep:
         self.max_batch = max_batch
         self.verify = VerifyKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)
         self.batch = BatchKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)
-        self.down_gemm = {m: down_gemm(config, m, kernels.geometry) for m in self.buckets}
+        self.down = {m: down_path(config, m, kernels.geometry) for m in self.buckets}
         self.layout = RowLayout(max_batch, pages_per_row(max_context))
         sizes = batch_buffers(config, max_batch, max_context)
         self.buf = {k: gpu.alloc(n, f"batch {k}").ptr for k, n in sizes.items()}
         gpu.memset(self.buf["keys"], 0, sizes["keys"])  # lm_head_rows takes an atomic max
+        split = registry.rows_split_workspace(config, kernels.geometry)
+        self.part = gpu.alloc(split, "batch down_proj split").ptr  # every bucket's graph
         self.attn_scratch = self.batch.scratch(max_batch)
         host, _ = gpu.alloc_mapped(self.layout.words * 4)  # pinned: async copies' source
         self._host = host
@@ -290,13 +294,7 @@ class BatchStep:
             k.gemv_rows("o", m, b["attn"], 0, ly.o_w, ly.o_s, b["x"], stream=stream)
             k.gemv_rows("gate_up", m, b["x"], ly.post_norm, ly.gate_up_w, ly.gate_up_s,
                         b["mlp"], stream=stream)  # fmt: skip
-            if self.down_gemm[m]:
-                c = self.config
-                self.prefill_kernels.gemm(b["mlp"], ly.down_w, ly.down_s, None, b["x"], m,
-                                          c.hidden_size, c.intermediate_size, residual=b["x"],
-                                          label="gemm down", stream=stream)  # fmt: skip
-            else:
-                k.gemv_rows("down", m, b["mlp"], 0, ly.down_w, ly.down_s, b["x"], stream=stream)
+            down_proj(self, m, self.down[m], b["mlp"], ly, b["x"], self.part, stream)
         self.verify.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m,
                                  stream=stream)  # fmt: skip
         self.batch.sample(b["logits"], b["keys"], self.word(L.params), b["out"], m,

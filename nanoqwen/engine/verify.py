@@ -6,8 +6,8 @@ The M tokens sit at the consecutive positions *start .. *start + M - 1 (`start` 
 the decode state's POS in the engine's loop). Per layer: gemv_rows q/k/v (RMSNorm, bias, RoPE,
 K/V into the pages at each row's position), attention_rows (causal inside the block: row t over
 keys 0 .. *start + t), gemv_rows o (+ residual), gate/up (RMSNorm, SwiGLU), down (+ residual;
-through the prefill's tensor-core GEMM where gemv_rows would take its K in many slices:
-down_gemm); then lm_head_rows (final RMSNorm, logits, each row's argmax key).
+split over K across the CTAs where gemv_rows would take its K in many slices: down_path); then
+lm_head_rows (final RMSNorm, logits, each row's argmax key).
 
 M is a launch argument, fixed when a graph captures the step: the engine captures it at
 M = 1 + K and lets draft_ngram pad the rows past the drafts (speculate.cu).
@@ -41,35 +41,60 @@ def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
     }
 
 
-# gemv_rows' K slices for down_proj from which the verify step takes the prefill's GEMM (its
-# 16-token tile) instead: gemv_rows pays for every slice (a reload of x, a barrier and a
-# reduction a stage), the GEMM a fixed tile cost. Measured faster at every M from 5 slices (the
-# real 1.5B) up (docs/EXPERIMENTS.md, Speculative decoding); one slice (the 0.5B at M <= 8) is
-# gemv_rows' best case.
-DOWN_GEMM_MIN_SLICES = 5
+# down_proj's three paths: "rows" (gemv_rows, each CTA its pairs over all K), "split"
+# (gemv_rows_split + gemv_rows_split_sum: K split across the CTAs, the slices summed by a second
+# launch), "gemm" (the prefill's tensor-core GEMM, its 16-token tile). gemv_rows pays for every
+# K slice it takes in turn (a reload of x, a barrier and a reduction a stage): measured slower
+# than the GEMM at every M from 5 slices (the real 1.5B) up (docs/EXPERIMENTS.md, Speculative
+# decoding); one slice (the 0.5B at M <= 8) is its best case. From DOWN_SLICED_MIN_SLICES
+# slices on, the step takes DOWN_SLICED ("gemm" remains for dev/verify_step.py's --down).
+DOWN_SLICED_MIN_SLICES = 5
+DOWN_SLICED = "split"
+DOWN_PATHS = ("rows", "split", "gemm")
 
 
-def down_gemm(config: ModelConfig, rows: int, geometry: Geometry) -> bool:
-    """Whether the verify step runs down_proj at `rows` rows through the prefill's tensor-core
-    GEMM rather than gemv_rows: where x of the rows over the intermediate size is so far from
-    fitting in shared memory that gemv_rows takes K in DOWN_GEMM_MIN_SLICES slices or more."""
+def down_path(config: ModelConfig, rows: int, geometry: Geometry) -> str:
+    """How the verify step runs down_proj at `rows` rows: DOWN_SLICED where x of the rows over
+    the intermediate size is so far from fitting in shared memory that gemv_rows would take K
+    in DOWN_SLICED_MIN_SLICES slices or more, else "rows"."""
     k, n, _, epi = registry.gemv_shapes(config)["down"]
-    return registry.rows_split(k, n, epi, registry.row_bucket(rows), geometry) >= (
-        DOWN_GEMM_MIN_SLICES
-    )
+    slices = registry.rows_split(k, n, epi, registry.row_bucket(rows), geometry)
+    return DOWN_SLICED if slices >= DOWN_SLICED_MIN_SLICES else "rows"
+
+
+def down_proj(step, m: int, path: str, mlp: int, layer, x: int, part: int, stream) -> None:
+    """One layer's down_proj of m rows by `path` (down_path's): x fp16 [m, H] += W mlp, mlp
+    fp16 [m, I]; `step` holds the launchers (kernels, prefill_kernels); part: the split's
+    workspace (registry.rows_split_workspace bytes)."""
+    if path == "split":
+        step.kernels.gemv_rows_split(m, mlp, layer.down_w, layer.down_s, x, part, stream=stream)
+    elif path == "gemm":
+        if step.prefill_kernels is None:
+            raise ValueError("down_proj through the GEMM needs the prefill's kernels")
+        c = step.config
+        step.prefill_kernels.gemm(mlp, layer.down_w, layer.down_s, None, x, m, c.hidden_size,
+                                  c.intermediate_size, residual=x, label="gemm down",
+                                  stream=stream)  # fmt: skip
+    elif path == "rows":
+        step.kernels.gemv_rows("down", m, mlp, 0, layer.down_w, layer.down_s, x, stream=stream)
+    else:
+        raise ValueError(f"down_proj path {path!r}: one of {DOWN_PATHS}")
 
 
 def verify_plan(config: ModelConfig, rows: int, geometry: Geometry) -> list[int]:
     """Every buffer Verify allocates, in bytes (engine.memory)."""
     scratch = rows_attention_scratch_buffers(config, geometry)
-    return [*verify_buffers(config, rows).values(), *scratch.values()]
+    split = registry.rows_split_workspace(config, geometry)  # down_proj's split: Verify.part
+    return [*verify_buffers(config, rows).values(), *scratch.values(), split]
 
 
 class Verify:
     """The verify step over an engine's weights, KV cache and RoPE table, with its own buffers
     for up to `rows` rows (verify_buffers; `buf` maps each name to its device address).
     `kernels` must be built with rows=True (gemv_rows). The argmax keys must be zero before a
-    step (lm_head_rows takes an atomic max): the caller zeroes them after reading them."""
+    step (lm_head_rows takes an atomic max): the caller zeroes them after reading them. `down`
+    is down_proj's path (down_path; "gemm" needs prefill_kernels); `part` the split path's
+    workspace, allocated whatever the path so that a test may switch."""
 
     def __init__(
         self,
@@ -86,7 +111,7 @@ class Verify:
         self.gpu, self.config, self.kernels = gpu, config, kernels
         self.weights, self.kv, self.rope, self.rows = weights, kv, rope, rows
         self.prefill_kernels = prefill_kernels
-        self.down_gemm = prefill_kernels is not None and down_gemm(config, rows, kernels.geometry)
+        self.down = down_path(config, rows, kernels.geometry)
         self.verify = VerifyKernels(gpu, config, kernels.geometry, pdl=kernels.pdl)
         if not 1 <= rows <= self.verify.geometry.verify_rows:
             raise ValueError(f"verify rows must be 1..{self.verify.geometry.verify_rows}")
@@ -94,6 +119,8 @@ class Verify:
         sizes = verify_buffers(config, rows)
         self.buf = {k: gpu.alloc(n, f"verify {k}").ptr for k, n in sizes.items()}
         gpu.memset(self.buf["keys"], 0, sizes["keys"])
+        split = registry.rows_split_workspace(config, kernels.geometry)
+        self.part = gpu.alloc(split, "verify down_proj split").ptr
 
     def step(self, m: int, start: int, stream=None) -> None:
         """The verify step over the first m rows of buf["tokens"] at positions buf["pos"];
@@ -111,11 +138,5 @@ class Verify:
             k.gemv_rows("o", m, b["attn"], 0, L.o_w, L.o_s, b["x"], stream=stream)
             k.gemv_rows("gate_up", m, b["x"], L.post_norm, L.gate_up_w, L.gate_up_s, b["mlp"],
                         stream=stream)  # fmt: skip
-            if self.down_gemm:
-                c = self.config
-                self.prefill_kernels.gemm(b["mlp"], L.down_w, L.down_s, None, b["x"], m,
-                                          c.hidden_size, c.intermediate_size, residual=b["x"],
-                                          label="gemm down", stream=stream)  # fmt: skip
-            else:
-                k.gemv_rows("down", m, b["mlp"], 0, L.down_w, L.down_s, b["x"], stream=stream)
+            down_proj(self, m, self.down, b["mlp"], L, b["x"], self.part, stream)
         v.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m, stream=stream)

@@ -20,14 +20,15 @@
 // the ring beside x. Every CTA reads all of x from L2 (M x 7 KB a CTA at the 7B's hidden
 // size), under the first stage.
 //
-// When it does not (registry.rows_split: down_proj, K = 8960..27648; the 14B/32B hidden 5120
-// at MT = 16), each CTA takes K in S slices of at most kMrSliceGroups groups, one after the
-// other, over its own pairs: x of slice s + 1 is copied (cp.async, from L2) into the other
-// half of a double buffer while the stages of slice s run, the stages hold 8 rows x the
-// slice a run (one 2-D TMA box each: 8 rows of GS x 64 contiguous bytes, up to 1 KB), and each
-// (pair, token) sum is added slice after slice in shared memory by the one thread that owns
-// it (deterministic, no other CTA involved). RMSNorm with S > 1: the tokens' sums of squares
-// are read from global x (under slice 0's copies), each slice is normalized as it lands.
+// When it does not (registry.rows_split: down_proj, K = 8960..27648; the 14B/32B hidden 5120 at
+// MT = 16; the steps take down_proj through gemv_rows_split below instead, a split of K across the
+// CTAs with a second kernel for the sum), each CTA takes K in S slices of at most kMrSliceGroups
+// groups, one after the other, over its own pairs: x of slice s + 1 is copied (cp.async, from L2)
+// into the other half of a double buffer while the stages of slice s run, the stages hold 8 rows x
+// the slice a run (one 2-D TMA box each: 8 rows of GS x 64 contiguous bytes, up to 1 KB), and each
+// (pair, token) sum is added slice after slice in shared memory by the one thread that owns it
+// (deterministic, no other CTA involved). RMSNorm with S > 1: the tokens' sums of squares are read
+// from global x (under slice 0's copies), each slice is normalized as it lands.
 // The alternatives weighed, 7B down_proj (K = 18944, N = 3584) at M = 8:
 //  - K split over the CTAs of a cluster, x of a rank's slice resident, sums added through
 //    DSMEM: one 224 KB CTA an SM and clusters placed inside a GPC (an H200's 132 SMs are GPCs
@@ -485,6 +486,221 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       half* o = out + (size_t)r * N;
       o[p] = __float2half_rn(in.a + da);
       if (p + half_n < N) o[p + half_n] = __float2half_rn(in.b + db);
+    }
+  }
+}
+
+// ---- Split-K down_proj: gemv_rows_split (partial sums) + gemv_rows_split_sum (residual) ----
+//
+//   part[j, n, r] = sum over K slice j of dequant(W)[n, k] x[r, k]       (gemv_rows_split)
+//   out[r, n]    += part[0, n, r] + part[1, n, r] + ... + part[S-1, n, r] (gemv_rows_split_sum)
+//
+// gemv_rows with S > 1 gives each CTA all K of its ~14 pairs, slice after slice: ~2 stages a
+// slice, and every CTA reads all of x (132 x M x K x 2 bytes, 80 MB of L2 reads at the 7B's
+// M = 16). Here the grid is (row ranges R) x (K slices S): CTA (b, j) streams the rows of range
+// b over slice j only, so x of one slice (MT x GS groups, 61 KB at GS = 15, MT = 16) stays
+// resident for all its stages (no per-slice double buffer or drain) and L2 carries R x M x K x
+// 2 bytes of x (13 ranges at the 7B: 8 MB at M = 16 beside 35 MB of weights). The slices'
+// sums meet in a workspace, added in a fixed order by a second, small kernel (deterministic;
+// PDL launches it while the first runs, so it waits resident and costs its pass over the
+// workspace, an L2 read). A last-CTA reduction through a counter (fence, atomic, a re-read of
+// the slots) cost ~12 us a launch in gemv_rows' first design (docs/EXPERIMENTS.md, Decode
+// GEMV).
+// A stage is kMrSplitSub sub-stages, each gemv_rows' S > 1 stage layout for 16 consecutive rows
+// (run a: rows 0..7, run b: rows 8..15, one 8-row TMA box each; then the 16 rows' scales): the
+// consumer warps split into kMrSplitSub teams, one a sub-stage, so a stage carries
+// kMrSplitSub x 15 KB (GS = 15) of weights against one consumer barrier and a reduction over
+// C / kMrSplitSub warps. MT = 32 is a template value away as long as x of a slice and the
+// ring fit (registry.rows_split_slices takes more, shorter slices when they do not).
+
+// x of the slice: [MT][GS groups] swizzled (xr_unit), then the stage reduction [2][C][16][MT],
+// then the ring (host twin: registry.rows_split_stages).
+template <int K, int MT, int S>
+struct SplitShape {
+  using Sh = MrShape<K, MT, S>;
+  static constexpr int kStage = kMrSplitSub * Sh::kStage;  // kMrSplitSub sub-stages
+  static constexpr int kRows = 16 * kMrSplitSub;           // weight rows a stage
+};
+
+// w_map    TMA descriptor of the weight as uint32 [N][K/8], box [8 rows][GS * 16 words]
+// x        fp16   [M, K]   activations (down_proj: the SwiGLU output), row-major
+// scales   fp16   [N, K/128]
+// part     fp32   [S][Npad][MT] the slices' sums, Npad = ceil(N / kRows) x kRows (every
+//                 element written, padding rows and tokens past M with junk the sum skips)
+// N, M     output features; token rows 1..MT
+// Grid (R, S): CTA (b, j) takes stages b x B / R .. (b + 1) x B / R (B = Npad / kRows) over
+// K slice j (groups j G / S .. (j + 1) G / S). Block kMrThreads, dynamic shared memory
+// registry's mr_smem (at least two stages: the kernel traps otherwise).
+template <int K, int MT, int S>
+__global__ void __launch_bounds__(kMrThreads, 1)
+gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
+                const half* __restrict__ scales, float* __restrict__ part, int N, int M) {
+  static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
+  static_assert(S > 1, "a split over K (one slice is gemv_rows' S = 1)");
+  static_assert(MT % 8 == 0, "n8 token tiles");
+  static_assert(kMrConsumers % kMrSplitSub == 0, "whole consumer teams");
+  using Sh = MrShape<K, MT, S>;
+  using Sp = SplitShape<K, MT, S>;
+  constexpr int C = kMrConsumers, G = Sh::G, TT = MT / 8, CW = C / kMrSplitSub;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
+  __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
+
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  const int blocks = (N + Sp::kRows - 1) / Sp::kRows;
+  const int b0 = blockIdx.x * blocks / gridDim.x, b1 = (blockIdx.x + 1) * blocks / gridDim.x;
+  const int split = blockIdx.y;
+  const int g0 = split * G / S, gs = (split + 1) * G / S - g0;
+
+  unsigned dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  const int stages =
+      min(kMrMaxStages, ((int)dyn - kMrAlign - Sh::kXBuf - Sh::kRed) / Sp::kStage);
+  if (stages < 2 || gridDim.y != S) __trap();  // a launch the host must not make
+  unsigned char* base = smem + ((kMrAlign - smem_addr(smem) % kMrAlign) % kMrAlign);
+  uint4* xs4 = reinterpret_cast<uint4*>(base);                       // [MT][GS groups]
+  float* red = reinterpret_cast<float*>(base + Sh::kXBuf);           // [2][C][16][MT]
+  unsigned char* ring = base + Sh::kXBuf + Sh::kRed;                 // kStage-aligned: 128
+  static_assert(Sh::kXBuf % kMrAlign == 0 && Sh::kRed % kMrAlign == 0, "TMA boxes: 128 B");
+
+  if (tid == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(smem_addr(&full_bar[s]), 1 + kWarp);  // expect_tx + the lanes' scale copies
+      mbar_init(smem_addr(&empty_bar[s]), C);
+    }
+    mbar_init(smem_addr(&x_bar), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_trigger();  // the whole grid is resident: the sum kernel may launch (and wait)
+
+  if (warp == C) {
+    // ---- producer warp: lanes 0 .. 2 kMrSplitSub - 1 copy the stage's 8-row boxes of the
+    // slice (box u / 2 of sub-stage u / 2: run u % 2), which read GS groups (one past a shorter
+    // slice, unused) and zeros past row N; the rows' scales of the slice go by 4-byte cp.async
+    // (gemv_rows' S > 1 producer: why), a lane a row (~9 copies a lane, where a warp along
+    // each row in turn would issue kRows rounds of them), whose completion each lane counts
+    // on "full".
+    int slot = 0, phase = 0;
+    bool x_in = false;
+    for (int i = 0; i < b1 - b0; ++i) {
+      const int r0 = (b0 + i) * Sp::kRows;
+      if (!x_in && i >= kGvEarlyStages) {  // until x is in: stage i - kGvEarlyStages landed
+        const int j = i - kGvEarlyStages;
+        const uint32_t jb = smem_addr(&full_bar[j % stages]), jp = (j / stages) & 1;
+        while (!(x_in = mbar_test(smem_addr(&x_bar), 0)) && !mbar_test(jb, jp)) {
+        }
+      }
+      if (i >= stages) mbar_wait(smem_addr(&empty_bar[slot]), phase ^ 1);
+      const uint32_t full = smem_addr(&full_bar[slot]);
+      unsigned char* st = ring + slot * Sp::kStage;
+      if (lane == 0) mbar_arrive_expect_tx(full, kMrSplitSub * 2 * Sh::kRun);
+      __syncwarp();
+      if (lane < 2 * kMrSplitSub)
+        tma_load_2d(smem_addr(st + (lane / 2) * Sh::kStage + (lane % 2) * Sh::kRun), w_map,
+                    g0 * (kMrGroupBytes / 4), r0 + 8 * lane, full);
+      for (int rr = lane; rr < Sp::kRows; rr += kWarp) {  // stage row rr: its units in turn
+        if (r0 + rr >= N) continue;
+        const size_t first = (size_t)(r0 + rr) * G + g0;  // in halves
+        const half* src = scales + (first & ~(size_t)1);
+        const int units = (int)((first + gs + 1 - (first & ~(size_t)1)) / 2);
+        unsigned char* dst = st + (rr / 16) * Sh::kStage + 2 * Sh::kRun + (rr % 16) * Sh::kScRow;
+        for (int u = 0; u < units; ++u) cp_async4(dst + 4 * u, src + 2 * u);
+      }
+      cp_async_arrive_noinc(full);
+      if (++slot == stages) {
+        slot = 0;
+        phase ^= 1;
+      }
+    }
+  } else {
+    // ---- consumer warps: x of the slice (cp.async, swizzled; rows past M stay unset: they
+    // feed token columns nobody reads), then team u = warp / CW takes sub-stage u, its warp
+    // w = warp % CW groups (w - i) mod CW, + CW, ... of stage i.
+    pdl_wait();
+    for (int v = tid; v < M * gs * 16; v += C * kWarp) {
+      const int r = v / (gs * 16), u = v % (gs * 16);
+      cp_async16(xs4 + r * Sh::GS * 16 + xr_unit(r, u),
+                 x + (size_t)r * K + g0 * kGroupSize + u * 8);
+    }
+    cp_async_wait_all();
+    consumer_sync<C>();
+    if (tid == 0) mbar_arrive(smem_addr(&x_bar));
+    const int g = lane / 4, t4 = lane % 4, team = warp / CW, w = warp % CW;
+    float* dst = part + ((size_t)split * blocks + b0) * Sp::kRows * MT;  // stage 0's sums
+    int slot = 0, phase = 0;
+    for (int i = 0; i < b1 - b0; ++i) {
+      const int r0 = (b0 + i) * Sp::kRows + team * 16;  // the team's sub-stage's first row
+      mbar_wait(smem_addr(&full_bar[slot]), phase);
+      const unsigned char* st = ring + slot * Sp::kStage + team * Sh::kStage;
+      // The scales of the lane's rows r0 + g, r0 + 8 + g at the slice's first group.
+      const half* sc = reinterpret_cast<const half*>(st + 2 * Sh::kRun);
+      const half* sa = sc + g * Sh::kScRow / 2 + (((size_t)(r0 + g) * G + g0) & 1);
+      const half* sb = sc + (8 + g) * Sh::kScRow / 2 + (((size_t)(r0 + 8 + g) * G + g0) & 1);
+      float acc[TT][4] = {};
+      for (int j = (w + CW - i % CW) % CW; j < gs; j += CW)
+        group_mma<K, MT, S>(st, sa, sb, xs4, j, g, t4, acc);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
+      // The warps' sums, [C][16 rows][MT] in buffer i % 2 (gemv_rows' stage reduction), then
+      // each (sub-stage, row, token) summed over its team in warp order and stored: a stage's
+      // kRows x MT floats are contiguous in part (coalesced).
+      float* rb = red + (i & 1) * (C * 16 * MT);
+#pragma unroll
+      for (int tt = 0; tt < TT; ++tt) {
+        float* d = rb + warp * 16 * MT + g * MT + tt * 8 + 2 * t4;
+        *reinterpret_cast<float2*>(d) = make_float2(acc[tt][0], acc[tt][1]);
+        *reinterpret_cast<float2*>(d + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
+      }
+      consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
+      for (int e = tid; e < Sp::kRows * MT; e += C * kWarp) {
+        const float* src = rb + (e / (16 * MT)) * CW * 16 * MT + e % (16 * MT);
+        float v = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < CW; ++ww) v += src[ww * 16 * MT];
+        dst[(size_t)i * Sp::kRows * MT + e] = v;
+      }
+      if (++slot == stages) {
+        slot = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+// part  fp32 [S][Npad][MT] gemv_rows_split's sums (Npad = ceil(N / kRows) x kRows)
+// out   fp16 [M, N]        the residual stream, read and written in place:
+//                          out[r, n] = fp16(out[r, n] + part[0, n, r] + ... + part[S-1, n, r])
+// Thread t: feature n = t / (MT / 4), tokens 4 (t % (MT / 4)) .. + 3 (one float4 a slice;
+// a warp's loads are contiguous). Grid: ceil(Npad x MT / 4 / block) CTAs, any block.
+template <int MT, int S>
+__global__ void gemv_rows_split_sum(const float* __restrict__ part, half* out, int N, int M) {
+  static_assert(MT % 4 == 0, "token quads");
+  constexpr int Q = MT / 4;
+  constexpr int kRows = 16 * kMrSplitSub;
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  const int n = t / Q, r0 = 4 * (t % Q);
+  const size_t npad = (size_t)(N + kRows - 1) / kRows * kRows;
+  pdl_trigger();  // the next kernel's prologue (its weights) may start
+  if (n >= N || r0 >= M) return;
+  pdl_wait();
+  const float4* p = reinterpret_cast<const float4*>(part) + t;
+  float4 v[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) v[s] = p[s * npad * Q];  // all loads in flight, then the sum
+  float acc[4] = {};
+#pragma unroll
+  for (int s = 0; s < S; ++s) {  // slice order: the same sum at every launch
+    acc[0] += v[s].x;
+    acc[1] += v[s].y;
+    acc[2] += v[s].z;
+    acc[3] += v[s].w;
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    if (r0 + c < M) {
+      half* o = out + (size_t)(r0 + c) * N + n;
+      *o = __float2half_rn(__half2float(*o) + acc[c]);
     }
   }
 }
