@@ -174,6 +174,26 @@ __device__ __forceinline__ void group_mma(const unsigned char* st, const half* s
   }
 }
 
+// A consumer warp's share of a stage: groups first, first + step, ... < gs against its lane's
+// rows and every token tile, then its arrival on the stage's "empty" barrier (it has read the
+// slot) and its sums [16 rows][MT] into `sums` (its part of the stage reduction).
+template <int K, int MT, int S>
+__device__ __forceinline__ void warp_stage(const unsigned char* st, const half* sa,
+                                           const half* sb, const uint4* xs4, int first, int step,
+                                           int gs, int lane, uint32_t empty, float* sums) {
+  const int g = lane / 4, t4 = lane % 4;
+  float acc[MT / 8][4] = {};
+  for (int j = first; j < gs; j += step) group_mma<K, MT, S>(st, sa, sb, xs4, j, g, t4, acc);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty);
+#pragma unroll
+  for (int tt = 0; tt < MT / 8; ++tt) {
+    float* d = sums + g * MT + tt * 8 + 2 * t4;
+    *reinterpret_cast<float2*>(d) = make_float2(acc[tt][0], acc[tt][1]);
+    *reinterpret_cast<float2*>(d + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
+  }
+}
+
 // w_map    TMA descriptor of qweight as uint32 [R][K/8] (row-major), box [8 rows][GS * 16
 //          words], no swizzle (S > 1 only; S = 1 ignores it)
 // x        fp16   [M, K]         activations, row-major, 16-byte aligned
@@ -204,7 +224,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   static_assert(MT == 8 || MT == 16, "token buckets of one or two n8 tiles");
   static_assert(EPI != kRope || (kHeadDim / 2) % kMrPairs == 0, "a stage within one head");
   using Sh = MrShape<K, MT, S>;
-  constexpr int C = kMrConsumers, G = Sh::G, GS = Sh::GS, TT = MT / 8;
+  constexpr int C = kMrConsumers, G = Sh::G, GS = Sh::GS;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
@@ -381,7 +401,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
 
     // ---- the slices, each over the stages of this CTA's pairs: warp takes groups
     // (warp - i) mod C, + C, ... of stage i (i counts on across slices).
-    const int g = lane / 4, t4 = lane % 4;
+    const int g = lane / 4;
     int slot = 0, phase = 0, i = 0;
     for (int s = 0; s < S; ++s) {
       const int g0 = slice0(s), gs = slice0(s + 1) - g0;
@@ -420,20 +440,11 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         const half* sb = S == 1 ? sc + Sh::kScales / 2 + (((size_t)row_b(p) * G) & 7) + g * G
                                 : sc + (8 + g) * Sh::kScRow / 2 +
                                       (((size_t)(row_b(p) + g) * G + g0) & 1);
-        float acc[TT][4] = {};
-        for (int j = (warp + C - i % C) % C; j < gs; j += C)
-          group_mma<K, MT, S>(st, sa, sb, xb, j, g, t4, acc);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
         // The warps' sums, [C][16 rows][MT] in buffer i % 2, then one thread per (row, token),
         // which adds them to the slices before (the same thread at every slice).
         float* rb = red + (i & 1) * (C * 16 * MT);
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-          float* w = rb + warp * 16 * MT + g * MT + tt * 8 + 2 * t4;
-          *reinterpret_cast<float2*>(w) = make_float2(acc[tt][0], acc[tt][1]);
-          *reinterpret_cast<float2*>(w + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
-        }
+        warp_stage<K, MT, S>(st, sa, sb, xb, (warp + C - i % C) % C, C, gs, lane,
+                             smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
         consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
         if (tid < 16 * MT) {
           const int row = tid / MT, r = tid % MT;
@@ -541,7 +552,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
   static_assert(kMrConsumers % kMrSplitSub == 0, "whole consumer teams");
   using Sh = MrShape<K, MT, S>;
   using Sp = SplitShape<K, MT, S>;
-  constexpr int C = kMrConsumers, G = Sh::G, TT = MT / 8, CW = C / kMrSplitSub;
+  constexpr int C = kMrConsumers, G = Sh::G, CW = C / kMrSplitSub;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
@@ -626,7 +637,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
     cp_async_wait_all();
     consumer_sync<C>();
     if (tid == 0) mbar_arrive(smem_addr(&x_bar));
-    const int g = lane / 4, t4 = lane % 4, team = warp / CW, w = warp % CW;
+    const int g = lane / 4, team = warp / CW, w = warp % CW;
     float* dst = part + ((size_t)split * blocks + b0) * Sp::kRows * MT;  // stage 0's sums
     int slot = 0, phase = 0;
     for (int i = 0; i < b1 - b0; ++i) {
@@ -637,21 +648,12 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
       const half* sc = reinterpret_cast<const half*>(st + 2 * Sh::kRun);
       const half* sa = sc + g * Sh::kScRow / 2 + (((size_t)(r0 + g) * G + g0) & 1);
       const half* sb = sc + (8 + g) * Sh::kScRow / 2 + (((size_t)(r0 + 8 + g) * G + g0) & 1);
-      float acc[TT][4] = {};
-      for (int j = (w + CW - i % CW) % CW; j < gs; j += CW)
-        group_mma<K, MT, S>(st, sa, sb, xs4, j, g, t4, acc);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[slot]));
       // The warps' sums, [C][16 rows][MT] in buffer i % 2 (gemv_rows' stage reduction), then
       // each (sub-stage, row, token) summed over its team in warp order and stored: a stage's
       // kRows x MT floats are contiguous in part (coalesced).
       float* rb = red + (i & 1) * (C * 16 * MT);
-#pragma unroll
-      for (int tt = 0; tt < TT; ++tt) {
-        float* d = rb + warp * 16 * MT + g * MT + tt * 8 + 2 * t4;
-        *reinterpret_cast<float2*>(d) = make_float2(acc[tt][0], acc[tt][1]);
-        *reinterpret_cast<float2*>(d + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
-      }
+      warp_stage<K, MT, S>(st, sa, sb, xs4, (w + CW - i % CW) % CW, CW, gs, lane,
+                           smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
       consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
       for (int e = tid; e < Sp::kRows * MT; e += C * kWarp) {
         const float* src = rb + (e / (16 * MT)) * CW * 16 * MT + e % (16 * MT);
