@@ -233,9 +233,13 @@ def online(n: int, max_tokens: int, rounds: int, port: int) -> dict:
 def server(step_s: float, wait: str, profile: str, file: str, port: int, times: Path
            ) -> subprocess.Popen:  # fmt: skip
     """Start the stand-in server in a child process; returns once it accepts connections."""
-    proc = subprocess.Popen(
-        [sys.executable, __file__, SERVE, str(step_s), wait, profile, file, str(port), str(times)]
-    )
+    argv = [sys.executable, __file__, SERVE, str(step_s), wait, profile, file, str(port)]
+    return spawn([*argv, str(times)], port)
+
+
+def spawn(argv: list[str], port: int) -> subprocess.Popen:
+    """Start a server process; returns once it accepts connections on `port`."""
+    proc = subprocess.Popen(argv)
     deadline = time.time() + 120
     while True:
         try:

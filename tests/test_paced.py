@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from nanoqwen.harness.paced import TEXT, WAITS, PacedLLM
+from nanoqwen.harness.paced import TEXT, WAITS, PacedLLM, StepCosts
 from nanoqwen.sampling import SamplingParams
 
 
@@ -40,3 +40,25 @@ def test_a_lone_stream_runs_solo_through_generate(tiny_model) -> None:
         assert len(deltas) == 12 and deltas[-1].finish_reason == "length"
         assert len(llm.backend.waits) == 12  # the prefill, then one wait per token after the first
         assert llm.kv_pages_in_use == 0
+
+
+def test_step_costs_wait_by_tokens_and_rows(tiny_model) -> None:
+    """A prefill waits its tokens' cost (at least a pass over the weights), a decode step its
+    rows' (the last entry past the table's end)."""
+    from types import SimpleNamespace
+
+    costs = StepCosts(prefill_token_s=0.0004, prefill_min_s=0.003, decode_s=(0.001, 0.004))
+    assert costs.prefill(2) == 0.003 and costs.prefill(20) == pytest.approx(0.008)
+    assert (costs.decode(1), costs.decode(2), costs.decode(9)) == (0.001, 0.004, 0.004)
+    assert StepCosts.flat(0.002).prefill(500) == StepCosts.flat(0.002).decode(7) == 0.002
+    with PacedLLM(tiny_model, costs) as llm:
+        backend = llm.backend
+        seqs = [SimpleNamespace(kv_len=0, tokens=[]) for _ in range(3)]
+        backend.prefill_chunk(seqs[0], 20, sample=True)
+        backend.prefill_chunk(seqs[1], 2, sample=False)
+        backend.decode_batch(seqs)
+        backend.decode_batch(seqs[:1])
+        _, waits = backend.take_times()
+        for waited, cost in zip(waits, (0.008, 0.003, 0.004, 0.001), strict=True):
+            assert cost <= waited < cost + 0.05  # a sleep overshoots, never undershoots
+        assert [s.kv_len for s in seqs] == [22, 3, 1]

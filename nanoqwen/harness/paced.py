@@ -3,11 +3,14 @@
 `PacedLLM` is the real `nanoqwen.llm.LLM` front end of a model file (its tokenizer, `prepare`,
 the scheduler of `batch()`, the detokenizer and stop strings) over `PacedBackend`, which has
 the batch primitives (nanoqwen.batching) and `generate` but no model: each call of
-`prefill_chunk`, `decode_batch` and each token of `generate` waits `step_s`, then hands out
-the next ids of a fixed piece of text (so every token decodes to text, none is an EOS). A
-server or a benchmark over it pays everything a GPU-backed one pays except the GPU's work, so
-its per-token latency minus `step_s` is the host's cost that the step does not hide
-(dev/server_overhead.py).
+`prefill_chunk`, `decode_batch` and each token of `generate` waits what `StepCosts` says
+that step costs, then hands out the next ids of a fixed piece of text (so every token decodes
+to text, none is an EOS). A server or a benchmark over it pays everything a GPU-backed one pays
+except the GPU's work. With one flat cost a step (`StepCosts.flat`), its per-token latency
+minus that cost is the host's cost that the step does not hide (dev/server_overhead.py); with
+a GPU's measured costs (a prefill by its tokens, a decode step by its rows), its latencies are
+what the scheduler and the server would give if the GPU did that work and nothing else
+(dev/sched_model.py).
 
 How it waits (`wait`) brackets how a GPU backend waits for its step:
 
@@ -27,6 +30,7 @@ import ctypes
 import os
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from ..config import PAGE_TOKENS, ModelConfig
 from ..kv_pages import BlockManager, KVStats
@@ -39,27 +43,49 @@ TEXT = "def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n"
 WAITS = ("sleep", "block", "spin")
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds a step takes: a prefill of t tokens max(prefill_min_s, t * prefill_token_s) (a
+    pass over the weights at least, else bound by the GEMMs' compute); a decode step of B rows
+    decode_s[B - 1] (decode_s[-1] past its end)."""
+
+    prefill_token_s: float
+    prefill_min_s: float
+    decode_s: tuple[float, ...]
+
+    @classmethod
+    def flat(cls, step_s: float) -> StepCosts:
+        """Every step `step_s`, whatever its tokens and rows."""
+        return cls(0.0, step_s, (step_s,))
+
+    def prefill(self, tokens: int) -> float:
+        return max(self.prefill_min_s, tokens * self.prefill_token_s)
+
+    def decode(self, rows: int) -> float:
+        return self.decode_s[min(rows, len(self.decode_s)) - 1]
+
+
 class PacedBackend:
-    """The batch primitives and generate() over a KV pool of pages only: every step waits
-    `step_s` (module docstring) and yields `text_ids` in turn from each sequence's position."""
+    """The batch primitives and generate() over a KV pool of pages only: every step waits its
+    `costs` (module docstring) and yields `text_ids` in turn from each sequence's position."""
 
     name = "paced"
     speculative = None
     cached_tokens = 0  # no prefix is served from a cache: every prompt is "prefilled"
 
-    def __init__(self, config: ModelConfig, max_context: int, max_batch: int, step_s: float,
+    def __init__(self, config: ModelConfig, max_context: int, max_batch: int, costs: StepCosts,
                  wait: str, text_ids: Sequence[int]) -> None:  # fmt: skip
         if wait not in WAITS:
             raise ValueError(f"wait must be one of {', '.join(WAITS)}, got {wait!r}")
         self.config, self.max_context, self.max_batch = config, max_context, max_batch
-        self.step_s, self.wait, self.text_ids = step_s, wait, list(text_ids)
+        self.costs, self.wait, self.text_ids = costs, wait, list(text_ids)
         self._usleep = ctypes.PyDLL(None).usleep  # PyDLL: the call keeps the GIL
         # Room for every slot's whole context: the stand-in never preempts.
         self.block_manager = BlockManager(max_batch * -(-max_context // PAGE_TOKENS))
         self.spec_stats = SpecStats()
         # Seconds from the end of each wait to the start of the next (the engine thread's own
         # work between two steps, which a GPU step does not hide), and of each wait (a sleep
-        # overshoots step_s by the OS's wake-up latency). `take_times` empties both.
+        # overshoots its cost by the OS's wake-up latency). `take_times` empties both.
         self.gaps: list[float] = []
         self.waits: list[float] = []
         self._waited: float | None = None  # when the last wait ended
@@ -69,16 +95,16 @@ class PacedBackend:
         times, self.gaps, self.waits, self._waited = (self.gaps, self.waits), [], [], None
         return times
 
-    def _wait(self) -> None:
+    def _wait(self, step_s: float) -> None:
         start = time.perf_counter()
         if self._waited is not None:
             self.gaps.append(start - self._waited)
         if self.wait == "sleep":
-            time.sleep(self.step_s)
+            time.sleep(step_s)
         elif self.wait == "block":
-            self._usleep(round(self.step_s * 1e6))
+            self._usleep(round(step_s * 1e6))
         else:
-            while time.perf_counter() < start + self.step_s:
+            while time.perf_counter() < start + step_s:
                 pass
         self._waited = time.perf_counter()
         self.waits.append(self._waited - start)
@@ -87,12 +113,12 @@ class PacedBackend:
         return self.text_ids[generated % len(self.text_ids)]
 
     def prefill_chunk(self, seq, end: int, sample: bool) -> int | None:
-        self._wait()
+        self._wait(self.costs.prefill(end - seq.kv_len))
         seq.kv_len = end
         return self._token(len(seq.tokens)) if sample else None
 
     def decode_batch(self, seqs: list) -> list[int]:
-        self._wait()
+        self._wait(self.costs.decode(len(seqs)))
         for seq in seqs:
             seq.kv_len += 1
         return [self._token(len(seq.tokens)) for seq in seqs]
@@ -103,15 +129,15 @@ class PacedBackend:
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, stop_ids: frozenset[int]
     ) -> Iterator[int]:
-        """One token per `step_s` after one wait for the prompt, to max_tokens; its pages held
-        while it runs, as a backend's are."""
+        """One token per decode step of one row after the prompt's prefill, to max_tokens; its
+        pages held while it runs, as a backend's are."""
         table = self.block_manager.admit(prompt_ids)
         try:
             self.block_manager.reserve(table, len(prompt_ids) + params.max_tokens)
-            self._wait()  # the prefill
+            self._wait(self.costs.prefill(len(prompt_ids)))
             for i in range(params.max_tokens):
                 if i:
-                    self._wait()
+                    self._wait(self.costs.decode(1))
                 yield self._token(i)
         finally:
             self.block_manager.release(table)
@@ -131,14 +157,16 @@ class PacedBackend:
 class PacedLLM(LLM):
     """LLM over a model file's tokenizer and front end, its engine a `PacedBackend`."""
 
-    def __init__(self, path: str | os.PathLike, step_s: float, wait: str = "sleep",
+    def __init__(self, path: str | os.PathLike, costs: StepCosts | float, wait: str = "sleep",
                  max_batch: int = 16, max_context: int | None = None) -> None:  # fmt: skip
-        self._paced = (step_s, wait)
+        """costs: the stand-in's StepCosts, or one flat cost a step in seconds."""
+        costs = costs if isinstance(costs, StepCosts) else StepCosts.flat(costs)
+        self._paced = (costs, wait)
         # The reference backend's context rule; `_open_backend` below builds the stand-in.
         super().__init__(path, "reference", max_context, speculative="off", max_batch=max_batch)
         self.backend_name = self.backend_reason = "paced"
 
     def _open_backend(self) -> PacedBackend:
-        step_s, wait = self._paced
+        costs, wait = self._paced
         ids = [t for t in self.tokenizer.encode(TEXT) if t not in self.tokenizer.eos_token_ids]
-        return PacedBackend(self.config, self.max_context, self._max_batch, step_s, wait, ids)
+        return PacedBackend(self.config, self.max_context, self._max_batch, costs, wait, ids)
