@@ -29,10 +29,9 @@ releases pages; it drives any backend with the batch primitives:
    sequence's first chunk besides the pages this step's decode takes (so an admission does not
    force a preemption in its own step); admission takes the prompt's cached prefix
    (`BlockManager.admit`), so `kv_len` starts at `table.cached_tokens`;
-3. prefills about `prefill_chunk` tokens, across the admitted sequences that still have
-   uncomputed ids, oldest first (a prompt's short tail goes with the chunk before it:
-   PREFILL_TAIL_DIVISOR); a chunk that ends the prompt samples the first token. A long prompt
-   therefore costs the running streams one bounded chunk per step, never a whole prefill;
+3. prefills at most `prefill_chunk` tokens, across the admitted sequences that still have
+   uncomputed ids, oldest first; a chunk that ends the prompt samples the first token. A long
+   prompt therefore costs the running streams one bounded chunk per step, never a whole prefill;
 4. runs one `decode_batch` over every sequence whose ids but the last were computed when the
    step began (one token each; not those whose first token this step's prefill sampled),
    having reserved kv_len + 1 positions for each, oldest first.
@@ -86,13 +85,6 @@ from .speculative import SpecStats
 # A larger chunk trades those stalls for time to first token (docs/EXPERIMENTS.md, Server:
 # 1024 and 2048 on the H200 doubled and tripled the stalls for 9-15% off the TTFT).
 DEFAULT_PREFILL_CHUNK = 512
-# A chunk is a pass over all the weights whatever its length (the prefill's GEMMs are bound by
-# the weight read below ~64 rows: a 6-token chunk of the 7B costs most of what 64 do), and a
-# prompt's last chunk waits a step for the one before it. So no chunk leaves a prompt a tail of
-# fewer than prefill_chunk / PREFILL_TAIL_DIVISOR tokens (it takes the tail along, over the
-# budget by that much at most), and none starts on less budget than that unless it ends the
-# prompt: a 518-token prompt is one chunk of 518, not 512 and a 6-token pass a step later.
-PREFILL_TAIL_DIVISOR = 8
 # A lone sequence leaves the batch for solo decoding only with this many tokens still to go:
 # the move costs a prefill of its last partial page (a few decode steps on the GPU).
 SOLO_MIN_LEFT = 16
@@ -326,7 +318,7 @@ class Scheduler:
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
             table = self.pages.admit(seq.ids)
-            first = self._chunk_end(table.cached_tokens, seq.prefill_end, self.prefill_chunk)
+            first = min(seq.prefill_end, table.cached_tokens + self.prefill_chunk)
             need = first + (first == seq.prefill_end)  # and the next step's position
             stats = self.pages.stats
             pages = -(-need // PAGE_TOKENS) - len(table.pages) + self._decode_pages()
@@ -348,13 +340,11 @@ class Scheduler:
     def _prefill(self, events: list[Event]) -> None:
         budget = self.prefill_chunk
         for seq in list(self.running):
-            if budget <= 0:
+            if budget == 0:
                 return
             if seq.table is None or seq.decoding:
                 continue  # preempted by an earlier reservation, or done prefilling
-            start, end = seq.kv_len, self._chunk_end(seq.kv_len, seq.prefill_end, budget)
-            if end is None:
-                continue
+            start, end = seq.kv_len, min(seq.prefill_end, seq.kv_len + budget)
             sample = not seq.tokens and end == len(seq.prompt)
             if not self._reserve(seq, end + sample):
                 continue
@@ -363,15 +353,6 @@ class Scheduler:
             budget -= end - start
             if sample and (finish := self._emit(seq, token, events)):
                 self._leave(seq, finish)
-
-    def _chunk_end(self, start: int, prefill_end: int, budget: int) -> int | None:
-        """Where a chunk from `start` on `budget` tokens ends (PREFILL_TAIL_DIVISOR's rule):
-        prefill_end when the rest is within the budget plus a short tail; else start + budget,
-        or None (no chunk this step) when the budget is that short."""
-        tail = self.prefill_chunk // PREFILL_TAIL_DIVISOR
-        if prefill_end - start <= budget + tail:
-            return prefill_end
-        return start + budget if budget >= tail else None
 
     def _decode(self, batch: list[Sequence], events: list[Event]) -> None:
         for seq in batch:

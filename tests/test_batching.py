@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from nanoqwen.batching import PREFILL_TAIL_DIVISOR, Scheduler
+from nanoqwen.batching import Scheduler
 from nanoqwen.config import PAGE_TOKENS
 from nanoqwen.errors import ContextError, NanoqwenError
 from nanoqwen.fileformat import NanoqwenFile
@@ -124,33 +124,6 @@ def test_long_prompt_is_chunked_between_decode_steps(model_file):
     assert len(long.tokens) == 1 and len(short.tokens) == 8
     run(sched)
     assert backend.block_manager.pages_held == 0
-
-
-def test_prefill_chunks_leave_no_short_tail(model_file, oracle):
-    """No chunk leaves a prompt a tail shorter than prefill_chunk / PREFILL_TAIL_DIVISOR (the
-    tail goes along, over the budget), and a budget that short starts no chunk; the tokens
-    stay generate()'s."""
-    backend = ReferenceBackend(model_file, max_context=256, max_batch=3)
-    sched = Scheduler(backend, prefill_chunk=32, solo=False)
-    assert 32 // PREFILL_TAIL_DIVISOR == 4
-    chunks = []
-    prefill_chunk = backend.prefill_chunk
-
-    def spy(seq, end, sample):
-        chunks.append((seq, seq.kv_len, end))
-        return prefill_chunk(seq, end, sample)
-
-    backend.prefill_chunk = spy
-    rng = np.random.default_rng()
-    reqs = [(p, SamplingParams(max_tokens=4)) for p in prompts(rng, [35, 30, 40])]
-    seqs = [sched.add(p, params) for p, params in reqs]
-    run(sched)
-    a, b, c = seqs
-    # Step 1: 35 = 32 + a 3-token tail, one chunk (budget -3). Step 2: b whole (30); c would
-    # start on the 2 tokens left, and waits. Step 3: c 32, leaving 8 (> 4). Step 4: its 8.
-    assert chunks == [(a, 0, 35), (b, 0, 30), (c, 0, 32), (c, 32, 40)]
-    for seq, (prompt, params) in zip(seqs, reqs, strict=True):
-        assert seq.tokens == oracle(prompt, params)
 
 
 def test_small_pool_preempts_and_outputs_stay_identical(model_file, oracle):
