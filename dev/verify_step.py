@@ -112,7 +112,8 @@ def check(e: CudaBackend, vs: VerifyStep, ms, context: int, rng) -> bool:
             e.gpu.sync("verify step")
         got = vs.logits(m)
         std = ref.std(axis=1, keepdims=True)
-        dl = float(np.max(np.abs(got - ref) / std))
+        row_dl = np.max(np.abs(got - ref) / std, axis=1)
+        dl = float(np.max(row_dl))
         top2 = np.sort(ref, axis=1)[:, -2:]
         tie = (top2[:, 1] - top2[:, 0]) / std[:, 0] < TIE
         same = got.argmax(1) == ref.argmax(1)
@@ -123,6 +124,9 @@ def check(e: CudaBackend, vs: VerifyStep, ms, context: int, rng) -> bool:
         print(f"check M={m:2d}: top-1 {int(same.sum())}/{m} (near-ties {int(tie.sum())}), "
               f"max|dlogit|/std {dl:.4f}{'' if finite else ', NON-FINITE'}  "
               f"{'ok' if good else 'FAIL'}")  # fmt: skip
+        for r in np.flatnonzero(~(row_dl <= MAX_DLOGIT) | (~same & ~tie)):  # which rows, if any
+            print(f"  row {r} (token {tokens[r]}, position {context + r}): max|dlogit|/std "
+                  f"{row_dl[r]:.4f}, top-1 {'same' if same[r] else 'differs'}")  # fmt: skip
     return ok
 
 
