@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import load_test  # noqa: E402 (dev/ is not a package)
 import server_overhead  # noqa: E402
 
+from nanoqwen.cuda.registry import MAX_ROWS  # noqa: E402 (the stand-in's --max-batch)
+
 SERVE = "--serve"  # argv[1] of the server process; argv[2:] the costs (JSON), file, port, chunk
 PORT = 8021
 SNIPPET = "def f(x):\n    return x + 1\n\n"  # the load test's prompt on the GPU host, repeated
@@ -134,7 +136,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    costs = costs_from_records(args.record_512, args.record_concurrency, 16, args.prefill_scale)
+    costs = costs_from_records(args.record_512, args.record_concurrency, MAX_ROWS,
+                               args.prefill_scale)  # fmt: skip
     print(f"costs: prefill {1e3 * costs.prefill_token_s:.4f} ms a token (at least "
           f"{1e3 * costs.prefill_min_s:.3f} ms), decode ms by rows "
           f"{', '.join(f'{1e3 * s:.2f}' for s in costs.decode_s)}")  # fmt: skip
