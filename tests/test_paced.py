@@ -59,6 +59,7 @@ def test_step_costs_wait_by_tokens_and_rows(tiny_model) -> None:
         backend.decode_batch(seqs)
         backend.decode_batch(seqs[:1])
         _, waits = backend.take_times()
+        # Each wait at least its cost: a sleep overshoots (on a busy box by ms), never undershoots.
         for waited, cost in zip(waits, (0.008, 0.003, 0.004, 0.001), strict=True):
-            assert cost <= waited < cost + 0.05  # a sleep overshoots, never undershoots
+            assert cost <= waited < cost + 0.5
         assert [s.kv_len for s in seqs] == [22, 3, 1]
