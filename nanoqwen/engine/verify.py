@@ -72,8 +72,6 @@ def down_proj(step, m: int, path: str, mlp: int, layer, x: int, part: int, strea
     if path == "split":
         step.kernels.gemv_rows_split(m, mlp, layer.down_w, layer.down_s, x, part, stream=stream)
     elif path == "gemm":
-        if step.prefill_kernels is None:
-            raise ValueError("down_proj through the GEMM needs the prefill's kernels")
         c = step.config
         step.prefill_kernels.gemm(mlp, layer.down_w, layer.down_s, None, x, m, c.hidden_size,
                                   c.intermediate_size, residual=x, label="gemm down",
@@ -96,7 +94,7 @@ class Verify:
     for up to `rows` rows (verify_buffers; `buf` maps each name to its device address).
     `kernels` must be built with rows=True (gemv_rows). The argmax keys must be zero before a
     step (lm_head_rows takes an atomic max): the caller zeroes them after reading them. `down`
-    is down_proj's path (down_path; "gemm" needs prefill_kernels); `part` the split path's
+    is down_proj's path (down_path; "gemm" runs on prefill_kernels); `part` the split path's
     workspace, allocated whatever the path so that a test may switch."""
 
     def __init__(
@@ -108,7 +106,7 @@ class Verify:
         kv: KVCache,
         rope: int,
         rows: int,
-        prefill_kernels: PrefillKernels | None = None,
+        prefill_kernels: PrefillKernels,
     ) -> None:
         check_speculation_head(weights.lm_head_format)  # lm_head_rows reads fp16 rows
         self.gpu, self.config, self.kernels = gpu, config, kernels
