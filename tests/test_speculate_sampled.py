@@ -412,12 +412,14 @@ def test_steps_keep_each_tokens_distribution(params, draft_rank):
     follows p1; given both, the bonus token follows p2. A draw that reused the acceptance
     test's uniform (or its counter), or redrew from p after a rejection, fails it."""
     rng = np.random.default_rng()
-    logits = (rng.standard_normal((3, 8)) * 1.5).astype(F)
-    rows, p = [], []
-    for row in logits:
-        kept, w = kept_set(row, params)
-        rows.append((kept, w, int(np.argmax(row))))
-        p.append(w.astype(np.float64) / w.sum(dtype=np.float64))
+    p: list[np.ndarray] = []
+    while not p or min(np.count_nonzero(pi) for pi in p) < 2:  # a row of one kept token
+        logits = (rng.standard_normal((3, 8)) * 1.5).astype(F)  # tests no distribution: redraw
+        rows, p = [], []
+        for row in logits:
+            kept, w = kept_set(row, params)
+            rows.append((kept, w, int(np.argmax(row))))
+            p.append(w.astype(np.float64) / w.sum(dtype=np.float64))
     drafts = [int(np.argsort(-p[0], kind="stable")[draft_rank]), int(np.argmax(p[1]))]
     emitted: list[list[int]] = [[], [], []]
     base = int(rng.integers(0, 2**62))
