@@ -41,6 +41,7 @@ from nanoqwen.config import ModelConfig, preset
 from nanoqwen.cuda.device import Gpu
 from nanoqwen.cuda.prefill import PrefillKernels
 from nanoqwen.cuda.registry import GEMM_TILES, GemmTile
+from nanoqwen.engine.forward import scratch_rows
 from nanoqwen.harness.gpu_script import gpu_session
 from nanoqwen.harness.prefill_checks import (
     check_attention,
@@ -52,6 +53,9 @@ from nanoqwen.harness.prefill_checks import (
 
 ATTN_TIMED_T = (512, 2048, 8192)  # the prompt lengths the attention is timed at
 SPIN_CYCLES = 4_000_000  # torch.cuda._sleep ahead of a timed batch: ~2 ms at ~2 GHz
+# The timing table's candidate for M past a multiple of it: the whole tiles of this many tokens
+# in one launch, the rest in a second one (each by pick_gemm), beside every tile over all M.
+PIECE_TOKENS = 256
 # Candidate tiles validated and timed beside GEMM_TILES (other ring depths; a key already in
 # the table would replace its spec). Their rates (below the table's tile of their size, 16
 # tokens: 100 against 150) keep pick_gemm on the table's tiles; the timing table measures them.
@@ -90,27 +94,48 @@ def time_ms(gpu, fn, reps=5, batch=20, warmup=3) -> float:
 
 
 def time_shape(pk, name, shape, gen, m=512):
-    """Rows (shape, tile, ms, TFLOP/s) of every tile, cuBLAS fp16 and the picked tile on one
-    shape, and the picked tile's ms."""
+    """Rows (shape, tile, ms, TFLOP/s) of every tile, cuBLAS fp16, the picked tile and (M past
+    a multiple of PIECE_TOKENS) the pieces candidate on one shape, and the picked tile's ms.
+    A's buffer has the engine's scratch rows (forward.scratch_rows), passed as a_rows; a tile
+    whose last box would cross M is also timed without them ("A to M": the TMA fills the rows
+    past M)."""
     n, k, swiglu = shape["n"], shape["k"], shape.get("swiglu", False)
     words, scales, _ = random_int4_weight(n, k, gen)
-    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    cap = scratch_rows(m)
+    a = torch.randn(cap, k, device="cuda", dtype=torch.float16)
     out = torch.empty(m, n // 2 if swiglu else n, device="cuda", dtype=torch.float16)
     flop = 2 * m * n * k
     rows = []
     for spec in (s for s in pk.gemms if s.tile.swiglu == swiglu):
+        for a_rows in (cap, 0) if m % spec.tile.tokens else (cap,):
 
-        def launch(spec=spec):
-            pk.gemm(a, words, scales, None, out, m, n, k, swiglu=swiglu, spec=spec)
+            def launch(spec=spec, a_rows=a_rows):
+                pk.gemm(a, words, scales, None, out, m, n, k, swiglu=swiglu, spec=spec,
+                        a_rows=a_rows)  # fmt: skip
 
-        ms = time_ms(pk.gpu, launch)
-        rows.append((name, spec.key, ms, flop / ms / 1e9))
+            ms = time_ms(pk.gpu, launch)
+            rows.append((name, spec.key + ("" if a_rows else " A to M"), ms, flop / ms / 1e9))
     wf = torch.randn(n, k, device="cuda", dtype=torch.float16)
-    ms = time_ms(pk.gpu, lambda: torch.matmul(a, wf.t()))
+    ms = time_ms(pk.gpu, lambda: torch.matmul(a[:m], wf.t()))
     rows.append((name, "cuBLAS fp16", ms, flop / ms / 1e9))
     picked = pk.pick_gemm(m, swiglu)
     picked_ms = next(r[2] for r in rows if r[1] == picked.key)
     rows.append((name, f"picked {picked.key}", picked_ms, flop / picked_ms / 1e9))
+    head = m - m % PIECE_TOKENS
+    if head and head < m:  # the candidate: whole 256-token tiles, the rest in a second launch
+        tail = m - head
+        head_spec, tail_spec = pk.pick_gemm(head, swiglu), pk.pick_gemm(tail, swiglu)
+        a_tail, out_tail = a[head:], out[head:]
+
+        def pieces():
+            pk.gemm(a, words, scales, None, out, head, n, k, swiglu=swiglu, spec=head_spec,
+                    a_rows=cap)  # fmt: skip
+            pk.gemm(a_tail, words, scales, None, out_tail, tail, n, k, swiglu=swiglu,
+                    spec=tail_spec, a_rows=cap - head)  # fmt: skip
+
+        ms = time_ms(pk.gpu, pieces)
+        label = f"pieces {head} {tile_name(head_spec.tile)} + {tail} {tile_name(tail_spec.tile)}"
+        rows.append((name, label, ms, flop / ms / 1e9))
     return rows, picked_ms
 
 

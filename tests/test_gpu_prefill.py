@@ -3,6 +3,8 @@ holds the references and states the tolerances): every 7B GEMM shape at awkward 
 GEMM tile, NaN-poisoned outputs with guard rows past M, the tile the engine picks, causal GQA
 attention at awkward T, and bad shapes raising before any launch."""
 
+import itertools
+
 import pytest
 
 from nanoqwen.cuda.device import sm90_available
@@ -48,9 +50,11 @@ def test_gemm_7b_shapes(env, shape_name):
     assert specs, f"no GEMM tile for {shape_name}"
     for m in pc.GEMM_M:
         a = torch.randn(m, shape["k"], device="cuda", dtype=torch.float16)
-        for spec in specs:
-            ok, err, scale = pc.run_gemm_case(kernels, a, words, scales, deq, shape, m, spec, bias)
-            assert ok, f"{shape_name} M={m} {spec.key}: max err {err:.3g} vs max|ref| {scale:.3g}"
+        for spec, padded in itertools.product(specs, (True, False)):
+            ok, err, scale = pc.run_gemm_case(kernels, a, words, scales, deq, shape, m, spec, bias,
+                                              padded)  # fmt: skip
+            assert ok, (f"{shape_name} M={m} {spec.key} padded={padded}: max err {err:.3g} "
+                        f"vs max|ref| {scale:.3g}")  # fmt: skip
 
 
 @pytest.mark.parametrize("shape_name", SHAPES)

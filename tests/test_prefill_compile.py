@@ -291,19 +291,17 @@ def test_pick_gemm_matches_swiglu(m):
 
 
 def test_pick_gemm_takes_the_measured_winners():
-    """At M = 512 the 256-token tile, whose measured rate is the highest (registry.GEMM_TILES);
-    up to 16 tokens (the verify step's rows) the 16-token one (its rate an estimate until
-    measured), up to 64 the 64-token one and up to 128 the 128-token one (less padding)."""
+    """The tiles the H200 timed fastest (docs/PERFORMANCE.md, Prefill tiles; registry.GEMM_TILES
+    holds the rates): at M = 512 the 256-token tile; just past it (530, 576) and at 1100 the
+    192-token one, whose padding is the least (576 and 1152 rows against 768 and 1280); at 700
+    the 256-token one again (both pad to 768); up to 16 tokens (the verify step's rows) the
+    16-token one, up to 64 the 64-token one and up to 128 the 128-token one."""
     pk = _picker()
     for swiglu in (False, True):
-        assert pk.pick_gemm(512, swiglu).tile.tokens == 256
-        for m in (1, 8, 16):
-            assert pk.pick_gemm(m, swiglu).tile.tokens == 16
-        assert pk.pick_gemm(17, swiglu).tile.tokens == 64
-        assert pk.pick_gemm(32, swiglu).tile.tokens == 64
-        assert pk.pick_gemm(64, swiglu).tile.tokens == 64
-        assert pk.pick_gemm(65, swiglu).tile.tokens == 128
-        assert pk.pick_gemm(129, swiglu).tile.tokens == 256
+        for m, tokens in ((1, 16), (8, 16), (16, 16), (17, 64), (32, 64), (64, 64), (65, 128),
+                          (128, 128), (129, 192), (384, 192), (512, 256), (530, 192),
+                          (576, 192), (700, 256), (1100, 192), (2048, 256)):  # fmt: skip
+            assert pk.pick_gemm(m, swiglu).tile.tokens == tokens, (m, swiglu)
 
 
 def _stream_k_segments(tiles: int, groups: int, parts: int, c: int) -> list[tuple[int, int, int]]:

@@ -128,6 +128,7 @@ class PrefillKernels(Launcher):
         *,
         swiglu: bool = False,
         spec: registry.KernelSpec | None = None,
+        a_rows: int = 0,
         label: str = "prefill gemm",
         stream=None,
     ) -> None:
@@ -142,22 +143,28 @@ class PrefillKernels(Launcher):
         residual fp16   [M, N] or None; added in fp32 before rounding; may be `out` itself
         K % 128 == 0, N % 128 == 0. All pointers 16-byte aligned.
         spec     a GEMM spec of this launcher (default: pick_gemm's)
+        a_rows   rows of `a`'s buffer that may be read (0: M). When they cover M rounded up to
+                 the tile's tokens, A's boxes lie wholly inside it: the rows past M are read
+                 (any finite or not: a token's outputs depend on its own row alone, and rows
+                 past M are never stored) instead of being filled by the TMA, whose partly
+                 out-of-bounds boxes made the 256-token tile up to 1.5x slower on a last
+                 tile of few rows (docs/PERFORMANCE.md)
         label    the launch's name for on_launch (the engine names the projection)
         """
         ptrs = (_ptr(a), _ptr(qweight), _ptr(scales), 0 if bias is None else _ptr(bias),
                 0 if residual is None else _ptr(residual), _ptr(out))  # fmt: skip
         given = (bias is not None, residual is not None)
-        key = (*ptrs, *given, M, N, K, swiglu, None if spec is None else spec.key)
+        key = (*ptrs, *given, M, N, K, swiglu, None if spec is None else spec.key, a_rows)
         launch = self._gemm_launches.get(key)
         if launch is None:
-            launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, spec)
+            launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, spec, a_rows)
             if len(self._gemm_launches) >= _MAX_KEPT:
                 self._gemm_launches.clear()
             self._gemm_launches[key] = launch
         with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
             self.launch(*launch, stream=stream, label=label)
 
-    def _gemm_launch(self, ptrs, given, M, N, K, swiglu, spec) -> tuple:
+    def _gemm_launch(self, ptrs, given, M, N, K, swiglu, spec, a_rows) -> tuple:
         """gemm's checks, tile and TMA descriptors: (spec key, grid, *arguments) of its
         launch, kept per call (a prefill repeats the same few hundred)."""
         a, qweight, scales, bias, residual, out = ptrs
@@ -180,7 +187,8 @@ class PrefillKernels(Launcher):
         # Stream-K: the launch's iterations (tiles x K groups) cut evenly over the CTAs.
         iterations = -(-M // tokens) * (N // rows) * (K // GROUP_SIZE)
         grid = (min(iterations, self.gpu.num_sms), 1, 1)
-        a_map = self._map(a, M, K, tokens, k_tile, True)  # boxes of k_tile x tokens
+        padded = -(-M // tokens) * tokens
+        a_map = self._map(a, padded if a_rows >= padded else M, K, tokens, k_tile, True)
         w_map = self._map(qweight, N, K // 8, 64, k_tile // 8, False)  # 64 rows x 8 words
         return (spec.key, grid, a_map, w_map, scales, bias, residual, out, np.int32(M),
                 np.int32(N), np.int32(K), self._parts.ptr, self._flags.ptr)  # fmt: skip

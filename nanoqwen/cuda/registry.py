@@ -282,23 +282,30 @@ class GemmTile:
     tflops: float
 
 
-# Ties go to the first tile (prefill.PrefillKernels.pick_gemm). The 64-, 128- and 256-token
-# rates are measured at M = 512 on the H200 (docs/PERFORMANCE.md). The 16-token tile (M = 1..16:
-# the speculative verify step's down_proj, prompts of a few new tokens) keeps 16 stages (64 KB of
-# weights) in flight an SM for its pass over the weights. The picker's model has no memory-bound
-# term, so its rates are set from what it must reproduce, the 7B's shapes at M = 16 on the H200
-# against the 64-token tile (dev/prefill_check.py --timing-m 8,16): down 25.6 against 29.6 us
-# gives 353 x 16/64 x 29.6/25.6 = 102; gate/up 47.2 against 65.3 gives 373 x 16/64 x 65.3/47.2
-# = 129 (q/k/v and o are 23-26% faster with it too). Any rate in (94, 176) picks it at M <= 16
-# only: at M = 17..64 two or more 16-token tiles cost more than one 64-token tile.
+# Ties go to the first tile (prefill.PrefillKernels.pick_gemm). The rates are measured on the
+# H200 (docs/PERFORMANCE.md, Prefill tiles), each kind on its layer's largest GEMM: SwiGLU on the
+# 7B's gate/up, the others on its down_proj (o and q/k/v are a quarter of a layer's plain GEMM
+# time and rank the tiles alike within a few per cent); 64 to 256 tokens at M = 512 (the 192-token
+# tile at M = 576: its rate against the 256-token tile's in the same run, x 0.98 plain, x 0.91
+# SwiGLU). The 192-token tile is there for the lengths just past a multiple of 256: a 530-token
+# prompt pads to 576 rows instead of 768. The 16-token tile (M = 1..16: the speculative verify
+# step's down_proj, prompts of a few new tokens) keeps 16 stages (64 KB of weights) in flight an
+# SM for its pass over the weights. The picker's model has no memory-bound term, so its rates are
+# set from what it must reproduce, the 7B's shapes at M = 16 on the H200 against the 64-token
+# tile (dev/prefill_check.py --timing-m 8,16): down 25.6 against 29.6 us gives 395 x 16/64 x
+# 29.6/25.6 = 114; gate/up 47.2 against 65.3 gives 373 x 16/64 x 65.3/47.2 = 129 (q/k/v and o
+# are 23-26% faster with it too). Any rate in (r64 / 4, r64 / 2) picks it at M <= 16 only: at
+# M = 17..64 two or more 16-token tiles cost more than one 64-token tile.
 GEMM_TILES = (
-    GemmTile(16, 16, False, 102.0),
+    GemmTile(16, 16, False, 114.0),
     GemmTile(16, 16, True, 129.0),
-    GemmTile(64, 8, False, 353.0),
+    GemmTile(64, 8, False, 395.0),
     GemmTile(64, 8, True, 373.0),
-    GemmTile(128, 6, False, 525.0),
+    GemmTile(128, 6, False, 582.0),
     GemmTile(128, 6, True, 545.0),
-    GemmTile(256, 4, False, 552.0),
+    GemmTile(192, 5, False, 671.0),
+    GemmTile(192, 5, True, 605.0),
+    GemmTile(256, 4, False, 685.0),
     GemmTile(256, 4, True, 662.0),
 )
 

@@ -22,6 +22,7 @@ alone through the decode kernels: nothing reads the other rows of its output.
 from __future__ import annotations
 
 from ..config import ModelConfig
+from ..cuda import registry
 from ..cuda.decode import DecodeKernels
 from ..cuda.device import Gpu
 from ..cuda.prefill import PrefillKernels
@@ -30,8 +31,6 @@ from ..rope import rope_table
 from .decode_loop import DecodeLoop
 from .kv_cache import KVCache
 from .weights import Weights
-
-PREFILL_MIN_TOKENS = 64  # the prefill scratch is never sized for fewer tokens
 
 
 def decode_buffers(config: ModelConfig, max_context: int) -> dict[str, int]:
@@ -50,11 +49,18 @@ def decode_buffers(config: ModelConfig, max_context: int) -> dict[str, int]:
     }
 
 
+def scratch_rows(tokens: int) -> int:
+    """Rows of the prefill's buffers for `tokens` new tokens: whole tiles of the widest GEMM
+    tile (at least one), so that every GEMM reads its A boxes inside the buffer
+    (PrefillKernels.gemm's a_rows)."""
+    widest = max(t.tokens for t in registry.GEMM_TILES)
+    return -(-max(tokens, 1) // widest) * widest
+
+
 def prefill_scratch_buffers(config: ModelConfig, tokens: int) -> dict[str, int]:
-    """Bytes of the prefill's buffers for a prompt of `tokens` new tokens (at least
-    PREFILL_MIN_TOKENS): ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q];
-    mlp [T, I]."""
-    c, cap = config, max(tokens, PREFILL_MIN_TOKENS)
+    """Bytes of the prefill's buffers for a prompt of `tokens` new tokens (scratch_rows of
+    them): ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q]; mlp [T, I]."""
+    c, cap = config, scratch_rows(tokens)
     per_token = {
         "ids": 4,
         "x": c.hidden_size * 2,
@@ -155,7 +161,7 @@ class Forward:
         sizes = prefill_scratch_buffers(self.config, T)
         self._scratch_buffers = [self.gpu.alloc(n, f"prefill {k}") for k, n in sizes.items()]
         self._scratch = {k: b.ptr for k, b in zip(sizes, self._scratch_buffers, strict=True)}
-        self._scratch_tokens = max(T, PREFILL_MIN_TOKENS)
+        self._scratch_tokens = scratch_rows(T)
         return self._scratch
 
     def prefill(self, T: int, start: int = 0, last_only: bool = False) -> int:
@@ -166,20 +172,23 @@ class Forward:
         start + T - 1 (the decode kernels of the last layer read it)."""
         c, k, pk, kv = self.config, self.kernels, self.prefill_kernels, self.kv
         h, qkv_n, b = c.hidden_size, c.q_size + 2 * c.kv_size, self.scratch(T)
+        rows = self._scratch_tokens  # the buffers' rows: a_rows of every GEMM
         k.embed(b["ids"], self.weights.embed, b["x"], T)
         for i, L in enumerate(self.weights.layers):
             k.rmsnorm(b["x"], L.input_norm, b["h"], T)
-            pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, label="gemm qkv")
+            pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, a_rows=rows,
+                    label="gemm qkv")  # fmt: skip
             k.rope_kv(b["qkv"], start, self.rope, kv.page_table, kv.k[i], kv.v[i], b["q"], T)
             if last_only and self.last_token_shortcut and i == c.num_layers - 1:
                 self._token_tail(i, b["q"] + (T - 1) * c.q_size * 2, b["x"] + (T - 1) * h * 2)
                 break
             pk.attention(b["q"], kv.k[i], kv.v[i], kv.page_table, b["attn"], start, T)
             pk.gemm(b["attn"], L.o_w, L.o_s, None, b["x"], T, h, c.q_size, residual=b["x"],
-                    label="gemm o")  # fmt: skip
+                    a_rows=rows, label="gemm o")  # fmt: skip
             k.rmsnorm(b["x"], L.post_norm, b["h"], T)
             pk.gemm(b["h"], L.gate_up_w, L.gate_up_s, None, b["mlp"], T,
-                    2 * c.intermediate_size, h, swiglu=True, label="gemm gate_up")  # fmt: skip
+                    2 * c.intermediate_size, h, swiglu=True, a_rows=rows,
+                    label="gemm gate_up")  # fmt: skip
             pk.gemm(b["mlp"], L.down_w, L.down_s, None, b["x"], T, h, c.intermediate_size,
-                    residual=b["x"], label="gemm down")  # fmt: skip
+                    residual=b["x"], a_rows=rows, label="gemm down")  # fmt: skip
         return b["x"]

@@ -23,6 +23,7 @@ it, so the two streams never race.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
+from ..engine.forward import scratch_rows
 from ..engine.kv_cache import kv_cache_to_device
 from ..quant import LANE_SHIFTS, dequantize_packed
 
@@ -145,10 +147,12 @@ def gemm_shapes(cfg: ModelConfig) -> dict[str, dict]:
     }
 
 
-def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None):
+def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None, padded=True):
     """One GEMM of `pk` (a PrefillKernels) with tile `spec` (None: pick_gemm's) on the M = m
     rows of `a` against the reference: (ok, max|err|, max|ref|); err is inf when a guard row
-    was written."""
+    was written. padded: A sits in a buffer of the engine's prefill rows
+    (forward.scratch_rows, passed as a_rows) whose rows past M are NaN, which must not reach
+    any output; else A is exactly M rows (the TMA fills the rest of a box)."""
     n = shape["n"]
     swiglu = shape.get("swiglu", False)
     out_cols = n // 2 if swiglu else n
@@ -167,9 +171,15 @@ def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None):
     else:
         ref = gemm_reference(a, deq, bias, None, swiglu)
         res_arg = None
+    a_rows = scratch_rows(m) if padded else 0
+    if padded:
+        a_buf = torch.full((a_rows, a.shape[1]), float("nan"), device="cuda", dtype=a.dtype)
+        a_buf[:m] = a
+        a = a_buf
     torch.cuda.synchronize()
-    what = f"gemm {spec.key if spec else 'picked'} N={n} K={shape['k']} M={m}"
-    pk.gemm(a, words, scales, bias, out, m, n, shape["k"], res_arg, swiglu=swiglu, spec=spec)
+    what = f"gemm {spec.key if spec else 'picked'} N={n} K={shape['k']} M={m} a_rows={a_rows}"
+    pk.gemm(a, words, scales, bias, out, m, n, shape["k"], res_arg, swiglu=swiglu, spec=spec,
+            a_rows=a_rows)  # fmt: skip
     wait_or_die(pk.gpu, what)
     err = (out.float() - ref).abs().max().item()
     scale = ref.abs().max().item()
@@ -195,12 +205,14 @@ def check_gemm(pk, cfg: ModelConfig, gen: torch.Generator, log: Log = print, qui
         specs = [s for s in pk.gemms if s.tile.swiglu == shape.get("swiglu", False)]
         for m in ms:
             a = torch.randn(m, shape["k"], device="cuda", dtype=torch.float16, generator=gen)
-            for spec in specs:
-                ok, err, scale = run_gemm_case(pk, a, words, scales, deq, shape, m, spec, bias)
+            for spec, padded in itertools.product(specs, (True, False)):
+                ok, err, scale = run_gemm_case(pk, a, words, scales, deq, shape, m, spec, bias,
+                                               padded)  # fmt: skip
                 ok_all &= ok
-                rows.append((name, m, spec.key, err, scale, ok))
+                key = spec.key + ("" if padded else " A to M")
+                rows.append((name, m, key, err, scale, ok))
                 if not ok:
-                    log(f"GEMM FAIL {name} M={m} {spec.key}: err {err:.3g} (max|ref| {scale:.3g})")
+                    log(f"GEMM FAIL {name} M={m} {key}: err {err:.3g} (max|ref| {scale:.3g})")
         del words, scales, deq
     # max|err| / max|ref| per (shape, tile) and M: which kernel, which shapes, which M.
     log(f"\nmax|err|/max|ref| (tol {GEMM_REL_TOL}); * = FAIL")

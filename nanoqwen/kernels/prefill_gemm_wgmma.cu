@@ -201,7 +201,7 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 
 }  // namespace nanoqwen_wgmma
 
-// BT tokens per CTA (the wgmma N: 16, 64, 128 or 256), STAGES-deep ring, SWIGLU epilogue.
+// BT tokens per CTA (the wgmma N: 16, 64, 128, 192 or 256), STAGES-deep ring, SWIGLU epilogue.
 template <int BT, int STAGES, bool SWIGLU>
 __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     prefill_gemm_wgmma(const __grid_constant__ TensorMap a_map,
@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
   constexpr int kAcc = BT / 2;
-  static_assert(BT == 16 || BT == 64 || BT == 128 || BT == 256,
-                "BT: 16, 64, 128 or 256 tokens (the timed and checked tiles)");
+  static_assert(BT == 16 || BT == 64 || BT == 128 || BT == 192 || BT == 256,
+                "BT: 16, 64, 128, 192 or 256 tokens (the timed and checked tiles)");
   static_assert(STAGES >= 2, "the ring needs two stages");
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
