@@ -2,7 +2,7 @@
 decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
-        [--down gemm,split,rows] [--kernels]
+        [--down gemm,split,rows] [--kernels] [--no-pdl]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
 tokens at the consecutive positions start .. start + M - 1 of one sequence (the token of the
@@ -201,6 +201,10 @@ def main() -> int:
                     help="NAME=v,NAME=v: also check and time the verify step with its kernels "
                          "built on the engine's geometry with these values (C names, e.g. "
                          "kMrMaxStages=4), beside the shipped one")  # fmt: skip
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch every kernel (the verify step's, the decode step's, the "
+                         "prefill's) without programmatic dependent launch: a check that "
+                         "passes only without it points at a missing wait")  # fmt: skip
     ap.add_argument("--kernels", action="store_true",
                     help="also time each kernel of the steps alone, summed over the "
                          "layers, beside the decode step's (where the verify step's cost "
@@ -221,6 +225,11 @@ def main() -> int:
     steps = {"": VerifyStep(e)}
     if variant:
         steps[f" {args.variant}"] = VerifyStep(e, variant)
+    if args.no_pdl:
+        launchers = [e.kernels, e.prefill_kernels]
+        launchers += [x for vs in steps.values() for x in (vs.v.kernels, vs.v.verify)]
+        for launcher in launchers:
+            launcher.pdl = False
     prefill_context(e, rng.integers(0, e.config.vocab_size, args.context).astype(np.int32))
     ok, tables, breakdowns = True, {}, {}
     for down, (name, vs) in itertools.product(args.down.split(","), steps.items()):
