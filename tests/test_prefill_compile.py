@@ -291,11 +291,12 @@ def test_pick_gemm_matches_swiglu(m):
 
 
 def test_pick_gemm_takes_the_measured_winners():
-    """The tiles the H200 timed fastest (docs/PERFORMANCE.md, Prefill tiles; registry.GEMM_TILES
-    holds the rates): at M = 512 the 256-token tile; just past it (530, 576) and at 1100 the
-    192-token one, whose padding is the least (576 and 1152 rows against 768 and 1280); at 700
-    the 256-token one again (both pad to 768); up to 16 tokens (the verify step's rows) the
-    16-token one, up to 64 the 64-token one and up to 128 the 128-token one."""
+    """The tiles the H200 timed fastest (docs/PERFORMANCE.md, Prompt lengths and the GEMM
+    tiles; registry.GEMM_TILES holds the rates): at M = 512 the 256-token tile; just past it
+    (530, 576) and at 1100 the 192-token one, whose padding is the least (576 and 1152 rows
+    against 768 and 1280); at 700 the 256-token one again (both pad to 768); up to 16 tokens
+    (the verify step's rows) the 16-token one, up to 64 the 64-token one and up to 128 the
+    128-token one."""
     pk = _picker()
     for swiglu in (False, True):
         for m, tokens in ((1, 16), (8, 16), (16, 16), (17, 64), (32, 64), (64, 64), (65, 128),

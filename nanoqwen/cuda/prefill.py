@@ -144,11 +144,11 @@ class PrefillKernels(Launcher):
         K % 128 == 0, N % 128 == 0. All pointers 16-byte aligned.
         spec     a GEMM spec of this launcher (default: pick_gemm's)
         a_rows   rows of `a`'s buffer that may be read (0: M). When they cover M rounded up to
-                 the tile's tokens, A's boxes lie wholly inside it: the rows past M are read
-                 (any finite or not: a token's outputs depend on its own row alone, and rows
-                 past M are never stored) instead of being filled by the TMA, whose partly
-                 out-of-bounds boxes made the 256-token tile up to 1.5x slower on a last
-                 tile of few rows (docs/PERFORMANCE.md)
+                 the tile's tokens, A's boxes lie wholly inside it: the rows past M are read,
+                 whatever they hold (a token's outputs depend on its own row alone, and rows
+                 past M are never stored), instead of being filled by the TMA, whose partly
+                 out-of-bounds boxes made the 256-token tile up to 1.6x slower on a last tile
+                 of few rows (docs/PERFORMANCE.md, Prompt lengths and the GEMM tiles)
         label    the launch's name for on_launch (the engine names the projection)
         """
         ptrs = (_ptr(a), _ptr(qweight), _ptr(scales), 0 if bias is None else _ptr(bias),

@@ -283,9 +283,9 @@ class GemmTile:
 
 
 # Ties go to the first tile (prefill.PrefillKernels.pick_gemm). The rates are measured on the
-# H200 (docs/PERFORMANCE.md, Prefill tiles), each kind on its layer's largest GEMM: SwiGLU on the
-# 7B's gate/up, the others on its down_proj (o and q/k/v are a quarter of a layer's plain GEMM
-# time and rank the tiles alike within a few per cent); 64 to 256 tokens at M = 512 (the 192-token
+# H200 (docs/PERFORMANCE.md, Prompt lengths and the GEMM tiles), each kind on its layer's largest
+# GEMM: SwiGLU on the 7B's gate/up, the others on its down_proj (o and q/k/v, ~40% of a layer's
+# plain GEMM time, rank the tiles alike within 5%); 64 to 256 tokens at M = 512 (the 192-token
 # tile at M = 576: its rate against the 256-token tile's in the same run, x 0.98 plain, x 0.91
 # SwiGLU). The 192-token tile is there for the lengths just past a multiple of 256: a 530-token
 # prompt pads to 576 rows instead of 768. The 16-token tile (M = 1..16: the speculative verify
