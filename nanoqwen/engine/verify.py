@@ -51,8 +51,9 @@ def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
 # the real 1.5B's own activations its down_proj matches float64 to ~1e-7 of the update (the
 # GEMM, which rounds the dequantized weights to fp16, to ~2e-4; dev/down_ab.py), yet one 16-row
 # step of dev/verify_step.py (seed 539418599, row 5) ends 0.086 logit stds from the decode
-# step against the GEMM's 0.016, every time (docs/EXPERIMENTS.md, Speculative decoding). Until
-# that step is explained, the split runs only as that script's --down split.
+# step against the GEMM's 0.016, every time, with or without PDL (docs/EXPERIMENTS.md,
+# Speculative decoding). Until that step is explained, the split runs only as that script's
+# --down split.
 DOWN_SLICED_MIN_SLICES = 5
 DOWN_SLICED = "gemm"
 DOWN_PATHS = ("rows", "split", "gemm")
