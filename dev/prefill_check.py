@@ -53,9 +53,6 @@ from nanoqwen.harness.prefill_checks import (
 
 ATTN_TIMED_T = (512, 2048, 8192)  # the prompt lengths the attention is timed at
 SPIN_CYCLES = 4_000_000  # torch.cuda._sleep ahead of a timed batch: ~2 ms at ~2 GHz
-# The timing table's candidate for M past a multiple of it: the whole tiles of this many tokens
-# in one launch, the rest in a second one (each by pick_gemm), beside every tile over all M.
-PIECE_TOKENS = 256
 # Candidate tiles validated and timed beside GEMM_TILES (other ring depths; a key already in
 # the table would replace its spec). Their rates (below the table's tile of their size, 16
 # tokens: 100 against 150) keep pick_gemm on the table's tiles; the timing table measures them.
@@ -94,8 +91,8 @@ def time_ms(gpu, fn, reps=5, batch=20, warmup=3) -> float:
 
 
 def time_shape(pk, name, shape, gen, m=512):
-    """Rows (shape, tile, ms, TFLOP/s) of every tile, cuBLAS fp16, the picked tile and (M past
-    a multiple of PIECE_TOKENS) the pieces candidate on one shape, and the picked tile's ms.
+    """Rows (shape, tile, ms, TFLOP/s) of every tile, cuBLAS fp16 and the picked tile on one
+    shape, and the picked tile's ms.
     A's buffer has the engine's scratch rows (forward.scratch_rows), passed as a_rows; a tile
     whose last box would cross M is also timed without them ("A to M": the TMA fills the rows
     past M)."""
@@ -121,21 +118,6 @@ def time_shape(pk, name, shape, gen, m=512):
     picked = pk.pick_gemm(m, swiglu)
     picked_ms = next(r[2] for r in rows if r[1] == picked.key)
     rows.append((name, f"picked {picked.key}", picked_ms, flop / picked_ms / 1e9))
-    head = m - m % PIECE_TOKENS
-    if head and head < m:  # the candidate: whole 256-token tiles, the rest in a second launch
-        tail = m - head
-        head_spec, tail_spec = pk.pick_gemm(head, swiglu), pk.pick_gemm(tail, swiglu)
-        a_tail, out_tail = a[head:], out[head:]
-
-        def pieces():
-            pk.gemm(a, words, scales, None, out, head, n, k, swiglu=swiglu, spec=head_spec,
-                    a_rows=cap)  # fmt: skip
-            pk.gemm(a_tail, words, scales, None, out_tail, tail, n, k, swiglu=swiglu,
-                    spec=tail_spec, a_rows=cap - head)  # fmt: skip
-
-        ms = time_ms(pk.gpu, pieces)
-        label = f"pieces {head} {tile_name(head_spec.tile)} + {tail} {tile_name(tail_spec.tile)}"
-        rows.append((name, label, ms, flop / ms / 1e9))
     return rows, picked_ms
 
 

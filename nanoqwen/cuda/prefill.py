@@ -146,9 +146,9 @@ class PrefillKernels(Launcher):
         a_rows   rows of `a`'s buffer that may be read (0: M). When they cover M rounded up to
                  the tile's tokens, A's boxes lie wholly inside it: the rows past M are read,
                  whatever they hold (a token's outputs depend on its own row alone, and rows
-                 past M are never stored), instead of being filled by the TMA, whose partly
-                 out-of-bounds boxes made the 256-token tile up to 1.6x slower on a last tile
-                 of few rows (docs/PERFORMANCE.md, Prompt lengths and the GEMM tiles)
+                 past M are never stored), instead of being filled by the TMA: a partly
+                 out-of-bounds box slows the 256-token tile's last tile far past a full one's
+                 (docs/PERFORMANCE.md, Prompt lengths and the GEMM tiles)
         label    the launch's name for on_launch (the engine names the projection)
         """
         ptrs = (_ptr(a), _ptr(qweight), _ptr(scales), 0 if bias is None else _ptr(bias),
