@@ -9,10 +9,11 @@ GEMM as its down_proj) over `rows` tokens after `context` tokens of prefilled K/
 layer; after each layer's gate/up it downloads the SwiGLU output and the residual, runs
 down_proj by each of --paths on a copy of the residual (gemv: the decode step's one-row
 kernel, row by row, the verify check's reference), and computes the same update in float64
-on the host from the file's dequantized weights. Per layer and path: max |err| over max
-|update| (err: the path's new residual minus the float64 one, beyond the fp16 rounding of the
-residual itself, which every path shares) and where it is. The step goes on with the GEMM's
-result, so every path sees the same inputs.
+on the host from the file's dequantized weights. Per layer and path: the worst row's max |err|
+over that row's own max |update| (err: the path's new residual minus the float64 one, beyond
+the fp16 rounding of the residual itself, which every path shares; per row, because a token
+with massive activations has updates hundreds of times another row's) and where it is. The
+step goes on with the GEMM's result, so every path sees the same inputs.
 
 Tokens: random ids drawn as dev/verify_step.py draws them (the context, then each check's rows):
 --seed and --skip-draws (the row counts of the checks before the one to replay; e.g. 1,9,16,1,9
@@ -106,7 +107,8 @@ def main() -> int:
             mlp = gpu.download(b["mlp"], np.empty((m, inter), np.float16))
             x = gpu.download(b["x"], np.empty((m, h), np.float16))
             ref = down_ref(f, i, mlp, x)
-            scale = float(np.abs(ref - x).max())
+            update = np.abs(ref - x).max(axis=1)  # [m]: each row's largest update
+            scale = float(update.max())
             cells = []
             for p in paths:
                 gpu.copy_d2d(spare, b["x"], m * h * 2)
@@ -119,8 +121,10 @@ def main() -> int:
                 got = gpu.download(spare, np.empty((m, h), np.float16)).astype(np.float64)
                 # the residual's own fp16 rounding: |ref - fp16(ref)|, shared by every path
                 err = np.maximum(np.abs(got - ref) - np.abs(ref.astype(np.float16) - ref), 0)
-                r, n = np.unravel_index(int(err.argmax()), err.shape)
-                rel = float(err[r, n]) / scale
+                rows = err.max(axis=1) / np.maximum(update, 1e-30)
+                r = int(rows.argmax())
+                n = int(err[r].argmax())
+                rel = float(rows[r])
                 worst[p] = max(worst[p], rel)
                 cells.append((p, rel, r, n, got[r, n]))
             gemm = next((cell[1] for cell in cells if cell[0] == "gemm"), None)
@@ -128,7 +132,8 @@ def main() -> int:
                 if rel > FLOOR and (gemm is None or rel > RATIO * gemm):
                     bad.append(f"layer {i} {p}: {rel:.2e} at row {r} (token "
                                f"{ids[args.context + r]}), feature {n}: residual {x[r, n]} -> "
-                               f"{val} against float64 {ref[r, n]:.4f}")  # fmt: skip
+                               f"{val} against float64 {ref[r, n]:.4f} (the row's max |update| "
+                               f"{update[r]:.4g})")  # fmt: skip
             big = np.unravel_index(int(np.abs(x).argmax()), x.shape)
             print(f"{i:5d} " + " ".join(f"{cell[1]:9.2e} r{cell[2]:2d} n{cell[3]:5d}"
                                         for cell in cells) + f"   {scale:.3g}  max|x| "

@@ -23,7 +23,8 @@
 #   bash dev/h200_record.sh speculation FILE
 #                                      on a real pack (dev/stage_real.py puts the 1.5B at
 #                                      /tmp/real/1.5b.nanoqwen): the drafting backoff's caps
-#                                      0, 16:1, 16:0 on the three workloads, greedy and sampled
+#                                      0, 16:1, 16:0 on the three workloads, greedy (with the
+#                                      float32 margin where a reply parts) and sampled
 #                                      (dev/spec_workloads.py), bench --concurrency 1,2,4,8,16
 #
 # The bench results keep stable names, overwritten by every run, in $OUT/results/:
@@ -132,7 +133,7 @@ elif [ "$PART" = batching ]; then
 elif [ "$PART" = speculation ]; then
     FILE=${2:?usage: h200_record.sh speculation FILE}
     m=$(basename "$FILE" .nanoqwen)
-    step spec-greedy python3 dev/spec_workloads.py "$FILE" --runs 3 --spec-backoff 0,16:1,16:0 \
+    step spec-greedy python3 dev/spec_workloads.py "$FILE" --runs 3 --spec-backoff 0,16:1,16:0 --margins \
         --json "$RESULTS/h200_${m}_real_speculative_backoff.json"
     step spec-sampled python3 dev/spec_workloads.py "$FILE" --runs 3 \
         --spec-backoff 0,16:1,16:0 --sampled \

@@ -4,7 +4,7 @@ greedy outputs identical).
 
     PYTHONPATH=. python3 dev/spec_workloads.py FILE [--workloads edit,fim,chat] [--requests 8]
         [--gen-len 128] [--runs 3] [--spec-k 15] [--spec-ngram 3:5] [--spec-backoff 0,16:1,16:0]
-        [--sampled] [--backend cuda] [--down engine|gemm|rows] [--json PATH]
+        [--sampled] [--backend cuda] [--down engine|gemm|split|rows] [--margins] [--json PATH]
 
 Each (backoff, workload) is `nanoqwen bench --workload W --spec-backoff CAP` with the config's
 backoff_grace set to GRACE (nanoqwen/harness/spec_bench.py; --spec-backoff takes CAP[:GRACE],
@@ -15,7 +15,9 @@ differing index when not). Time: decode ms/token of each mode, medians over --ru
 fails does not stop the others. RESULT last: one row a (backoff, workload) with its target and
 whether it is met; --spec-backoff 0 is speculation without the backoff, for the A/B. --down
 gemm|split|rows forces the verify step's down_proj path (engine.verify.down_path, replaced for
-this process) to A/B the engine's rule.
+this process) to A/B the engine's rule. --margins: where a greedy reply parts from the plain
+one, the float32 reference's top-2 margin there (nanoqwen.reference on the GPU; the ladder's
+greedy rule calls a split under ladder.graph.near_tie_over_std std a near-tie).
 """
 
 from __future__ import annotations
@@ -44,6 +46,26 @@ def backoff(spec: SpeculativeConfig, text: str) -> SpeculativeConfig:
     return replace(spec, backoff_cap=int(cap), backoff_grace=int(grace or spec.backoff_grace))
 
 
+def reference_margin(file: str, max_context: int):
+    """margin(ids, a, b) for run_spec_bench: |logit a - logit b| / std of the float32
+    reference's logits after ids (built on first use, on the GPU)."""
+    import numpy as np
+
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.reference import ReferenceBackend
+
+    ref = None
+
+    def margin(ids: list[int], a: int, b: int) -> float:
+        nonlocal ref
+        ref = ref or ReferenceBackend(NanoqwenFile(file), max_context=max_context,
+                                      device="cuda", prefix_caching=False)  # fmt: skip
+        row = ref.logits(ids)[-1]
+        return abs(float(row[a]) - float(row[b])) / float(np.std(row))
+
+    return margin
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("file", help=".nanoqwen model")
@@ -64,6 +86,8 @@ def main() -> int:
     p.add_argument("--max-context", type=int, default=8192)
     p.add_argument("--down", choices=("engine", *verify.DOWN_PATHS), default="engine",
                    help="the verify step's down_proj: the engine's rule, or forced")  # fmt: skip
+    p.add_argument("--margins", action="store_true",
+                   help="the float32 reference's margin where greedy replies part")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     specs = [backoff(resolve("ngram", args.spec_k, args.spec_ngram), b)
@@ -76,6 +100,7 @@ def main() -> int:
         return LLM(args.file, backend=args.backend, max_context=args.max_context,
                    speculative=config)  # fmt: skip
 
+    margin = reference_margin(args.file, args.max_context) if args.margins else None
     results = {}
     for spec in specs:
         for workload in args.workloads.split(","):
@@ -83,8 +108,10 @@ def main() -> int:
             t0 = time.time()
             try:
                 prompts = build(workload, args.requests, args.seed)
-                results[name] = run_spec_bench(open_llm, workload, prompts, spec, args.gen_len,
-                                               args.warmup, args.runs, sampling)  # fmt: skip
+                results[name] = run_spec_bench(
+                    open_llm, workload, prompts, spec, args.gen_len, args.warmup, args.runs,
+                    sampling, margin,
+                )  # fmt: skip
                 print_spec_result(results[name])
             except Exception:  # the other runs still run
                 print(f"{name}: FAILED\n{traceback.format_exc()}", flush=True)

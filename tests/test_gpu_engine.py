@@ -316,12 +316,15 @@ def test_speculative_greedy_is_the_plain_loop(spec_tiny, kind):
         assert (top2[1] - top2[0]) / row.std() < 0.05, (i, plain[i], spec[i])
 
 
-def test_speculative_fallback_and_cancel(spec_tiny):
+def test_speculative_sampled_and_cancel(spec_tiny):
+    """A sampled request speculates too (speculate.cu's accept_sampled); a greedy one cancelled
+    mid-loop frees its pages, and the next request runs."""
     from nanoqwen.sampling import SamplingParams
 
     e, ids = spec_tiny, [21, 22, 23, 24] * 20
     out = list(e.generate(ids, SamplingParams(temperature=0.9, max_tokens=40, seed=3), {}))
-    assert len(out) == 40 and e.spec_stats.drafted == 0 and e.spec_stats.steps == 0
+    st = e.spec_stats
+    assert len(out) == 40 and st.steps >= 1 and st.accepted <= st.drafted
     it = e.generate(ids, SamplingParams(temperature=0.0, max_tokens=300), {})
     head = [next(it) for _ in range(7)]
     it.close()  # the graph stops after its current step

@@ -93,8 +93,8 @@ def test_sigterm_drains_then_ends_the_stream_after_the_grace(serve, tiny_model, 
     grace = 1.0
     proc = serve(tiny_model, "--shutdown-grace", str(grace), "--log-level", "info", *ONE_AT_A_TIME)
     stream, waiting = start_busy(proc, queued=3)
+    signalled = time.monotonic()  # before the signal: the server's grace starts after it
     proc.proc.send_signal(signal.SIGTERM)
-    signalled = time.monotonic()
     for client in waiting:  # failed by the drain at once, streamed or not
         assert_shutting_down_503(*client.outcome())
         assert client.ended_at - signalled < grace / 2

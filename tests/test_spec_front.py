@@ -398,6 +398,43 @@ def test_spec_bench_sampled_on_the_reference(tiny_model):
     assert [p["tokens"] for p in res["per_prompt"]] == [p["tokens"] for p in runs[1]["per_prompt"]]
 
 
+def test_spec_bench_measures_the_margin_where_replies_part(tiny_model):
+    """A greedy mismatch (the speculative reply's 4th token changed): the first differing
+    index, and margin() called with the plain reply's context up to it and the two tokens."""
+
+    class Parting:  # the backend, its replies' token 3 replaced
+        def __init__(self, backend):
+            self.backend = backend
+
+        def __getattr__(self, name):
+            return getattr(self.backend, name)
+
+        def generate(self, ids, params, stop):
+            for i, t in enumerate(self.backend.generate(ids, params, stop)):
+                yield (t + 1) % 64 if i == 3 else t
+
+    def open_llm(config):
+        llm = LLM(tiny_model, backend="reference", max_context=2048, speculative=config)
+        if config is not None:
+            llm._backend = Parting(llm._backend)
+        return llm
+
+    calls = []
+
+    def margin(ids, a, b):
+        calls.append((ids, a, b))
+        return 0.25
+
+    prompts = workloads.build("edit", 1, seed=0)
+    res = run_spec_bench(open_llm, "edit", prompts, SpeculativeConfig(k=4), gen_len=8,
+                         warmup=0, runs=1, margin=margin)  # fmt: skip
+    assert res["identical"] is False
+    assert res["first_difference"] == {"prompt": 0, "index": 3, "margin": 0.25}
+    assert res["per_prompt"][0]["split_margin"] == 0.25
+    ((ids, a, b),) = calls
+    assert b == (a + 1) % 64 and len(ids) == res["per_prompt"][0]["prompt_tokens"] + 3
+
+
 def test_bench_command_writes_json(tiny_model, tmp_path, capsys):
     out = tmp_path / "chat.json"
     rc = main(["bench", str(tiny_model), "--workload", "chat", "--backend", "reference",

@@ -59,10 +59,10 @@ def test_bad_row_counts_raise(m):
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_down_path_and_its_workspace(name):
-    """down_proj's path by rows: DOWN_SLICED (the GEMM) wherever gemv_rows would take
+    """down_proj's path by rows: DOWN_SLICED (the split over K) wherever gemv_rows would take
     DOWN_SLICED_MIN_SLICES K slices or more (every bucket of the 7B), else gemv_rows; the
-    verify step's buffers include the split's workspace (dev/verify_step.py's --down split)
-    whatever the path."""
+    verify step's buffers include the split's workspace whatever the path (dev/verify_step.py's
+    --down switches)."""
     from nanoqwen.engine import verify
 
     cfg, g = preset(name), registry.DEFAULT_GEOMETRY
@@ -72,7 +72,7 @@ def test_down_path_and_its_workspace(name):
         want = verify.DOWN_SLICED if slices >= verify.DOWN_SLICED_MIN_SLICES else "rows"
         assert verify.down_path(cfg, m, g) == want
         if name == "7b":
-            assert want == "gemm"
+            assert want == "split"
     plan = verify.verify_plan(cfg, 16, g)
     assert registry.rows_split_workspace(cfg, g) in plan
     with pytest.raises(ValueError, match="down_proj path 'nope'"):

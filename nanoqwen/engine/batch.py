@@ -9,8 +9,8 @@ Per step, for the B rows (row r: the r-th sequence by slot; buffers for max_batc
                  tables [max_batch, pages_per_row], row r's at r * pages_per_row), attention
                  over each row's own context (attn_decode<true>: a sequence's splits follow its
                  own length), gemv_rows o (+ residual), gate/up (RMSNorm, SwiGLU), down
-                 (+ residual; the prefill's GEMM where gemv_rows would take K in many
-                 slices: verify.down_path's rule)
+                 (+ residual; K split across the CTAs where gemv_rows would take K in
+                 many slices: verify.down_path's rule)
     lm_head_rows final RMSNorm, logits [B, V], each row's argmax key
     sample_batch each row's token by the plain sampler's rule with its own temperature /
                  top-k / top-p / seed, the draw counter = the sequence's draw number

@@ -14,7 +14,10 @@ over the prompts of the median decode time over runs, divided by the sum of thei
 speculative ms/token. Acceptance: the speculative backend's SpecStats summed over the timed
 generations. Identity (greedy only: sampled modes draw other tokens from the same
 distributions, so their replies, and their lengths, differ): each prompt's speculative tokens
-against its plain tokens; on a mismatch, the first differing index.
+against its plain tokens; on a mismatch, the first differing index, and with a `margin`
+function (dev/spec_workloads.py --margins: the float32 reference's logits) how far apart the two
+tokens there are, in logit stds: the verify step and the decode step round differently, so a
+reply may part from the plain one where its top two are a near-tie.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def timed_generation(backend, ids: list[int], params: SamplingParams, stop_ids):
 def run_mode(llm, prompts: list[Prompt], sampling: SamplingParams, warmup: int,
              runs: int) -> dict:  # fmt: skip
     """One mode over every prompt (`sampling` with prompt i's seed i): per prompt its prompt
-    length, tokens, median decode seconds; and the summed SpecStats (zeros without
+    ids, tokens, median decode seconds; and the summed SpecStats (zeros without
     speculation)."""
     backend = llm.backend
     stop_ids = frozenset(llm.tokenizer.eos_token_ids)
@@ -67,7 +70,7 @@ def run_mode(llm, prompts: list[Prompt], sampling: SamplingParams, warmup: int,
             seconds.append(s)
             if llm.speculative:
                 stats.add(backend.spec_stats)
-        rows.append({"prompt_tokens": len(prompt_ids), "tokens": tokens,
+        rows.append({"ids": prompt_ids, "tokens": tokens,
                      "decode_s": statistics.median(seconds)})  # fmt: skip
     return {"rows": rows, "stats": stats}
 
@@ -89,10 +92,12 @@ def run_spec_bench(
     warmup: int = 1,
     runs: int = 1,
     sampling: SamplingParams | None = None,
+    margin: Callable[[list[int], int, int], float] | None = None,
 ) -> dict:
     """The workload plain (open_llm(None)) then speculative (open_llm(spec)), greedy or with
     `sampling`'s temperature, top-k and top-p; the result dict (module docstring;
-    `print_spec_result` shows it)."""
+    `print_spec_result` shows it). margin(ids, a, b): |logit a - logit b| / std of the logits
+    after ids, for a greedy mismatch (None: not measured)."""
     sampling = replace(sampling or SamplingParams(), max_tokens=gen_len, stop=())
     modes = {}
     for name, config in (("plain", None), ("speculative", spec)):
@@ -106,13 +111,16 @@ def run_spec_bench(
     per_prompt, mismatch = [], None
     for i, (p, a, b) in enumerate(zip(prompts, plain["rows"], fast["rows"], strict=True)):
         diff = first_difference(a["tokens"], b["tokens"]) if sampling.greedy else None
+        split = None  # the margin where a greedy reply parts, when measured
+        if diff is not None and margin and diff < min(len(a["tokens"]), len(b["tokens"])):
+            split = margin(a["ids"] + a["tokens"][:diff], a["tokens"][diff], b["tokens"][diff])
         if diff is not None and mismatch is None:
-            mismatch = {"prompt": i, "index": diff}
+            mismatch = {"prompt": i, "index": diff, "margin": split}
         per_prompt.append({
-            "source": p.source, "prompt_tokens": a["prompt_tokens"],
+            "source": p.source, "prompt_tokens": len(a["ids"]),
             "tokens": len(a["tokens"]), "speculative_tokens": len(b["tokens"]),
             "plain_decode_s": a["decode_s"], "speculative_decode_s": b["decode_s"],
-            "identical": diff is None if sampling.greedy else None,
+            "identical": diff is None if sampling.greedy else None, "split_margin": split,
         })  # fmt: skip
     plain_ms, plain_rate = _rate(plain["rows"])
     spec_ms, spec_rate = _rate(fast["rows"])
@@ -183,4 +191,10 @@ def print_spec_result(res: dict) -> None:
         print("  outputs identical: yes")
     else:
         d = res["first_difference"]
-        print(f"  outputs identical: NO (prompt {d['prompt']} differs from token {d['index']})")
+        where = f"prompt {d['prompt']} differs from token {d['index']}"
+        splits = [p["split_margin"] for p in res["per_prompt"] if p["split_margin"] is not None]
+        if splits:
+            where += (
+                f"; top-2 margins where replies part: {', '.join(f'{m:.4f}' for m in splits)} std"
+            )
+        print(f"  outputs identical: NO ({where})")

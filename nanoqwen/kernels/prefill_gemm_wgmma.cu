@@ -5,10 +5,11 @@
 //
 // A prefill GEMM is compute bound (at M = 512 an INT4 weight byte feeds 2 x 512 multiply-adds),
 // so the weights are dequantized inside the main loop, straight into tensor-core fragments, and
-// never touch memory as fp16. (The 16-token tile serves the speculative verify step's M = 1..16
-// rows, where a 64-token tile would compute 4x the padded tokens; registry.GEMM_TILES.) The
-// kernel computes the transposed product out^T = W x A^T so that the dequantized weight is the
-// wgmma A operand *from registers* and the activations are the B operand from shared memory:
+// never touch memory as fp16. (The 16-token tile serves prompts of up to 16 new tokens, a warm
+// prefix-cache request's, where a 64-token tile would compute 4x the padded tokens;
+// registry.GEMM_TILES.) The kernel computes the transposed product out^T = W x A^T so that the
+// dequantized weight is the wgmma A operand *from registers* and the activations are the B
+// operand from shared memory:
 //
 //   wgmma.mma_async m64nBTk16: D[64 weight rows][BT tokens] += Wfrag[64][16] x Atile[BT][16]^T
 //
