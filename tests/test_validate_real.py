@@ -55,6 +55,9 @@ def test_emulated_engine_passes(tiny):
     )
     assert [c.tier for c in checks] == ["layer", "graph", "graph", "graph"]
     assert all(c.ok for c in checks), checks
+    for c in checks[1:3]:  # the emulation beside each path: here the engine is the emulation
+        engine_all = c.detail.split("all ")[1].split(",")[0]
+        assert f"fp16 storage emulated: all {engine_all}," in c.detail, c.detail
 
 
 def test_broken_branch_fails(tiny):

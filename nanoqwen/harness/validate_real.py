@@ -10,12 +10,15 @@ layer  layer 0 through the decode path on the first code window, against the flo
        guess per model, the emulation is a measurement
 graph  teacher-forced logits of the decode and prefill paths on code windows: top-1 agreement
        at the positions whose reference top-2 margin is clear of the near-tie bound, and the
-       99th percentile of the per-position max |dlogit| / std; then greedy generations from
-       window openings, identical except at a near-tie (the margin at the first split shown)
+       99th percentile of the per-position max |dlogit| / std, each beside the same figures
+       of the reference with the engine's fp16 storage emulated (what storage rounding alone
+       costs on these tokens: not gated); then greedy generations from window openings,
+       identical except at a near-tie (the margin at the first split shown)
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -30,24 +33,33 @@ def _windows(file, count: int, tokens: int) -> list[list[int]]:
     return real_text.code_windows(Tokenizer.from_spec(file.tokenizer), count, tokens)
 
 
+@contextlib.contextmanager
+def _storage(ref, storage):
+    """The reference's model with `storage` (reference.Fp16Storage or None) for the block."""
+    m = ref.model
+    before, m.fp16_storage = m.fp16_storage, storage
+    try:
+        yield m
+    finally:
+        m.fp16_storage = before
+
+
 def _layer0(ref, ids: list[int], dev: str, storage) -> np.ndarray:
     """The reference's residual stream after layer 0, float64 [T, H], with `storage`."""
     import torch
 
     from ..kv_pages import PageTable
 
-    m, table = ref.model, PageTable()
+    table = PageTable()
     ref.cache.pages.reserve(table, len(ids))
-    before, m.fp16_storage = m.fp16_storage, storage
     try:
-        with torch.inference_mode():
+        with _storage(ref, storage) as m, torch.inference_mode():
             t = torch.tensor(ids, device=dev)
             tab = torch.tensor(table.pages, device=dev)
             cos, sin = m.cos[: len(ids)], m.sin[: len(ids)]
             x = m.block(m.embed_tokens[t], m.layers[0], 0, 0, tab, ref.cache, cos, sin)
             return x.double().cpu().numpy()
     finally:
-        m.fp16_storage = before
         ref.cache.pages.release(table)
 
 
@@ -85,10 +97,17 @@ def real_graph_tier(engine, file, tol: dict) -> list[Check]:
     generations from their openings, vs the float32 reference."""
     import torch
 
+    from ..reference import Fp16Storage
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref = _reference(file, dev)
     windows = _windows(file, tol["windows"], tol["tokens"])
     want = [ref.logits(ids).astype(np.float32) for ids in windows]
+    with _storage(ref, Fp16Storage()):
+        emulated = [
+            real_text.compare(ref.logits(ids), w) for ids, w in zip(windows, want, strict=True)
+        ]
+    emu = real_text.summary(emulated, tol["near_tie_over_std"])
     checks = []
     for path in ("decode", "prefill"):
         t0 = time.perf_counter()
@@ -105,8 +124,9 @@ def real_graph_tier(engine, file, tol: dict) -> list[Check]:
         detail = (f"top1 {s['top1_clear']:.4f} at margin > {tol['near_tie_over_std']} "
                   f"({s['flips_clear']} flips; all {s['top1']:.4f}, {s['near_ties']} near-ties, "
                   f"worst flip margin {s['worst_flip_margin']:.3f}), |dlogit|/std p50 "
-                  f"{s['dlogit_p50']:.3f} p99 {s['dlogit_p99']:.3f} max {s['dlogit_max']:.3f}, "
-                  f"{time.perf_counter() - t0:.0f}s")  # fmt: skip
+                  f"{s['dlogit_p50']:.3f} p99 {s['dlogit_p99']:.3f} max {s['dlogit_max']:.3f}; "
+                  f"fp16 storage emulated: all {emu['top1']:.4f}, p50 {emu['dlogit_p50']:.3f} "
+                  f"p99 {emu['dlogit_p99']:.3f}; {time.perf_counter() - t0:.0f}s")  # fmt: skip
         name = f"{path} logits, {len(windows)}x{tol['tokens']} code tokens"
         checks.append(Check("graph", name, ok, detail))
     checks.append(_greedy(engine, ref, windows, tol))
