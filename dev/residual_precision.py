@@ -90,9 +90,9 @@ def main() -> int:
     for ids in [*windows, random_ids]:
         base = None
         for name, storage in VARIANTS.items():
-            ref.model.fp16_storage = storage
             t0 = time.perf_counter()
-            logits, xs = trace(ref, ids)
+            with ref.model.storing(storage):
+                logits, xs = trace(ref, ids)
             seconds[name] += time.perf_counter() - t0
             if storage is None:
                 base, base_x0 = logits, xs[0]
@@ -102,7 +102,6 @@ def main() -> int:
             layer0[name].append(layer0_err(xs[0], base_x0))
             if ids is not random_ids:
                 rows[name].append(real_text.compare(logits, base))
-    ref.model.fp16_storage = None
     print(f"{cfg.name}: {len(windows)} windows x {args.tokens} tokens of stdlib code")
     print(f"{'variant':14} {'top1':>7} {'top1>tie':>8} {'ties':>5} {'p50':>7} {'p99':>7} "
           f"{'max':>7} {'L0 code: /rms':>13} {'ulp':>5} {'rms':>8} {'L0 rand: /rms':>13} "

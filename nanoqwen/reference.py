@@ -26,6 +26,7 @@ being obviously right over being fast:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -270,6 +271,16 @@ class Qwen2Reference:
         x = self._residual(x + self.attention(h, w, layer, start, table, cache, cos, sin))
         h = self._act(rms_norm(x, w.post_attn_norm, eps))
         return self._residual(x + self.mlp(h, w))
+
+    @contextlib.contextmanager
+    def storing(self, storage: Fp16Storage | None) -> Iterator[Qwen2Reference]:
+        """This model with `storage` (None: no rounding beyond `dtype`) inside the block, the
+        previous setting restored after it."""
+        before, self.fp16_storage = self.fp16_storage, storage
+        try:
+            yield self
+        finally:
+            self.fp16_storage = before
 
     def _act(self, x: torch.Tensor) -> torch.Tensor:
         return _round_fp16(x) if self.fp16_storage and self.fp16_storage.activations else x

@@ -48,15 +48,13 @@ def test_planted_channels_match_the_reference_in_fp16_storage(planted_file):
     for ids in prompts:
         peaks = residual_peaks(ref, ids)
         assert all(1.0e4 <= p <= 6.5e4 for p in peaks), peaks  # the plant reached the residual
-        ref.model.fp16_storage = None
         want = ref.logits(ids)
-        ref.model.fp16_storage = Fp16Storage()
-        got = ref.logits(ids)
+        with ref.model.storing(Fp16Storage()):
+            got = ref.logits(ids)
         assert np.isfinite(got).all() and np.isfinite(want).all()
         agree += int((got.argmax(-1) == want.argmax(-1)).sum())
         total += len(ids)
         worst = max(worst, float((np.abs(got - want).max(-1) / want.std(-1)).max()))
-    ref.model.fp16_storage = None
     assert agree / total >= gates["top1_agreement"], (agree, total)
     assert worst <= gates["logit_max_over_std"], worst
 

@@ -18,7 +18,6 @@ graph  teacher-forced logits of the decode and prefill paths on code windows: to
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import numpy as np
@@ -33,17 +32,6 @@ def _windows(file, count: int, tokens: int) -> list[list[int]]:
     return real_text.code_windows(Tokenizer.from_spec(file.tokenizer), count, tokens)
 
 
-@contextlib.contextmanager
-def _storage(ref, storage):
-    """The reference's model with `storage` (reference.Fp16Storage or None) for the block."""
-    m = ref.model
-    before, m.fp16_storage = m.fp16_storage, storage
-    try:
-        yield m
-    finally:
-        m.fp16_storage = before
-
-
 def _layer0(ref, ids: list[int], dev: str, storage) -> np.ndarray:
     """The reference's residual stream after layer 0, float64 [T, H], with `storage`."""
     import torch
@@ -53,7 +41,7 @@ def _layer0(ref, ids: list[int], dev: str, storage) -> np.ndarray:
     table = PageTable()
     ref.cache.pages.reserve(table, len(ids))
     try:
-        with _storage(ref, storage) as m, torch.inference_mode():
+        with ref.model.storing(storage) as m, torch.inference_mode():
             t = torch.tensor(ids, device=dev)
             tab = torch.tensor(table.pages, device=dev)
             cos, sin = m.cos[: len(ids)], m.sin[: len(ids)]
@@ -103,7 +91,7 @@ def real_graph_tier(engine, file, tol: dict) -> list[Check]:
     ref = _reference(file, dev)
     windows = _windows(file, tol["windows"], tol["tokens"])
     want = [ref.logits(ids).astype(np.float32) for ids in windows]
-    with _storage(ref, Fp16Storage()):
+    with ref.model.storing(Fp16Storage()):
         emulated = [
             real_text.compare(ref.logits(ids), w) for ids, w in zip(windows, want, strict=True)
         ]
