@@ -12,6 +12,8 @@ layout arithmetic, not the hardware: a mismatch here is an indexing bug in one o
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -31,10 +33,12 @@ def shape(k: int, s: int) -> dict[str, int]:
     row = k // 2 if s == 1 else gs * 64
     sc_row = ((gs + 2) * 2 + 15) // 16 * 16
     scales = (P * g * 2 + 28 + 15) // 16 * 16 if s == 1 else P * sc_row
-    stage = (2 * P * row + 2 * scales + 127) // 128 * 128
-    assert stage == registry.rows_stage_bytes(k, s)
-    return {"G": g, "GS": gs, "kRow": row, "kRun": P * row, "kScRow": sc_row, "kScales": scales,
-            "kStage": stage}  # fmt: skip
+    pad = 64 if s == 1 and row % 128 == 0 else 0
+    stage = (2 * P * row + pad + 2 * scales + 127) // 128 * 128
+    assert stage == registry.rows_stage_bytes(k, s) and pad == registry.rows_run_pad(k, s)
+    return {"G": g, "GS": gs, "kRow": row, "kRun": P * row, "kPad": pad,
+            "kRunB": P * row + pad, "kSc": 2 * P * row + pad, "kScRow": sc_row,
+            "kScales": scales, "kStage": stage}  # fmt: skip
 
 
 def nibbles(words: np.ndarray) -> np.ndarray:
@@ -47,6 +51,14 @@ def nibbles(words: np.ndarray) -> np.ndarray:
 
 def xr_unit(r, u):
     return u ^ ((u >> 3) & 1) ^ ((r & 1) << 1)
+
+
+def test_lane_x_units_are_xr_units():
+    """group_mma's x index, 16 j + 4 t4 + (q ^ sw) past the lane's row (sw = bit 1 of t4 ^
+    2 x (g & 1)), is xr_unit's swizzle of unit 16 j + 4 t4 + q of token row 8 tt + g."""
+    for j, t4, q, g, tt in itertools.product(range(40), range(4), range(4), range(8), range(2)):
+        sw = (t4 >> 1) ^ ((g & 1) << 1)
+        assert 16 * j + 4 * t4 + (q ^ sw) == xr_unit(8 * tt + g, 16 * j + 4 * t4 + q)
 
 
 class Emulation:
@@ -126,10 +138,10 @@ class Emulation:
             r0 = self.row_b(p) if run else self.row_a(p)
             rows = max(0, min(np_, self.rows_total - r0))
             if lane < 2:
-                src, dst, nb, from_ = r0 * (k // 2), run * sh["kRun"], rows * (k // 2), self.wbytes
+                src, dst, nb, from_ = r0 * (k // 2), run * sh["kRunB"], rows * (k // 2), self.wbytes
             else:
                 e0 = (r0 * sh["G"]) & ~7
-                src, dst = e0 * 2, 2 * sh["kRun"] + run * sh["kScales"]
+                src, dst = e0 * 2, sh["kSc"] + run * sh["kScales"]
                 nb = ((((r0 + rows) * sh["G"] + 7) & ~7) - e0) * 2 if rows else 0
                 from_ = self.sbytes
             assert src % 16 == 0 and dst % 16 == 0 and nb % 16 == 0
@@ -140,7 +152,8 @@ class Emulation:
                 box = np.zeros((8, sh["GS"] * 16), np.uint32)
                 part = self.words[r0 : r0 + 8, g0 * 16 : (g0 + sh["GS"]) * 16]
                 box[: part.shape[0], : part.shape[1]] = part
-                st[run * sh["kRun"] : (run + 1) * sh["kRun"]] = box.reshape(-1).view(np.uint8)
+                o = run * sh["kRunB"]
+                st[o : o + sh["kRun"]] = box.reshape(-1).view(np.uint8)
             for rr in range(16):  # the scales' 4-byte cp.async, row by row
                 ra = self.row_a(p) if rr < 8 else self.row_b(p)
                 if rr % 8 >= max(0, min(np_, self.rows_total - ra)):
@@ -148,7 +161,7 @@ class Emulation:
                 first = (ra + rr % 8) * sh["G"] + g0
                 e0 = first & ~1
                 units = (first + gs + 1 - e0) // 2
-                dst = 2 * sh["kRun"] + rr * sh["kScRow"]
+                dst = sh["kSc"] + rr * sh["kScRow"]
                 assert 4 * units <= sh["kScRow"] and e0 * 2 + 4 * units <= self.sbytes.size
                 st[dst : dst + 4 * units] = self.sbytes[e0 * 2 : e0 * 2 + 4 * units]
         return st
@@ -156,7 +169,7 @@ class Emulation:
     def warp_sums(self, st, xh, p, i, warp, g0, gs):
         """Warp `warp`'s [16 rows][MT] sums of stage i, as its lanes store them into red."""
         sh, mt = self.sh, self.mt
-        sc = st[2 * sh["kRun"] :].view(np.float16).astype(np.float64)
+        sc = st[sh["kSc"] :].view(np.float16).astype(np.float64)
         acc = np.zeros((8, 4, mt // 8, 4))  # lane (g, t4): [tt][c]
         c = self.warps
         for j in range((warp + c - i % c) % c, gs, c):
@@ -167,31 +180,36 @@ class Emulation:
                 else:
                     sa = g * sh["kScRow"] // 2 + ((self.row_a(p) + g) * sh["G"] + g0) % 2
                     sb = (8 + g) * sh["kScRow"] // 2 + ((self.row_b(p) + g) * sh["G"] + g0) % 2
-                fa, fb = sc[sa + j], sc[sb + j]
-                # The mma's D over the four lanes t4' of a row and a column: row g (a) / g + 8
-                # (b) is chunk t4' of the row's group j in the stage, column col the x units
-                # that lane (col % 8, t4') loads.
-                o = g * sh["kRow"] + j * 64
-                va = nibbles(st[o : o + 64].view(np.uint32)).reshape(4, 4, 8)
-                o += sh["kRun"]
-                vb = nibbles(st[o : o + 64].view(np.uint32)).reshape(4, 4, 8)
+                # Lane g's A rows g and g + 8: row g of run a and of run b, swapped in odd
+                # lanes where the runs are padded.
+                odd = g % 2 if sh["kPad"] else 0
+                f1, f2 = (sc[sb + j], sc[sa + j]) if odd else (sc[sa + j], sc[sb + j])
+                # The mma's D over the four lanes t4' of a row and a column: A row g / g + 8
+                # is chunk t4' of the row's group j in the stage, column col the x units that
+                # lane (col % 8, t4') loads.
+                o = odd * sh["kRunB"] + g * sh["kRow"] + j * 64
+                v1 = nibbles(st[o : o + 64].view(np.uint32)).reshape(4, 4, 8)
+                o = (1 - odd) * sh["kRunB"] + g * sh["kRow"] + j * 64
+                v2 = nibbles(st[o : o + 64].view(np.uint32)).reshape(4, 4, 8)
                 u = j * 16 + np.arange(16).reshape(4, 4)  # [t4', q]
                 cols = np.arange(mt)[:, None, None]
                 xu = xh[cols * sh["GS"] * 16 + xr_unit(cols, u)]  # [mt, t4', q, 8]
-                d_a = np.einsum("tqe,ctqe->c", va, xu)
-                d_b = np.einsum("tqe,ctqe->c", vb, xu)
+                d1 = np.einsum("tqe,ctqe->c", v1, xu)
+                d2 = np.einsum("tqe,ctqe->c", v2, xu)
                 for t4 in range(4):
                     for tt in range(mt // 8):
                         col = tt * 8 + 2 * t4
-                        acc[g, t4, tt, :2] += fa * d_a[col : col + 2]
-                        acc[g, t4, tt, 2:] += fb * d_b[col : col + 2]
+                        acc[g, t4, tt, :2] += f1 * d1[col : col + 2]
+                        acc[g, t4, tt, 2:] += f2 * d2[col : col + 2]
         red = np.zeros((16, mt))
         for g in range(8):
+            odd = g % 2 if sh["kPad"] else 0
             for t4 in range(4):
                 for tt in range(mt // 8):
                     col = tt * 8 + 2 * t4
-                    red[g, col : col + 2] = acc[g, t4, tt, :2]
-                    red[g + 8, col : col + 2] = acc[g, t4, tt, 2:]
+                    a, b = acc[g, t4, tt, :2], acc[g, t4, tt, 2:]
+                    red[g, col : col + 2] = b if odd else a
+                    red[g + 8, col : col + 2] = a if odd else b
         return red
 
     def epilogue(self, out, sums, p0, npairs):
@@ -212,6 +230,9 @@ class Emulation:
     [
         (7, 38, RESIDUAL, 3, 8, 1, 3),  # G < C warps; pairs not a multiple of 8
         (21, 22, SWIGLU, 8, 8, 1, 2),  # SwiGLU: gate p / up p
+        (28, 38, SWIGLU, 5, 8, 1, 3),  # the 7B's hidden size: rows of 128-byte multiples, runs
+        # padded (kPad) and swapped in odd lanes
+        (6, 3 * HEAD_DIM, ROPE, 9, 16, 1, 4),  # padded runs with RoPE, two token tiles
         (37, 30, RESIDUAL, 11, 16, 3, 2),  # uneven K slices (12, 12, 13), two token tiles
         (37, 20, SWIGLU, 16, 16, 5, 1),  # boxes past a shorter slice's end (the matrix's)
         (18, 3 * HEAD_DIM, ROPE, 5, 8, 2, 5),  # RoPE partners; stages end at head boundaries

@@ -514,8 +514,9 @@ def rows_split(k: int, n: int, epi: Epilogue, mt: int, g: Geometry = DEFAULT_GEO
 
 def rows_stage_bytes(k: int, s: int) -> int:
     """gemv_rows.cu's MrShape<K, MT, S>::kStage: runs a and b (8 rows each, whole at S = 1,
-    else the slice's ceil(G / S) groups) and their scales (the 16-byte units around the run at
-    S = 1, each row's 4-byte units around its slice at S > 1)."""
+    else the slice's ceil(G / S) groups; run b rows_run_pad bytes past run a's end) and their
+    scales (the 16-byte units around the run at S = 1, each row's 4-byte units around its slice
+    at S > 1)."""
     groups = k // GROUP_SIZE
     gs = -(-groups // s)
     row = k // 2 if s == 1 else gs * GROUP_SIZE // 2
@@ -523,7 +524,13 @@ def rows_stage_bytes(k: int, s: int) -> int:
         scales = (ROWS_STAGE_PAIRS * groups * 2 + 28 + 15) // 16 * 16
     else:
         scales = ROWS_STAGE_PAIRS * (((gs + 2) * 2 + 15) // 16 * 16)
-    return (2 * ROWS_STAGE_PAIRS * row + 2 * scales + 127) // 128 * 128
+    return (2 * ROWS_STAGE_PAIRS * row + rows_run_pad(k, s) + 2 * scales + 127) // 128 * 128
+
+
+def rows_run_pad(k: int, s: int) -> int:
+    """MrShape::kPad: bytes between a stage's run a and run b (64 at S = 1 when a row is a
+    whole multiple of 128 bytes, so that the two runs' rows differ in bank by 64 bytes)."""
+    return 64 if s == 1 and (k // 2) % 128 == 0 else 0
 
 
 def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOMETRY) -> int:

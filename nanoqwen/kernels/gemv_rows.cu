@@ -45,8 +45,9 @@
 //    2 multicasting x slices would halve it.
 //  - a split of K over CTAs reduced through global memory: the fixed cost above (~12 us).
 //
-// One mma: A = 16 weight rows (rows 0..7 row a of the stage's pairs 0..7, rows 8..15 row b)
-// x k16, B = x of 8 tokens x k16, D = 16 rows x 8 tokens (MT = 16: two n8 tiles). Thread t4 =
+// One mma: A = 16 weight rows (row a and row b of the stage's pairs 0..7: lane g holds pair
+// g's, in rows g and g + 8, swapped in odd lanes where the runs are padded: warp_stage) x k16,
+// B = x of 8 tokens x k16, D = 16 rows x 8 tokens (MT = 16: two n8 tiles). Thread t4 =
 // lane % 4 takes the 16-byte chunk t4 of a group (32 nibbles) for A and the same 32 elements
 // of x for B (K order inside a group is free as long as A and B agree: gemv_int4.cu's
 // mapping); word q of the chunk feeds two mma (pairs 0, 1 and 2, 3). Each group's fresh D is
@@ -54,10 +55,10 @@
 // groups (warp w takes groups w, w + C, ... rotated by the stage so that uneven counts even
 // out), then reduce the stage's 16 rows x MT tokens over the warps in a fixed warp order
 // through a double-buffered shared array: one consumer barrier a stage.
-// Cost model at MT = 8, per 1 KB of weights (16 rows x one group): 72 dequant instructions, 8
-// mma, 6 LDS.128, about 95 warp instructions in all (24 cycles on 4 schedulers) against ~60
-// cycles for an SM's share of 4.5 TB/s: the weight stream bounds it. At MT = 16: 16 mma and
-// 10 LDS.128 (~125 instructions, ~32 cycles, shared memory at ~70% of its 128 B/cycle).
+// Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
+// them dequantization, 8 mma, 6 LDS.128 of weights and x). The consumers, not the weight
+// stream, set the launch's pace (a probe without their math streams the 7B's gate/up in ~80%
+// of the time), but what bounds them is not found: docs/PERFORMANCE.md, the verify step.
 //
 // Epilogues (per token row r; the ids of gemv_int4.cu):
 //   kRope     + bias, RoPE at pos[r], K/V into the pages at pos[r] (page table pages +
@@ -92,13 +93,19 @@ struct MrShape {
   // groups (one TMA box a run: 8 rows x GS groups x 64 bytes).
   static constexpr int kRow = S == 1 ? K / 2 : GS * kMrGroupBytes;
   static constexpr int kRun = kMrPairs * kRow;     // run a or run b of a stage
+  // Run b starts kPad bytes past run a's end, so that rows of run a and run b sit 64 bytes
+  // apart modulo 128 (warp_stage's lanes then read 8 distinct bank quads a quarter warp). S > 1
+  // keeps kPad = 0: a TMA box lands 128-byte aligned (an odd GS gives the 64 bytes anyway).
+  static constexpr int kPad = S == 1 && kRow % 128 == 0 ? 64 : 0;
+  static constexpr int kRunB = kRun + kPad;        // run b's offset in the stage
+  static constexpr int kSc = 2 * kRun + kPad;      // the scales' offset in the stage
   // A run's scales: S = 1, the 16-byte units around the run's (8 G halves + up to 14 of
   // slack); S > 1, a row's 4-byte units around its slice (at most GS + 2 halves), kScRow
   // bytes a row.
   static constexpr int kScRow = ((GS + 2) * 2 + 15) / 16 * 16;
   static constexpr int kScales =
       S == 1 ? (kMrPairs * G * 2 + 28 + 15) / 16 * 16 : kMrPairs * kScRow;
-  static constexpr int kStage = (2 * kRun + 2 * kScales + 127) / 128 * 128;
+  static constexpr int kStage = (kSc + 2 * kScales + 127) / 128 * 128;
   static constexpr int kXBuf = MT * GS * kGroupSize * 2;           // x [MT][GS groups]
   static constexpr int kX = (S == 1 ? 1 : 2) * kXBuf;              // S > 1: double-buffered
   static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;      // [2][C][16][MT] f32
@@ -138,17 +145,19 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(C * kWarp) : "memory");
 }
 
-// One group (slice-local j) of a stage against the lane's two rows (g: row a, g + 8: row b of
-// pair g) and MT / 8 token tiles, scaled into acc[tt] (c0, c1: row a, tokens 8 tt + 2 t4, + 1;
-// c2, c3: row b). xs4: the slice's x [MT][GS groups].
+// One group (slice-local j) of a stage against the lane's two A rows, g (w1: its chunk t4 of
+// the group's first, scales s1) and g + 8 (w2, s2), and MT / 8 token tiles, scaled into acc[tt]
+// (c0, c1: A row g, tokens 8 tt + 2 t4, + 1; c2, c3: A row g + 8). xl: the lane's x, xs4 +
+// (row g, unit 4 t4) of the slice's x [MT][GS groups], where xr_unit(8 tt + g, 16 j + 4 t4 + q)
+// is 16 j + 4 t4 + (q ^ sw) (its two XOR terms touch only q's bits).
 template <int K, int MT, int S>
-__device__ __forceinline__ void group_mma(const unsigned char* st, const half* sa, const half* sb,
-                                          const uint4* xs4, int j, int g, int t4,
-                                          float (&acc)[MT / 8][4]) {
+__device__ __forceinline__ void group_mma(const unsigned char* w1, const unsigned char* w2,
+                                          const half* s1, const half* s2, const uint4* xl,
+                                          int sw, int j, float (&acc)[MT / 8][4]) {
   using Sh = MrShape<K, MT, S>;
-  const uint4 wa = *reinterpret_cast<const uint4*>(st + g * Sh::kRow + j * kMrGroupBytes + t4 * 16);
-  const uint4 wb =
-      *reinterpret_cast<const uint4*>(st + Sh::kRun + g * Sh::kRow + j * kMrGroupBytes + t4 * 16);
+  const uint4 wa = *reinterpret_cast<const uint4*>(w1 + j * kMrGroupBytes);
+  const uint4 wb = *reinterpret_cast<const uint4*>(w2 + j * kMrGroupBytes);
+  const uint4* xj = xl + 16 * j;
   float d[MT / 8][2][4] = {};  // two chains a tile (pairs 0, 1 and 2, 3): half the latency
 #pragma unroll
   for (int q = 0; q < 4; ++q) {  // word q of the chunk: elements 8q..8q+7
@@ -159,38 +168,50 @@ __device__ __forceinline__ void group_mma(const unsigned char* st, const half* s
     const uint32_t a1[4] = {h2u(ha[2]), h2u(hb[2]), h2u(ha[3]), h2u(hb[3])};
 #pragma unroll
     for (int tt = 0; tt < MT / 8; ++tt) {
-      const int r = tt * 8 + g;
-      const uint4 xv = xs4[r * Sh::GS * 16 + xr_unit(r, j * 16 + t4 * 4 + q)];
+      const uint4 xv = xj[tt * 8 * Sh::GS * 16 + (q ^ sw)];
       mma_16816(d[tt][0], a0, xv.x, xv.y);
       mma_16816(d[tt][1], a1, xv.z, xv.w);
     }
   }
-  const float fa = __half2float(sa[j]), fb = __half2float(sb[j]);
+  const float f1 = __half2float(s1[j]), f2 = __half2float(s2[j]);
 #pragma unroll
   for (int tt = 0; tt < MT / 8; ++tt) {
 #pragma unroll
     for (int c = 0; c < 4; ++c)
-      acc[tt][c] = fmaf(c < 2 ? fa : fb, d[tt][0][c] + d[tt][1][c], acc[tt][c]);
+      acc[tt][c] = fmaf(c < 2 ? f1 : f2, d[tt][0][c] + d[tt][1][c], acc[tt][c]);
   }
 }
 
 // A consumer warp's share of a stage: groups first, first + step, ... < gs against its lane's
 // rows and every token tile, then its arrival on the stage's "empty" barrier (it has read the
-// slot) and its sums [16 rows][MT] into `sums` (its part of the stage reduction).
+// slot) and its sums [16 rows][MT] into `sums` (its part of the stage reduction; rows 0..7 of
+// run a, then of run b). sa, sb: the scales of the lane's row g of run a and of run b. The
+// mma's A rows g and g + 8 are row g of run a and of run b, swapped in odd lanes where the runs
+// are padded (MrShape::kPad): a quarter warp's lanes (g = 2h, 2h + 1; t4) then read rows of
+// both runs at once, 64 bytes apart modulo 128, 8 distinct bank quads; rows 2h and 2h + 1 of
+// one run sit a multiple of 128 bytes apart when K / 2 is, and every weight load would be a
+// 2-way bank conflict.
 template <int K, int MT, int S>
 __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* sa,
                                            const half* sb, const uint4* xs4, int first, int step,
                                            int gs, int lane, uint32_t empty, float* sums) {
-  const int g = lane / 4, t4 = lane % 4;
+  using Sh = MrShape<K, MT, S>;
+  const int g = lane / 4, t4 = lane % 4, odd = Sh::kPad ? g & 1 : 0;
+  const unsigned char* w1 = st + odd * Sh::kRunB + g * Sh::kRow + t4 * 16;
+  const unsigned char* w2 = st + (odd ^ 1) * Sh::kRunB + g * Sh::kRow + t4 * 16;
+  const uint4* xl = xs4 + g * Sh::GS * 16 + 4 * t4;
+  const int sw = (t4 >> 1) ^ ((g & 1) << 1);
   float acc[MT / 8][4] = {};
-  for (int j = first; j < gs; j += step) group_mma<K, MT, S>(st, sa, sb, xs4, j, g, t4, acc);
+  for (int j = first; j < gs; j += step)
+    group_mma<K, MT, S>(w1, w2, odd ? sb : sa, odd ? sa : sb, xl, sw, j, acc);
   __syncwarp();
   if (lane == 0) mbar_arrive(empty);
 #pragma unroll
   for (int tt = 0; tt < MT / 8; ++tt) {
     float* d = sums + g * MT + tt * 8 + 2 * t4;
-    *reinterpret_cast<float2*>(d) = make_float2(acc[tt][0], acc[tt][1]);
-    *reinterpret_cast<float2*>(d + 8 * MT) = make_float2(acc[tt][2], acc[tt][3]);
+    const float2 a = make_float2(acc[tt][0], acc[tt][1]), b = make_float2(acc[tt][2], acc[tt][3]);
+    *reinterpret_cast<float2*>(d) = odd ? b : a;
+    *reinterpret_cast<float2*>(d + 8 * MT) = odd ? a : b;
   }
 }
 
@@ -318,12 +339,12 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         uint32_t dst = 0, bytes = 0;
         if (S == 1 && lane < 2) {
           src = qweight + (size_t)r0 * (K / 2);
-          dst = st + run * Sh::kRun;
+          dst = st + run * Sh::kRunB;
           bytes = rows * (K / 2);
         } else if (S == 1 && lane < 4) {
           const size_t e0 = ((size_t)r0 * G) & ~(size_t)7;  // 16-byte units
           src = scales + e0;
-          dst = st + 2 * Sh::kRun + run * Sh::kScales;
+          dst = st + Sh::kSc + run * Sh::kScales;
           bytes = rows ? (uint32_t)((((size_t)(r0 + rows) * G + 7) & ~(size_t)7) - e0) * 2 : 0;
         }
         const uint32_t total = S == 1 ? __reduce_add_sync(0xffffffffu, bytes) : 2 * Sh::kRun;
@@ -339,7 +360,8 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         __syncwarp();
         if (bytes) bulk_g2s(dst, src, bytes, full);
         if constexpr (S > 1) {
-          if (lane < 2) tma_load_2d(st + run * Sh::kRun, w_map, g0 * (kMrGroupBytes / 4), r0, full);
+          if (lane < 2)
+            tma_load_2d(st + run * Sh::kRunB, w_map, g0 * (kMrGroupBytes / 4), r0, full);
           for (int rr = 0; rr < 2 * kMrPairs; ++rr) {  // stage row rr: run rr / 8, row rr % 8
             const int ra = rr < kMrPairs ? row_a(p) : row_b(p);
             const int n_ok = max(0, min(np, (EPI == kSwiGLU ? 2 * N : N) - ra));
@@ -348,7 +370,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
             const size_t e0 = first & ~(size_t)1;
             const int units = (int)((first + gs + 1 - e0) / 2);
             for (int u = lane; u < units; u += kWarp)
-              cp_async4(base + slot * Sh::kStage + 2 * Sh::kRun + rr * Sh::kScRow + 4 * u,
+              cp_async4(base + slot * Sh::kStage + Sh::kSc + rr * Sh::kScRow + 4 * u,
                         scales + e0 + 2 * u);
           }
           cp_async_arrive_noinc(full);
@@ -434,7 +456,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         mbar_wait(smem_addr(&full_bar[slot]), phase);
         const unsigned char* st = base + slot * Sh::kStage;
         // The scales of the lane's rows a(p + g), b(p + g) at the slice's first group.
-        const half* sc = reinterpret_cast<const half*>(st + 2 * Sh::kRun);
+        const half* sc = reinterpret_cast<const half*>(st + Sh::kSc);
         const half* sa = S == 1 ? sc + (((size_t)row_a(p) * G) & 7) + g * G
                                 : sc + g * Sh::kScRow / 2 + (((size_t)(row_a(p) + g) * G + g0) & 1);
         const half* sb = S == 1 ? sc + Sh::kScales / 2 + (((size_t)row_b(p) * G) & 7) + g * G
@@ -608,14 +630,14 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
       if (lane == 0) mbar_arrive_expect_tx(full, kMrSplitSub * 2 * Sh::kRun);
       __syncwarp();
       if (lane < 2 * kMrSplitSub)
-        tma_load_2d(smem_addr(st + (lane / 2) * Sh::kStage + (lane % 2) * Sh::kRun), w_map,
+        tma_load_2d(smem_addr(st + (lane / 2) * Sh::kStage + (lane % 2) * Sh::kRunB), w_map,
                     g0 * (kMrGroupBytes / 4), r0 + 8 * lane, full);
       for (int rr = lane; rr < Sp::kRows; rr += kWarp) {  // stage row rr: its units in turn
         if (r0 + rr >= N) continue;
         const size_t first = (size_t)(r0 + rr) * G + g0;  // in halves
         const half* src = scales + (first & ~(size_t)1);
         const int units = (int)((first + gs + 1 - (first & ~(size_t)1)) / 2);
-        unsigned char* dst = st + (rr / 16) * Sh::kStage + 2 * Sh::kRun + (rr % 16) * Sh::kScRow;
+        unsigned char* dst = st + (rr / 16) * Sh::kStage + Sh::kSc + (rr % 16) * Sh::kScRow;
         for (int u = 0; u < units; ++u) cp_async4(dst + 4 * u, src + 2 * u);
       }
       cp_async_arrive_noinc(full);
@@ -645,7 +667,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
       mbar_wait(smem_addr(&full_bar[slot]), phase);
       const unsigned char* st = ring + slot * Sp::kStage + team * Sh::kStage;
       // The scales of the lane's rows r0 + g, r0 + 8 + g at the slice's first group.
-      const half* sc = reinterpret_cast<const half*>(st + 2 * Sh::kRun);
+      const half* sc = reinterpret_cast<const half*>(st + Sh::kSc);
       const half* sa = sc + g * Sh::kScRow / 2 + (((size_t)(r0 + g) * G + g0) & 1);
       const half* sb = sc + (8 + g) * Sh::kScRow / 2 + (((size_t)(r0 + 8 + g) * G + g0) & 1);
       // The warps' sums, [C][16 rows][MT] in buffer i % 2 (gemv_rows' stage reduction), then
