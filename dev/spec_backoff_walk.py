@@ -1,20 +1,26 @@
-"""The speculation backoff's projected effect: greedy speculation walked over plain greedy
-outputs under a step-cost model, for several (cap, grace) settings at once.
+"""Speculation's projected effect: greedy speculation walked over plain greedy outputs under a
+step-cost model, for several (cap, grace) backoff settings and draft lengths K at once.
 
     PYTHONPATH=. python3 dev/spec_backoff_walk.py FILE [--workloads chat,edit,fim] [--requests 8]
-        [--gen-len 128] [--backend reference] [--truths PATH] [--verify-cost 1.968]
-        [--backoffs 0,16:0,16:1,64:1,16:2]
+        [--gen-len 128] [--backend reference] [--truths PATH] [--verify-cost 1.968 | M:US,..]
+        [--backoffs 0,16:0,16:1,64:1,16:2] [--ks 15] [--step-ms MS] [--stdlib PATH]
 
-- truths: each workload's prompts (nanoqwen.harness.workloads) generated plain and greedy: the
-  truth T of each. Kept in --truths (JSON; reused when it holds the workload, so a slow CPU
+- truths: each workload's prompts (nanoqwen.harness.workloads, from this Python's stdlib or
+  --stdlib's: edit and fim prompts differ between Python versions) generated plain and greedy:
+  the truth T of each. Kept in --truths (JSON; reused when it holds the workload, so a slow CPU
   generation runs once).
 - walk: greedy speculation emits exactly T, so a step at position i (history prompt + T[:i])
   drafts by speculative.draft through a speculative.Backoff, accepts the drafts' agreeing
   prefix with T[i:] and moves to i + a + 1. A step costs 1 (no drafts: the decode step) or
-  --verify-cost (the verify step over 1 + K rows, whatever d; default the real 1.5B's on an
-  H200, 1352 / 687 us: benchmarks/results/h200_1.5b_real_verify_step.json). Projected
-  speed-up = plain steps / the walk's cost; also verify steps, accepted drafts and dropped
-  matches per setting.
+  the verify step's cost at K (it runs 1 + K rows, whatever d: engine/speculate.py): a bare
+  --verify-cost serves every K (default the real 1.5B's at K 15 on an H200, 1352 / 687 us:
+  benchmarks/results/h200_1.5b_real_verify_step.json); a table of step times by rows M
+  (dev/verify_step.py's, "1:1436.7,8:1923.1,16:2493.1", M = 1 the decode step) gives each K
+  of --ks its own, r(1 + K) as dev/draft_model.py's cost_ratio reads it (linear in between
+  and beyond). Projected speed-up = plain steps / the walk's cost, and with --step-ms (a
+  model's decode step) ms/token = step-ms / speed-up: another model's replies stand in for
+  the projected model's own (the 7B's from the 1.5B's), so its acceptance is assumed; also
+  verify steps, accepted drafts and dropped matches per setting.
 
 The projection leaves out everything but the forwards (the sampler, the draft kernel, the
 graph), so it ranks settings; the bench (dev/spec_workloads.py) measures them.
@@ -27,6 +33,8 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+
+from draft_model import cost_ratio  # dev/, beside this script
 
 from nanoqwen.harness.workloads import build
 from nanoqwen.llm import LLM
@@ -48,7 +56,7 @@ def truths(path: str, workloads: list[str], args) -> dict:
             stop = frozenset(llm.tokenizer.eos_token_ids)
             for w in todo:
                 out[w] = []
-                for p in build(w, args.requests, args.seed):
+                for p in build(w, args.requests, args.seed, args.stdlib):
                     ids = [int(t) for t in llm.prepare(**p.prepare_args())]
                     truth = list(llm.backend.generate(ids, params, stop))
                     out[w].append({"prompt": ids, "truth": truth})
@@ -86,30 +94,53 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="reference", choices=("cuda", "reference"))
     p.add_argument("--truths", default=None, help="JSON cache of the plain greedy outputs")
-    p.add_argument("--verify-cost", type=float, default=VERIFY_COST,
-                   help="the verify step's cost over the decode step's")  # fmt: skip
+    p.add_argument("--verify-cost", default=str(VERIFY_COST),
+                   help="the verify step's cost over the decode step's for every K, or step "
+                        "times by rows, M:US,M:US (M = 1 the decode step)")  # fmt: skip
     p.add_argument("--backoffs", default="0,16:0,16:1,64:1,16:2",
                    help="comma list of CAP:GRACE (0: no backoff)")  # fmt: skip
+    p.add_argument("--ks", default=str(SpeculativeConfig().k),
+                   help="draft lengths K walked, comma-separated")  # fmt: skip
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="the projected model's decode step (ms): adds ms/token")  # fmt: skip
+    p.add_argument("--stdlib", type=Path, default=None,
+                   help="the stdlib the edit and fim prompts come from (default: this "
+                        "Python's)")  # fmt: skip
     args = p.parse_args()
     workloads = args.workloads.split(",")
+    ks = [int(k) for k in args.ks.split(",")]
+    try:
+        costs = verify_costs(args.verify_cost, ks)
+    except ValueError as exc:
+        p.error(f"--verify-cost {args.verify_cost!r}: {exc}")
     data = truths(args.file, workloads, args)
     base = SpeculativeConfig()
-    print(f"RESULT projected speed-up (K {base.k}, n {base.n_min}:{base.n_max}, verify cost "
-          f"{args.verify_cost:.3f}, gen {args.gen_len})")  # fmt: skip
+    print(f"RESULT projected speed-up (n {base.n_min}:{base.n_max}, gen {args.gen_len}, "
+          f"verify cost by K {costs})")  # fmt: skip
     for w in workloads:
         print(f"  {w} ({len(data[w])} prompts, {sum(len(r['truth']) for r in data[w])} tokens)")
-        for b in args.backoffs.split(","):
+        for k, b in ((k, b) for k in ks for b in args.backoffs.split(",")):
             cap, _, grace = b.partition(":")
-            spec = replace(base, backoff_cap=int(cap), backoff_grace=int(grace or 1))
+            spec = replace(base, k=k, backoff_cap=int(cap), backoff_grace=int(grace or 1))
             plain = cost = 0.0
             total = [0, 0, 0]
             for r in data[w]:
-                c, counts = walk(r["prompt"], r["truth"], spec, args.gen_len, args.verify_cost)
+                c, counts = walk(r["prompt"], r["truth"], spec, args.gen_len, costs[k])
                 plain, cost = plain + len(r["truth"]) - 1, cost + c
                 total = [x + y for x, y in zip(total, counts, strict=True)]
-            print(f"    backoff {b:6s} {plain / cost:6.3f}x  verify {total[0]:4d}  accepted "
-                  f"{total[1]:5d}  dropped {total[2]:4d}")  # fmt: skip
+            ms = f"  {args.step_ms * cost / plain:.3f} ms/token" if args.step_ms else ""
+            print(f"    K {k:2d} backoff {b:6s} {plain / cost:6.3f}x{ms}  verify {total[0]:4d}  "
+                  f"accepted {total[1]:5d}  dropped {total[2]:4d}")  # fmt: skip
     return 0
+
+
+def verify_costs(text: str, ks: list[int]) -> dict[int, float]:
+    """--verify-cost as {K: the verify step's cost over the decode step's} for every K of ks:
+    one ratio for all, or r(1 + K) of a table of step times by rows (cost_ratio)."""
+    if ":" not in text:
+        return dict.fromkeys(ks, float(text))
+    r = cost_ratio(text)
+    return {k: round(r(1 + k), 4) for k in ks}
 
 
 if __name__ == "__main__":

@@ -489,6 +489,48 @@ def test_walk_and_projection(draft_model):
     assert got["steps"] == 3 and got["accepted_per_step"] == pytest.approx(8 / 3)
 
 
+# -- dev/spec_backoff_walk.py's projection ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backoff_walk():
+    import importlib.util
+    import sys
+
+    dev = Path(__file__).parent.parent / "dev"
+    sys.path.insert(0, str(dev))  # it imports draft_model's cost_ratio from beside it
+    try:
+        spec = importlib.util.spec_from_file_location("spec_backoff_walk",
+                                                      dev / "spec_backoff_walk.py")  # fmt: skip
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(dev))
+    return module
+
+
+def test_walk_verify_costs_by_k(backoff_walk):
+    assert backoff_walk.verify_costs("1.5", [3, 15]) == {3: 1.5, 15: 1.5}
+    # step times by rows, M = 1 the decode step: K drafts run 1 + K rows
+    got = backoff_walk.verify_costs("1:1000,8:1300,16:1700", [7, 15, 3])
+    assert got == {7: 1.3, 15: 1.7, 3: pytest.approx(1 + 0.3 * 3 / 7, abs=1e-4)}
+    with pytest.raises(ValueError, match="M = 1"):
+        backoff_walk.verify_costs("8:1300,16:1700", [7])
+
+
+@pytest.mark.parametrize("k", [2, 4, 15])
+def test_walk_emits_the_truth_step_by_step(backoff_walk, k):
+    """Every step emits its accepted drafts plus the model's token: steps + accepted = the
+    truth's decode tokens, whatever K; at a verify cost of 1 the cost counts the steps."""
+    pattern = [11, 12, 13, 14, 15, 16]
+    prompt, truth = pattern * 3, pattern * 4 + [99, 98]
+    spec = dataclasses.replace(SpeculativeConfig(), k=k)
+    cost, (verify, accepted, _) = backoff_walk.walk(prompt, truth, spec, len(truth), 1.0)
+    assert cost + accepted == len(truth) - 1 and accepted > 0 and verify > 0
+    dearer, counts = backoff_walk.walk(prompt, truth, spec, len(truth), 2.0)
+    assert counts[:2] == [verify, accepted] and dearer == cost + verify
+
+
 def test_bench_e2e_refuses_the_reference_backend(tiny_model, capsys):
     assert main(["bench", str(tiny_model), "--backend", "reference"]) != 0
     assert "times the cuda engine" in capsys.readouterr().err
