@@ -2,7 +2,7 @@
 step-cost model, for several (cap, grace) backoff settings and draft lengths K at once.
 
     PYTHONPATH=. python3 dev/spec_backoff_walk.py FILE [--workloads chat,edit,fim] [--requests 8]
-        [--gen-len 128] [--backend reference] [--truths PATH] [--verify-cost 1.968 | M:US,..]
+        [--gen-len 128] [--backend reference] [--truths PATH] [--verify-cost 1.693 | M:US,..]
         [--backoffs 0,16:0,16:1,64:1,16:2] [--ks 15] [--step-ms MS] [--stdlib PATH]
 
 - truths: each workload's prompts (nanoqwen.harness.workloads, from this Python's stdlib or
@@ -13,11 +13,11 @@ step-cost model, for several (cap, grace) backoff settings and draft lengths K a
   drafts by speculative.draft through a speculative.Backoff, accepts the drafts' agreeing
   prefix with T[i:] and moves to i + a + 1. A step costs 1 (no drafts: the decode step) or
   the verify step's cost at K (it runs 1 + K rows, whatever d: engine/speculate.py): a bare
-  --verify-cost serves every K (default the real 1.5B's at K 15 on an H200, 1352 / 687 us:
-  benchmarks/results/h200_1.5b_real_verify_step.json); a table of step times by rows M
-  (dev/verify_step.py's, "1:1436.7,8:1923.1,16:2493.1", M = 1 the decode step) gives each K
-  of --ks its own, r(1 + K) as dev/draft_model.py's cost_ratio reads it (linear in between
-  and beyond). Projected speed-up = plain steps / the walk's cost, and with --step-ms (a
+  --verify-cost serves every K (default the real 1.5B's at K 15 on an H200 with the split
+  down_proj, 1163.1 / 686.9 us: docs/PERFORMANCE.md, the verify step); a table of step times
+  by rows M (dev/verify_step.py's, "1:1436.7,8:1923.1,16:2493.1", M = 1 the decode step)
+  gives each K of --ks its own, r(1 + K) as dev/draft_model.py's cost_ratio reads it (linear
+  in between and beyond). Projected speed-up = plain steps / the walk's cost, and with --step-ms (a
   model's decode step) ms/token = step-ms / speed-up: another model's replies stand in for
   the projected model's own (the 7B's from the 1.5B's), so its acceptance is assumed; also
   verify steps, accepted drafts and dropped matches per setting.
@@ -41,7 +41,7 @@ from nanoqwen.llm import LLM
 from nanoqwen.sampling import SamplingParams
 from nanoqwen.speculative import Backoff, SpeculativeConfig, draft, step_limit
 
-VERIFY_COST = 1352 / 687  # the 1.5B's verify step (M = 16) over its decode step, H200
+VERIFY_COST = 1163.1 / 686.9  # the 1.5B's verify step (M = 16, split) over its decode step
 MAX_CONTEXT = 8192  # the longest prompt plus gen-len, with room
 
 
