@@ -34,10 +34,9 @@ the padding rows' attention and logits mostly (7B, context 512: M = 2 1768 us, 4
 over d would capture the layers K times. The verify step costs 1.2-1.34x the decode step at
 M <= 8 and 1.74x at 16 on that record, so a step without a draft (most steps on text that
 does not repeat) must not pay it: the if-else runs the decode step there, the tuned M = 1
-path. That branch ends on the same accept kernels
-with d = 0, which are the plain sampler (greedy: row 0's argmax, lowest id on ties; sampled:
-sample_finish's draw) plus the history append, so the same kernels advance the state in both
-branches.
+path. That branch ends on the same accept kernels with d = 0, which are the plain sampler
+(greedy: row 0's argmax, lowest id on ties; sampled: sample_finish's draw) plus the history
+append, so the same kernels advance the state in both branches.
 
 Positions. Each verify step writes K/V at POS .. POS + K for every row, padding included, so
 the KV pool, the page table and the RoPE table cover `kv_positions` = max_context + K, and a
