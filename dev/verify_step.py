@@ -50,6 +50,7 @@ from nanoqwen.engine.verify import DOWN_PATHS, Verify
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.bench import aggregate_kernels, compare_steps, launch_times, time_graph
 from nanoqwen.harness.gpu_script import run_part
+from nanoqwen.harness.real_text import compare
 
 TIE = 0.05  # logit stds: a top-2 margin under this is a near-tie (fp16 noise can flip it)
 MAX_DLOGIT = 0.05  # max |dlogit| / std between the two paths (the ladder's graph-tier bound)
@@ -113,11 +114,6 @@ def decode_rows(e: CudaBackend, tokens: np.ndarray, start: int) -> np.ndarray:
     return out
 
 
-def dlogit(got: np.ndarray, want: np.ndarray) -> np.ndarray:
-    """Per row: max |got - want| / std(want)."""
-    return np.max(np.abs(got - want), axis=1) / want.std(axis=1)
-
-
 def check(e: CudaBackend, vs: VerifyStep, draws: list[np.ndarray], context: int, exact) -> bool:
     """Each draw's verify step against its decode steps. A row passes when it agrees with the
     decode step (max |dlogit| / std <= MAX_DLOGIT, top-1 the same or a near-tie) or, with
@@ -133,15 +129,15 @@ def check(e: CudaBackend, vs: VerifyStep, draws: list[np.ndarray], context: int,
             vs.step(m)
             e.gpu.sync("verify step")
         got = vs.logits(m)
-        row_dl = dlogit(got, ref)
-        tie = margin(ref) < TIE
-        same = got.argmax(1) == ref.argmax(1)
+        c = compare(got, ref)  # per row: top-1 equal, ref's top-2 margin, max |dlogit| / std
+        row_dl, same, tie = c["dlogit"], c["agree"], c["margin"] < TIE
         agree = (row_dl <= MAX_DLOGIT) & (same | tie)
         good_rows = agree.copy()
         if exact is not None:
             x = exact[j]
-            v, d = dlogit(got, x), dlogit(ref, x)
-            top1 = (got.argmax(1) == x.argmax(1)) | (margin(x) < TIE)
+            cv = compare(got, x)
+            v, d = cv["dlogit"], compare(ref, x)["dlogit"]
+            top1 = cv["agree"] | (cv["margin"] < TIE)
             good_rows |= (v <= EXACT_SLACK * d) & top1
         finite = bool(np.isfinite(got).all())
         good = finite and bool(good_rows.all())
@@ -160,12 +156,6 @@ def check(e: CudaBackend, vs: VerifyStep, draws: list[np.ndarray], context: int,
             print(f"  from float32: verify max {v.max():.4f}, median {np.median(v):.4f}; "
                   f"decode step max {d.max():.4f}, median {np.median(d):.4f}")  # fmt: skip
     return ok
-
-
-def margin(logits: np.ndarray) -> np.ndarray:
-    """Per row: the top-2 margin over std(logits)."""
-    top2 = np.sort(logits, axis=1)[:, -2:]
-    return (top2[:, 1] - top2[:, 0]) / logits.std(axis=1)
 
 
 def exact_logits(f: NanoqwenFile, context_ids: np.ndarray, draws, max_context: int) -> list:

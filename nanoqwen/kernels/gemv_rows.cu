@@ -56,9 +56,8 @@
 // out), then reduce the stage's 16 rows x MT tokens over the warps in a fixed warp order
 // through a double-buffered shared array: one consumer barrier a stage.
 // Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
-// them dequantization, 8 mma, 6 LDS.128 of weights and x). The consumers, not the weight
-// stream, set the launch's pace (a probe without their math streams the 7B's gate/up in ~80%
-// of the time), but what bounds them is not found: docs/PERFORMANCE.md, the verify step.
+// them dequantization, 8 mma, 6 LDS.128 of weights and x). What sets the launch's pace (its
+// consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
 //
 // Epilogues (per token row r; the ids of gemv_int4.cu):
 //   kRope     + bias, RoPE at pos[r], K/V into the pages at pos[r] (page table pages +
