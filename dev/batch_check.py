@@ -63,6 +63,7 @@ from nanoqwen.batching import Sequence
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.fileformat import NanoqwenFile
+from nanoqwen.harness import real_text
 from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.gpu_script import run_part
 from nanoqwen.sampling import SamplingParams
@@ -192,9 +193,8 @@ def run_schedule(e: CudaBackend, seqs: list[Seq], log, on_step=None, first_margi
 
 
 def top2_margin(row: np.ndarray) -> float:
-    """(top-1 - top-2) / std of one logits row."""
-    top2 = np.partition(row, -2)[-2:]
-    return float(abs(top2[1] - top2[0]) / row.std())
+    """(top-1 - top-2) / std of one logits row (real_text.margins)."""
+    return float(real_text.margins(row[None])[0])
 
 
 def single_step_logits(e: CudaBackend, s: Seq) -> np.ndarray:
@@ -268,10 +268,12 @@ def check_correct(e: CudaBackend, args, log) -> dict:
                 if s.name not in refs:
                     continue
                 ref, got = refs[s.name], logits[r]
-                std = float(ref.std())
-                dl = float(np.max(np.abs(got - ref)) / std)
-                tie = top2_margin(ref) < TIE
-                same = int(got.argmax()) == int(ref.argmax())
+                c = real_text.compare(got[None], ref[None])
+                dl, tie, same = (
+                    float(c["dlogit"][0]),
+                    bool(c["margin"][0] < TIE),
+                    bool(c["agree"][0]),
+                )
                 finite = bool(np.isfinite(got).all())
                 ok = finite and dl <= MAX_DLOGIT and (same or tie)
                 logits_checks.append({"step": step, "seq": s.name, "ctx": s.kv_len,

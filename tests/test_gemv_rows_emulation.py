@@ -1,10 +1,11 @@
 """gemv_rows.cu's index math emulated in numpy (no GPU): the producer's copies (bulk copies,
 TMA boxes, the scales' cp.async) into a stage's bytes, the swizzled x, each lane's A / B
 fragments of mma.m16n8k16, the scales' offsets, the groups' rotation over the warps, the stage
-reduction, the K slices a CTA takes in turn (x double-buffered, sums added slice after slice)
-and the epilogue's items, on small awkward shapes; the result must be the dequantized weights'
-product. The same for down_proj's split over K (gemv_rows_split's grid of row ranges x K
-slices, its sub-stages and teams, the workspace layout, gemv_rows_split_sum's slice order).
+reduction, the epilogue of each stage's pairs at one slice, the K slices a CTA takes in turn (x
+double-buffered, sums added slice after slice) and the epilogue's items after them, on small
+awkward shapes; the result must be the dequantized weights' product. The same for down_proj's
+split over K (gemv_rows_split's grid of row ranges x K slices, its sub-stages and teams, the
+workspace layout, gemv_rows_split_sum's slice order).
 
 The emulation follows the kernel statement by statement (names as there); it checks the
 layout arithmetic, not the hardware: a mismatch here is an indexing bug in one of the two.
@@ -91,16 +92,18 @@ class Emulation:
         out = np.full((self.m, self.rows_total), np.nan)
         for cta in range(self.ncl):
             p0, p1 = cta * self.pairs // self.ncl, (cta + 1) * self.pairs // self.ncl
-            self.epilogue(out, self.cta_sums(p0, p1), p0, p1 - p0)
+            self.cta(out, p0, p1)
         return out
 
-    def cta_sums(self, p0, p1):
-        """One CTA's [npairs][2][MT] sums: slice after slice, x of the slice staged into buffer
-        s % 2, then the slice's stages over the CTA's pairs (i counts on across slices)."""
+    def cta(self, out, p0, p1):
+        """One CTA: slice after slice, x of the slice staged into buffer s % 2, then the
+        slice's stages over the CTA's pairs (i counts on across slices). One slice: each stage's
+        pairs finished after its reduction (thread j MT + r: pair j, token r); else the
+        [npairs][2][MT] sums, then the epilogue."""
         sh, s_ = self.sh, self.s
         xbufs = [self.rng.integers(0, 255, (self.mt * sh["GS"] * 16, 16)).astype(np.uint8)
                  for _ in range(1 if s_ == 1 else 2)]  # fmt: skip
-        sm = np.full((p1 - p0, 2, self.mt), np.nan)  # stale until slice 0 writes it
+        sm = np.full((p1 - p0, 2, self.mt), np.nan) if s_ > 1 else None  # slice 0 writes it
         i = 0
         for s in range(s_):
             g0 = s * sh["G"] // s_
@@ -119,15 +122,23 @@ class Emulation:
                     np_ = min(np_, HEAD_DIM // 2 - p % (HEAD_DIM // 2))
                 st = self.stage(p, np_, g0, gs)
                 red = np.stack([self.warp_sums(st, xh, p, i, warp, g0, gs) for warp in range(C)])
-                for tid in range(16 * self.mt):  # one thread per (row, token), warps in order
+                red = red.reshape(C, -1)
+                for tid in range(P * self.mt if s_ == 1 else 0):  # warps in order
+                    j, r = tid // self.mt, tid % self.mt
+                    if j < np_ and r < self.m:
+                        self.finish(
+                            out, p + j, r, red[:, tid].sum(), red[:, P * self.mt + tid].sum()
+                        )
+                for tid in range(16 * self.mt if s_ > 1 else 0):  # a thread a (row, token)
                     row, r = tid // self.mt, tid % self.mt
-                    v = red.reshape(C, -1)[:, tid].sum()
+                    v = red[:, tid].sum()
                     if row % 8 < np_ and r < self.m:
                         idx = p - p0 + row % 8, row // 8, r
                         sm[idx] = v if s == 0 else sm[idx] + v
                 p += np_
                 i += 1
-        return sm
+        if s_ > 1:
+            self.epilogue(out, sm, p0, p1 - p0)
 
     def stage(self, p, np_, g0, gs):
         """The stage's bytes after the producer's copies (stale bytes elsewhere)."""
@@ -218,11 +229,14 @@ class Emulation:
         for tid in range(C * 32):
             for e in range(tid, npairs * m, C * 32):
                 i, r = e // m, e % m
-                p = p0 + i
-                assert np.isnan(out[r, self.row_a(p)])  # each item once
-                out[r, self.row_a(p)] = sums[i, 0, r]
-                if self.row_b(p) < self.rows_total:
-                    out[r, self.row_b(p)] = sums[i, 1, r]
+                self.finish(out, p0 + i, r, sums[i, 0, r], sums[i, 1, r])
+
+    def finish(self, out, p, r, da, db):
+        """The epilogue of pair p, token r (its rows' sums written raw), each item once."""
+        assert np.isnan(out[r, self.row_a(p)])
+        out[r, self.row_a(p)] = da
+        if self.row_b(p) < self.rows_total:
+            out[r, self.row_b(p)] = db
 
 
 @pytest.mark.parametrize(

@@ -535,11 +535,12 @@ def rows_run_pad(k: int, s: int) -> int:
 
 def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
     """The ring stages of gemv_rows<K, MT, *, *, S> in a CTA that owns `npairs` pairs: what
-    mr_smem leaves beside x (two slices' buffers at S > 1), the stage reduction and the sums, at
-    most mr_max_stages (the kernel traps below two). gemv_rows.cu's `stages`, in Python."""
+    mr_smem leaves beside x (two slices' buffers at S > 1), the stage reduction and, at S > 1,
+    the sums, at most mr_max_stages (the kernel traps below two). gemv_rows.cu's `stages`, in
+    Python."""
     x = (1 if s == 1 else 2) * mt * -(-(k // GROUP_SIZE) // s) * GROUP_SIZE * 2
     red = 2 * g.mr_consumers * 16 * mt * 4
-    sums = npairs * 2 * mt * 4
+    sums = 0 if s == 1 else npairs * 2 * mt * 4
     free = g.mr_smem - ROWS_ALIGN - x - red - sums
     return min(g.mr_max_stages, free // rows_stage_bytes(k, s))
 

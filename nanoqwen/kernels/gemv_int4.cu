@@ -47,14 +47,12 @@
 // pay. Alternatives measured: docs/EXPERIMENTS.md. Inside the 7B decode step at 513 tokens
 // gate/up takes ~18.8 us a launch (3.7 TB/s; nanoqwen bench FILE --kernels).
 //
-// Epilogues:
-//   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
-//             rotation) and the K/V write into the paged cache: the decode step's whole
-//             attention prologue.
-//   kResidual (o_proj, down_proj)  out[n] += dot (in place: the residual stream)
-//   kSwiGLU   (fused gate/up)      out[n] = silu(dot_gate) * dot_up
+// Epilogues (gemv_epilogue.cuh): kRope (q/k/v: + bias, RoPE, the K/V write into the pages: the
+// decode step's whole attention prologue), kResidual (o, down: + the residual stream, in place),
+// kSwiGLU (gate/up).
 #include "common.cuh"
 #include "kv_cache.cuh"
+#include "gemv_epilogue.cuh"
 
 // From the generated header (nanoqwen/cuda/registry.py, Geometry):
 //   kGvConsumers    consumer warps; one producer warp more (kGvThreads in all)
@@ -102,16 +100,6 @@ __device__ __forceinline__ int x_unit(int grp, int c) {
   static_assert(kGroupSize / 8 == 16, "16 chunks of 16 bytes per group");
   return grp * 16 + (c ^ (((c >> 3) & 1) << 1) ^ (grp & 1));
 }
-
-// What a pair's epilogue reads from global memory, loaded before the stage loop (under the
-// weight stream an L2 round trip takes ~1 us; after the last stage it would add that to the
-// launch). kResidual: the residual rows a, b; kRope: the biases, (cos, sin), the K/V page and
-// the token's slot in it.
-struct EpiIn {
-  float a, b;
-  float2 cs;
-  int page, t;
-};
 
 // A ValueShuffle word as the mma's A operand without the dequantization's subtractions: pairs 0
 // and 2 (mask 0x000F000F and XOR 0x0008 under exponent 0x6400: common.cuh's dequant_word) are
@@ -301,34 +289,16 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   float2* red = reinterpret_cast<float2*>(xc + kXcFloats);
   const uint32_t ring = smem_addr(smem);
 
-  // Weight rows a(p), b(p); rows past the matrix (kResidual, odd N) are never copied.
-  auto row_a = [&](int p) -> int {
-    if (EPI == kRope) return p / (kHeadDim / 2) * kHeadDim + p % (kHeadDim / 2);
-    return p;
-  };
-  auto row_b = [&](int p) -> int {
-    if (EPI == kRope) return row_a(p) + kHeadDim / 2;
-    return p + (EPI == kSwiGLU ? N : half_n);
-  };
+  auto row_a = [](int p) { return pair_row_a<EPI>(p); };
+  auto row_b = [&](int p) { return pair_row_b<EPI>(p, N, half_n); };
   // Pairs in the stage starting at pair p.
   auto stage_len = [&](int p) -> int {
     const int n = min(P, p1 - p);
     return EPI == kRope ? min(n, kHeadDim / 2 - p % (kHeadDim / 2)) : n;
   };
-  auto epi_load = [&](int p) -> EpiIn {
-    EpiIn e{};
-    if (EPI == kResidual) {
-      e.a = __half2float(out[p]);
-      if (p + half_n < N) e.b = __half2float(out[p + half_n]);
-    } else if (EPI == kRope) {
-      const int ra = row_a(p), ps = *pos;
-      e.a = __half2float(bias[ra]);
-      e.b = __half2float(bias[row_b(p)]);
-      if (ra < kQSize + kKVSize) e.cs = rope[(size_t)ps * (kHeadDim / 2) + ra % kHeadDim];
-      if (ra >= kQSize) e.page = pages[ps / kPageTokens];
-      e.t = ps % kPageTokens;
-    }
-    return e;
+  // The epilogue's global inputs, loaded before the stage loop (gemv_epilogue.cuh: why).
+  auto epi_load = [&](int p) {
+    return epi_inputs<EPI>(p, out, N, half_n, bias, pos, rope, pages);
   };
 
   if (tid == 0) {
@@ -487,30 +457,6 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
       da += v.x;
       db += v.y;
     }
-    if (EPI == kRope) {
-      const int ra = row_a(p), rb = row_b(p);
-      half ha = __float2half_rn(da + e.a);
-      half hb = __float2half_rn(db + e.b);
-      if (ra < kQSize + kKVSize) {  // q and k heads: rotate (x1, x2) = (row j, row j + D/2)
-        const float x1 = __half2float(ha), x2 = __half2float(hb);
-        ha = __float2half_rn(x1 * e.cs.x - x2 * e.cs.y);
-        hb = __float2half_rn(x2 * e.cs.x + x1 * e.cs.y);
-      }
-      if (ra < kQSize) {
-        out[ra] = ha;
-        out[rb] = hb;
-      } else {  // k or v: rows ra, rb are dims d, d + D/2 of one kv head
-        const bool is_k = ra < kQSize + kKVSize;
-        const int f = ra - kQSize - (is_k ? 0 : kKVSize), kh = f / kHeadDim, d = f % kHeadDim;
-        half* cache = is_k ? kc : vc;
-        cache[kv_offset(e.page, kh, e.t, d)] = ha;
-        cache[kv_offset(e.page, kh, e.t, d + kHeadDim / 2)] = hb;
-      }
-    } else if (EPI == kSwiGLU) {
-      out[p] = __float2half_rn(da / (1.f + __expf(-da)) * db);
-    } else {
-      out[p] = __float2half_rn(e.a + da);
-      if (p + half_n < N) out[p + half_n] = __float2half_rn(e.b + db);
-    }
+    epi_finish<EPI>(p, da, db, e, out, N, half_n, kc, vc);
   }
 }

@@ -54,18 +54,20 @@
 // scaled by its rows' scales into fp32 accumulators. The consumer warps split a stage's
 // groups (warp w takes groups w, w + C, ... rotated by the stage so that uneven counts even
 // out), then reduce the stage's 16 rows x MT tokens over the warps in a fixed warp order
-// through a double-buffered shared array: one consumer barrier a stage.
+// through a double-buffered shared array: one consumer barrier a stage. With whole rows a stage
+// (S = 1) its pairs are then complete, and the reducing threads apply the epilogue at once,
+// under the next stage, instead of all of it after the last one (a tail of ~1-2 us at M = 8-16,
+// 0.09 us a token row; docs/PERFORMANCE.md, the verify step).
 // Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
 // them dequantization, 8 mma, 6 LDS.128 of weights and x). What sets the launch's pace (its
 // consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
 //
-// Epilogues (per token row r; the ids of gemv_int4.cu):
-//   kRope     + bias, RoPE at pos[r], K/V into the pages at pos[r] (page table pages +
-//             r * page_stride), q to out[r, :]
-//   kResidual out[r, n] += dot (in place)
-//   kSwiGLU   out[r, n] = silu(dot_gate) * dot_up
+// Epilogues (gemv_epilogue.cuh), per token row r: kRope + bias, RoPE at pos[r], K/V into the
+// pages at pos[r] (page table pages + r * page_stride), q to out[r, :]; kResidual out[r, n] +=
+// dot (in place); kSwiGLU out[r, n] = silu(dot_gate) * dot_up.
 #include "common.cuh"
 #include "kv_cache.cuh"
+#include "gemv_epilogue.cuh"
 
 // From the generated header (nanoqwen/cuda/registry.py, Geometry):
 //   kMrConsumers    consumer warps; one producer warp more
@@ -108,16 +110,6 @@ struct MrShape {
   static constexpr int kXBuf = MT * GS * kGroupSize * 2;           // x [MT][GS groups]
   static constexpr int kX = (S == 1 ? 1 : 2) * kXBuf;              // S > 1: double-buffered
   static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;      // [2][C][16][MT] f32
-};
-
-// What an epilogue item reads from global memory, loaded before the stage loop for a thread's
-// first item (under the weight stream an L2 round trip takes ~1 us; after the last stage it
-// would add that to the launch). kResidual: the residual at rows a, b; kRope: the biases,
-// (cos, sin), the K/V page and the token's slot in it.
-struct EpiIn {
-  float a, b;
-  float2 cs;
-  int page, t;
 };
 
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
@@ -231,8 +223,8 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 // Grid: at most one CTA per pair (registry.rows_grid: one an SM, fewer where a CTA would
 // get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic
 // shared memory: the ring, x [MT][GS groups] (swizzled; two of them at S > 1), the stage
-// reduction [2][C][16][MT] fp32 and the per-pair sums; at least two stages must fit (the host
-// checks: registry.rows_stages).
+// reduction [2][C][16][MT] fp32 and, at S > 1, the per-pair sums; at least two stages must fit
+// (the host checks: registry.rows_stages).
 template <int K, int MT, bool NORM, int EPI, int S>
 __global__ void __launch_bounds__(kMrThreads, 1)
 gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
@@ -259,47 +251,36 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
 
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-  const int sum_bytes = npairs * 2 * MT * 4;
+  const int sum_bytes = S == 1 ? 0 : npairs * 2 * MT * 4;
   const int stages = min(kMrMaxStages, ((int)dyn - kMrAlign - Sh::kX - Sh::kRed - sum_bytes) /
                                            Sh::kStage);
   if (stages < 2) __trap();  // a launch the host must not make
   unsigned char* base = smem + ((kMrAlign - smem_addr(smem) % kMrAlign) % kMrAlign);
   uint4* xs4 = reinterpret_cast<uint4*>(base + stages * Sh::kStage);  // slice s: xs4 + (s & 1) ..
   float* red = reinterpret_cast<float*>(base + stages * Sh::kStage + Sh::kX);  // [2][C][16][MT]
-  float* sums = red + Sh::kRed / 4;  // [npairs][2 (row a, b)][MT], added slice after slice
+  float* sums = red + Sh::kRed / 4;  // S > 1: [npairs][2 (row a, b)][MT], slice after slice
   const uint32_t ring = smem_addr(base);
 
-  auto row_a = [&](int p) -> int {
-    if (EPI == kRope) return p / (kHeadDim / 2) * kHeadDim + p % (kHeadDim / 2);
-    return p;
-  };
-  auto row_b = [&](int p) -> int {
-    if (EPI == kRope) return row_a(p) + kHeadDim / 2;
-    return p + (EPI == kSwiGLU ? N : half_n);
-  };
+  auto row_a = [](int p) { return pair_row_a<EPI>(p); };
+  auto row_b = [&](int p) { return pair_row_b<EPI>(p, N, half_n); };
   auto stage_len = [&](int p) -> int {
     const int n = min(kMrPairs, p1 - p);
     return EPI == kRope ? min(n, kHeadDim / 2 - p % (kHeadDim / 2)) : n;
   };
   auto slice0 = [](int s) { return s * G / S; };  // slice s: groups slice0(s) .. slice0(s + 1)
-  // What epilogue item e (token e % M of pair p0 + e / M) reads from global memory.
-  auto epi_load = [&](int e) -> EpiIn {
-    const int r = e % M, p = p0 + e / M;
-    EpiIn in{};
-    if (EPI == kResidual) {
-      in.a = __half2float(out[(size_t)r * N + p]);
-      if (p + half_n < N) in.b = __half2float(out[(size_t)r * N + p + half_n]);
-    } else if (EPI == kRope) {
-      const int ra = row_a(p), ps = pos[r];
-      in.a = __half2float(bias[ra]);
-      in.b = __half2float(bias[row_b(p)]);
-      if (ra < kQSize + kKVSize) in.cs = rope[(size_t)ps * (kHeadDim / 2) + ra % kHeadDim];
-      if (ra >= kQSize) in.page = pages[(size_t)r * page_stride + ps / kPageTokens];
-      in.t = ps % kPageTokens;
-    }
-    return in;
+  // Token r's row of the output (kRope: of q), and what its epilogue of pair p reads.
+  auto out_row = [&](int r) { return out + (size_t)r * (EPI == kRope ? kQSize : N); };
+  auto epi_load = [&](int p, int r) {
+    return epi_inputs<EPI>(p, out_row(r), N, half_n, bias, pos + r, rope,
+                           pages + (size_t)r * page_stride);
   };
-  EpiIn epi_first{};  // a consumer thread's first epilogue item, e = tid
+  auto finish = [&](int p, int r, float da, float db, const EpiIn& in) {
+    epi_finish<EPI>(p, da, db, in, out_row(r), N, half_n, kc, vc);
+  };
+  // A consumer thread's next epilogue inputs (under the weight stream an L2 round trip takes
+  // ~1 us): at S = 1 those of (pair j, token r) of its next stage (thread tid = j MT + r < 8 MT),
+  // loaded a stage ahead; at S > 1 its first item's, loaded before the stages.
+  EpiIn epi_next{};
 
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -412,7 +393,10 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     };
     if (NORM) load_nw(0);  // constant: before the wait
     pdl_wait();
-    if (tid < npairs * M) epi_first = epi_load(tid);
+    if (S == 1 && tid < kMrPairs * MT && tid / MT < stage_len(p0) && tid % MT < M)
+      epi_next = epi_load(p0 + tid / MT, tid % MT);
+    else if (S > 1 && tid < npairs * M)
+      epi_next = epi_load(p0 + tid / M, tid % M);
     stage_x(0);
     if (NORM && S > 1) token_rstd(reinterpret_cast<const uint4*>(x));  // under the copies
     cp_async_wait_all();
@@ -461,13 +445,28 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         const half* sb = S == 1 ? sc + Sh::kScales / 2 + (((size_t)row_b(p) * G) & 7) + g * G
                                 : sc + (8 + g) * Sh::kScRow / 2 +
                                       (((size_t)(row_b(p) + g) * G + g0) & 1);
-        // The warps' sums, [C][16 rows][MT] in buffer i % 2, then one thread per (row, token),
-        // which adds them to the slices before (the same thread at every slice).
+        // The warps' sums, [C][16 rows][MT] in buffer i % 2, added over the warps in warp
+        // order. S = 1: the stage's pairs are whole, so thread j MT + r finishes (pair j, token
+        // r) right here (rows j and 8 + j), under the other warps' next stage, and loads its
+        // next stage's epilogue inputs; no epilogue is left after the last stage. S > 1: one
+        // thread per (row, token) adds its sum to the slices before (the same thread at every
+        // slice), and the epilogue runs after the last slice.
         float* rb = red + (i & 1) * (C * 16 * MT);
         warp_stage<K, MT, S>(st, sa, sb, xb, (warp + C - i % C) % C, C, gs, lane,
                              smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
         consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
-        if (tid < 16 * MT) {
+        if (S == 1 && tid < kMrPairs * MT) {
+          const int j = tid / MT, r = tid % MT;
+          float da = 0.f, db = 0.f;
+#pragma unroll
+          for (int w = 0; w < C; ++w) {
+            da += rb[w * 16 * MT + tid];
+            db += rb[w * 16 * MT + kMrPairs * MT + tid];
+          }
+          if (j < np && r < M) finish(p + j, r, da, db, epi_next);
+          const int pn = p + np;
+          if (pn < p1 && j < stage_len(pn) && r < M) epi_next = epi_load(pn + j, r);
+        } else if (S > 1 && tid < 16 * MT) {
           const int row = tid / MT, r = tid % MT;
           float v = 0.f;
 #pragma unroll
@@ -485,40 +484,16 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
     }
   }
+  if constexpr (S == 1) return;
   __syncthreads();
 
-  // ---- epilogue, on the consumer threads (they waited for the previous kernel): (pair,
-  // token) items. A thread's first item has its inputs loaded before the stages.
+  // ---- S > 1: the epilogue after the last slice, on the consumer threads (they waited for the
+  // previous kernel): (pair, token) items. A thread's first item has its inputs loaded before
+  // the stages.
   for (int e = tid; warp < C && e < npairs * M; e += C * kWarp) {
-    const int i = e / M, r = e % M, p = p0 + i;
-    const EpiIn in = e == tid ? epi_first : epi_load(e);
-    const float da = sums[(i * 2) * MT + r], db = sums[(i * 2 + 1) * MT + r];
-    if (EPI == kRope) {
-      const int ra = row_a(p), rb = row_b(p);
-      half ha = __float2half_rn(da + in.a);
-      half hb = __float2half_rn(db + in.b);
-      if (ra < kQSize + kKVSize) {  // q and k heads: rotate (x1, x2) = (row j, row j + D/2)
-        const float x1 = __half2float(ha), x2 = __half2float(hb);
-        ha = __float2half_rn(x1 * in.cs.x - x2 * in.cs.y);
-        hb = __float2half_rn(x2 * in.cs.x + x1 * in.cs.y);
-      }
-      if (ra < kQSize) {
-        out[(size_t)r * kQSize + ra] = ha;
-        out[(size_t)r * kQSize + rb] = hb;
-      } else {  // k or v: rows ra, rb are dims d, d + D/2 of one kv head
-        const bool is_k = ra < kQSize + kKVSize;
-        const int f = ra - kQSize - (is_k ? 0 : kKVSize), kh = f / kHeadDim, d = f % kHeadDim;
-        half* cache = is_k ? kc : vc;
-        cache[kv_offset(in.page, kh, in.t, d)] = ha;
-        cache[kv_offset(in.page, kh, in.t, d + kHeadDim / 2)] = hb;
-      }
-    } else if (EPI == kSwiGLU) {
-      out[(size_t)r * N + p] = __float2half_rn(da / (1.f + __expf(-da)) * db);
-    } else {
-      half* o = out + (size_t)r * N;
-      o[p] = __float2half_rn(in.a + da);
-      if (p + half_n < N) o[p + half_n] = __float2half_rn(in.b + db);
-    }
+    const int i = e / M, r = e % M;
+    const EpiIn in = e == tid ? epi_next : epi_load(p0 + i, r);
+    finish(p0 + i, r, sums[(i * 2) * MT + r], sums[(i * 2 + 1) * MT + r], in);
   }
 }
 
