@@ -56,8 +56,8 @@
 // out), then reduce the stage's 16 rows x MT tokens over the warps in a fixed warp order
 // through a double-buffered shared array: one consumer barrier a stage. With whole rows a stage
 // (S = 1) its pairs are then complete, and the reducing threads apply the epilogue at once,
-// under the next stage, instead of all of it after the last one (a tail of ~1-2 us at M = 8-16,
-// 0.09 us a token row; docs/PERFORMANCE.md, the verify step).
+// under the next stage, instead of all of it after the last one, a tail that grows with M
+// (docs/PERFORMANCE.md, the verify step).
 // Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
 // them dequantization, 8 mma, 6 LDS.128 of weights and x). What sets the launch's pace (its
 // consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
@@ -277,9 +277,9 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   auto finish = [&](int p, int r, float da, float db, const EpiIn& in) {
     epi_finish<EPI>(p, da, db, in, out_row(r), N, half_n, kc, vc);
   };
-  // A consumer thread's next epilogue inputs (under the weight stream an L2 round trip takes
-  // ~1 us): at S = 1 those of (pair j, token r) of its next stage (thread tid = j MT + r < 8 MT),
-  // loaded a stage ahead; at S > 1 its first item's, loaded before the stages.
+  // A consumer thread's next epilogue inputs, loaded early (gemv_epilogue.cuh: why): at S = 1
+  // those of (pair j, token r) of its next stage (thread tid = j MT + r < 8 MT), a stage ahead;
+  // at S > 1 its first item's, before the stages.
   EpiIn epi_next{};
 
   if (tid == 0) {
