@@ -84,21 +84,24 @@ def check_linear(k, dev, cfg, kind, m, rng, weights, split: bool = False) -> flo
     normw = _f16(1 + 0.1 * rng.standard_normal(kdim))
     xin = _rms(x, normw, cfg.rms_norm_eps) if norm else x
     y = xin.astype(np.float64) @ deq.astype(np.float64).T  # [m, rows]
+    optr, host = dev.out((m, n), np.float16)
     if kind == "gate_up":
         g, u = y[:, :n], y[:, n:]
-        ref = g / (1 + np.exp(-g)) * u
-        optr, host = dev.out((m, n), np.float16)
-    else:
-        resid = _f16(rng.standard_normal((m, n)))
-        ref = resid.astype(np.float64) + y
-        optr, host = dev.put(resid), np.empty((m, n), np.float16)
+        ref, rptr = g / (1 + np.exp(-g)) * u, 0
+    else:  # the fp32 residual, off the fp16 grid
+        resid = rng.standard_normal((m, n)).astype(np.float32)
+        ref, rptr = resid.astype(np.float64) + y, dev.put(resid)
     if split:
         part, _ = dev.out((rows_split_workspace(cfg, k.geometry) // 4,), np.float32)
-        k.gemv_rows_split(m, dev.put(x), dev.put(words), dev.put(scales), optr, part)
+        k.gemv_rows_split(m, dev.put(x), dev.put(words), dev.put(scales), optr, rptr, part)
     else:
         k.gemv_rows(kind, m, dev.put(x), dev.put(normw) if norm else 0, dev.put(words),
-                    dev.put(scales), optr)  # fmt: skip
-    return _rel_err(dev.get(optr, host), ref)
+                    dev.put(scales), optr, res=rptr)  # fmt: skip
+    got = dev.get(optr, host)
+    if not rptr:
+        return _rel_err(got, ref)
+    res = dev.get(rptr, np.empty((m, n), np.float32))  # the result; out its exact fp16 copy
+    return _rel_err(res, ref) if np.array_equal(_f16(res), got) else float("inf")
 
 
 def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, bool]:
@@ -197,6 +200,7 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
     h, n_qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
     act = {s: put(_f16(rng.standard_normal(mmax * s) * 0.1)) for s in {h, cfg.intermediate_size}}
     outs = {s: put(np.zeros(mmax * s, np.float16)) for s in {h, cfg.intermediate_size, cfg.q_size}}
+    res = put(np.zeros(mmax * h, np.float32))  # o and down: the fp32 residual
     normw = put(_f16(1 + 0.1 * rng.standard_normal(h)))
     bias = put(_f16(rng.standard_normal(n_qkv)))
     rope = put(rope_table(cfg, npages * PAGE_TOKENS))
@@ -219,26 +223,27 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
             cfg.q_size if kind == "qkv" else (cfg.intermediate_size if kind == "gate_up" else h)
         ]
         nw = normw if norm else 0
+        r = res if kind in ("o", "down") else 0
 
-        def today(s, kind=kind, x=x, out=out, nw=nw, n=n):
+        def today(s, kind=kind, x=x, out=out, nw=nw, n=n, r=r):
             for w, sc in weights[kind]:
                 if kind == "qkv":
                     k.qkv_rope(x, nw, w, sc, bias, pos, rope, pages, kv[0], kv[1], out, stream=s)
                 else:
-                    k.gemv(kind, x, nw, w, sc, out, n, stream=s)
+                    k.gemv(kind, x, nw, w, sc, out, n, r, stream=s)
 
-        def rows_m(s, m, kr, kind=kind, x=x, out=out, nw=nw):
+        def rows_m(s, m, kr, kind=kind, x=x, out=out, nw=nw, r=r):
             for w, sc in weights[kind]:
-                kr.gemv_rows(kind, m, x, nw, w, sc, out, bias=bias, pos=pos, rope=rope,
+                kr.gemv_rows(kind, m, x, nw, w, sc, out, res=r, bias=bias, pos=pos, rope=rope,
                              pages=pages, kc=kv[0], vc=kv[1], stream=s)  # fmt: skip
 
         def split_m(s, m, kr, x=x, out=out):
             for w, sc in weights["down"]:
-                kr.gemv_rows_split(m, x, w, sc, out, part, stream=s)
+                kr.gemv_rows_split(m, x, w, sc, out, res, part, stream=s)
 
         def gemm_m(s, m, x=x, out=out, kdim=kdim):
             for w, sc in weights["down"]:
-                gemm.gemm(x, w, sc, None, out, m, h, kdim, residual=out, stream=s)
+                gemm.gemm(x, w, sc, None, out, m, h, kdim, residual=res, stream=s)
 
         paths = [(f"gemv_rows{sfx}", lambda s, m, kr=kr: rows_m(s, m, kr)) for sfx, kr in builds]
         if kind == "down":

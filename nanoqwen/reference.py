@@ -205,14 +205,16 @@ def weight_bytes(file: NanoqwenFile, dtype: torch.dtype) -> int:
 @dataclass(frozen=True)
 class Fp16Storage:
     """Where a float32 reference rounds to float16 as the CUDA engine stores its activations
-    between kernels (an emulation of the engine's storage, not of its sums): `residual` the
-    residual stream after each branch's add (the o and down kernels write x fp16); `activations`
-    every other tensor a kernel hands to the next: the normed x of each RMSNorm (fused into
-    q/k/v, gate/up and lm_head, which round it in registers), q/k/v + bias and q/k after RoPE
-    (the K/V pages are fp16), the attention's fp16 P for P.V and its output, gate and up, and
-    silu(gate) * up. The sums stay float32 as the kernels' accumulators do."""
+    between kernels (an emulation of the engine's storage, not of its sums). `activations`:
+    every tensor a kernel hands to the next in fp16: the copy of the residual stream each
+    RMSNorm reads (the o and down kernels write it beside the fp32 residual), the normed x
+    (fused into q/k/v, gate/up and lm_head, which round it in registers), q/k/v + bias and q/k
+    after RoPE (the K/V pages are fp16), the attention's fp16 P for P.V and its output, gate and
+    up, and silu(gate) * up. `residual`: the residual stream itself rounded after each branch's
+    add, as the engine stored it before it kept the stream in fp32 (dev/residual_precision.py
+    measures the difference). The sums stay float32 as the kernels' accumulators do."""
 
-    residual: bool = True
+    residual: bool = False
     activations: bool = True
 
 
@@ -262,14 +264,18 @@ class Qwen2Reference:
         x = self.embed_tokens[tokens]  # x: [T, H]
         for i, layer in enumerate(self.layers):
             x = self.block(x, layer, i, start, table, cache, cos, sin)
-        return self._act(rms_norm(x, self.final_norm, self.config.rms_norm_eps))
+        return self.final(x)
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of the residual stream x [T, H]: lm_head's input."""
+        return self._act(rms_norm(self._act(x), self.final_norm, self.config.rms_norm_eps))
 
     def block(self, x, w: LayerWeights, layer: int, start: int, table, cache, cos, sin):
         """Decoder layer `layer`: x [T, H] (the residual stream) -> x [T, H]."""
-        eps = self.config.rms_norm_eps
-        h = self._act(rms_norm(x, w.input_norm, eps))
+        eps, act = self.config.rms_norm_eps, self._act
+        h = act(rms_norm(act(x), w.input_norm, eps))
         x = self._residual(x + self.attention(h, w, layer, start, table, cache, cos, sin))
-        h = self._act(rms_norm(x, w.post_attn_norm, eps))
+        h = act(rms_norm(act(x), w.post_attn_norm, eps))
         return self._residual(x + self.mlp(h, w))
 
     @contextlib.contextmanager

@@ -318,4 +318,4 @@ def test_gemv_rows_split_bad_rows_raise():
     k = DecodeKernels.__new__(DecodeKernels)  # no GPU: the check comes first
     for m in (0, registry.MAX_ROWS + 1, 2.0):
         with pytest.raises(NanoqwenError, match="m must be 1..16"):
-            k.gemv_rows_split(m, 0, 0, 0, 0, 0)
+            k.gemv_rows_split(m, 0, 0, 0, 0, 0, 0)

@@ -43,7 +43,7 @@ def test_the_32b_at_32k():
     p = {k: v / GIB for k, v in plan.parts.items()}
     assert 17.5 < p["weights"] < 18.5  # 64 layers of INT4 + 2 x 152064 x 5120 fp16
     assert p["kv_cache"] == pytest.approx(8.0, abs=0.01)  # 64 x 2 x 32768 x 8 x 128 x 2 bytes
-    assert 3.3 < p["prefill_scratch"] < 3.5  # ~110 KB a token of a 32k prompt
+    assert 3.9 < p["prefill_scratch"] < 4.1  # ~128 KB a token of a 32k prompt (20 KB: fp32 res)
     assert plan.needed < 31 * GIB < memory.H200_FREE
     assert plan.describe().startswith(f"{plan.needed / GIB:.2f} GiB = weights 17.")
 

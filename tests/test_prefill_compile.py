@@ -266,8 +266,8 @@ def test_wgmma_emulation_matches_matmul(swiglu):
         got = _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, True)
     else:
         bias = rng.standard_normal(n).astype(np.float16)
-        residual = rng.standard_normal((m, n)).astype(np.float16)
-        ref = ref + bias.astype(np.float32) + residual.astype(np.float32)
+        residual = rng.standard_normal((m, n)).astype(np.float32)  # the fp32 residual stream
+        ref = ref + bias.astype(np.float32) + residual
         ref = ref[:, tile_n * 128 : (tile_n + 1) * 128]
         got = _emulate_wgmma_cta(a, qweight, scales, bt, tile_n, False, bias, residual)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)

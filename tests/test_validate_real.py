@@ -37,7 +37,7 @@ class FakeEngine:
         assert layers == 1
         self.tokens[pos:] = [token]
         rows = vr._layer0(self.ref, self.tokens, "cpu", Fp16Storage())
-        return rows[pos].astype(np.float16)
+        return rows[pos].astype(np.float32)  # the engine's fp32 residual row
 
 
 @pytest.fixture(scope="module")

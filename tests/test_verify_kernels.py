@@ -76,7 +76,7 @@ def test_down_path_and_its_workspace(name):
     plan = verify.verify_plan(cfg, 16, g)
     assert registry.rows_split_workspace(cfg, g) in plan
     with pytest.raises(ValueError, match="down_proj path 'nope'"):
-        verify.down_proj(None, 1, "nope", 0, None, 0, 0, None)
+        verify.down_proj(None, 1, "nope", 0, None, 0, 0, 0, None)
 
 
 # -- attn_rows' split and merges, emulated ------------------------------------------------------

@@ -26,6 +26,15 @@ _I32 = np.int32
 _MAX_KEPT_MAPS = 4096  # gemv_rows' weight descriptors kept (four a layer of the largest model)
 
 
+def _check_res(kind: str, res: int) -> None:
+    """The fp32 residual goes with the residual GEMVs (o, down) and with no other."""
+    if bool(res) != (kind in ("o", "down")):
+        raise NanoqwenError(
+            f"gemv {kind}: the fp32 residual (res) is "
+            + ("required" if kind in ("o", "down") else "only for o and down")
+        )
+
+
 @dataclass(frozen=True)
 class AttentionScratch:
     """An attention kernel's split scratch (DeviceArrays): the splits' partial (max, sum)
@@ -97,26 +106,30 @@ class DecodeKernels(Launcher):
         per_head = min(g.attn_splits, g.attn_ctas // config.num_kv_heads)
         self.attn_splits = max(cl, per_head // cl * cl)
 
-    def embed(self, ids: int, embed: int, x: int, T: int, stream=None) -> None:
-        """ids int32 [T] (device); embed fp16 [V, H]; x fp16 [T, H] = embed[ids]."""
-        self.launch("embed", (T, 1, 1), ids, embed, x, stream=stream,
-                    nbytes=T * self.config.hidden_size * 2)  # fmt: skip
+    def embed(self, ids: int, embed: int, x: int, res: int, T: int, stream=None) -> None:
+        """ids int32 [T] (device); embed fp16 [V, H]; x fp16 [T, H] = embed[ids] and res
+        fp32 [T, H] the same values (the residual stream; x is its fp16 copy)."""
+        self.launch("embed", (T, 1, 1), ids, embed, x, res, stream=stream,
+                    nbytes=T * self.config.hidden_size * 6)  # fmt: skip
 
     def rmsnorm(self, x: int, w: int, y: int, T: int, stream=None) -> None:
         """x fp16 [T, H]; w fp16 [H]; y fp16 [T, H] = x * rsqrt(mean(x^2) + eps) * w."""
         grid = (-(-T // self.geometry.norm_rows), 1, 1)
         self.launch("rmsnorm", grid, x, w, y, _I32(T), stream=stream)
 
-    def gemv(self, kind, x, norm_w, qweight, scales, out, n, stream=None) -> None:
+    def gemv(self, kind, x, norm_w, qweight, scales, out, n, res=0, stream=None) -> None:
         """One INT4 GEMV (batch 1), fp32 accumulate.
 
-        kind     "o" / "down" (out += W x, in place: the residual stream),
+        kind     "o" / "down" (res += W x, in place: the residual stream; out its fp16 copy),
                  "gate_up" (RMSNorm + SwiGLU over the stacked [gate; up] weight)
         x        fp16 [K]; norm_w fp16 [K] (gate_up) or 0
         qweight  uint32 [R, K/8] ValueShuffle rows; scales fp16 [R, K/128]; R = n (gate_up: 2n)
         out      fp16 [n]
+        res      fp32 [n] the residual stream (o, down; else 0)
         """
-        self._gemv(kind, n, stream, x, norm_w, qweight, scales, 0, out, _I32(n), 0, 0, 0, 0, 0)
+        _check_res(kind, res)
+        self._gemv(kind, n, stream, x, norm_w, qweight, scales, 0, out, res, _I32(n), 0, 0, 0,
+                   0, 0)  # fmt: skip
 
     def qkv_rope(self, x, norm_w, qweight, scales, bias, pos, rope, pages, kc, vc, q,
                  stream=None) -> None:  # fmt: skip
@@ -128,7 +141,7 @@ class DecodeKernels(Launcher):
         layout); q fp16 [n_heads, D].
         """
         n = self.config.q_size + 2 * self.config.kv_size
-        self._gemv("qkv", n, stream, x, norm_w, qweight, scales, bias, q, _I32(n), pos, rope,
+        self._gemv("qkv", n, stream, x, norm_w, qweight, scales, bias, q, 0, _I32(n), pos, rope,
                    pages, kc, vc)  # fmt: skip
 
     def _gemv(self, kind: str, n: int, stream, *args) -> None:
@@ -156,16 +169,19 @@ class DecodeKernels(Launcher):
         self._gemv_grids[key, n] = grid
         return grid
 
-    def gemv_rows(self, kind, m, x, norm_w, qweight, scales, out, *, bias=0, pos=0, rope=0,
-                  pages=0, page_stride=0, kc=0, vc=0, n=None, stream=None) -> None:  # fmt: skip
+    def gemv_rows(self, kind, m, x, norm_w, qweight, scales, out, *, res=0, bias=0, pos=0,
+                  rope=0, pages=0, page_stride=0, kc=0, vc=0, n=None,
+                  stream=None) -> None:  # fmt: skip
         """The INT4 GEMV over m = 1..16 token rows, every weight byte read once (gemv_rows.cu).
 
         kind     "qkv" (RMSNorm + q/k/v + bias + RoPE at pos[r] + K/V write into the pages),
-                 "o" / "down" (out[r] += W x[r], in place), "gate_up" (RMSNorm + SwiGLU)
+                 "o" / "down" (res[r] += W x[r], in place; out[r] its fp16 copy), "gate_up"
+                 (RMSNorm + SwiGLU)
         m        token rows (1..registry.MAX_ROWS; compiled in buckets of 8 and 16)
         x        fp16 [m, K] row-major; norm_w fp16 [K] (qkv, gate_up) or 0
         qweight  uint32 [R, K/8] ValueShuffle rows; scales fp16 [R, K/128]; R = n (gate_up: 2n)
         out      fp16 [m, n] (qkv: q fp16 [m, n_heads, D])
+        res      fp32 [m, n] the residual stream (o, down; else 0)
         qkv only: bias fp16 [q+2kv]; pos int32 [m] (device: each row's position); rope float32
                  [max_pos, D/2, 2] (cos, sin); pages int32 page tables, row r's at pages +
                  r * page_stride (0: every row of one sequence); kc, vc the layer's K/V caches
@@ -180,6 +196,7 @@ class DecodeKernels(Launcher):
             )
         if page_stride < 0:
             raise NanoqwenError(f"gemv_rows: page_stride must be >= 0, got {page_stride}")
+        _check_res(kind, res)
         _, n_model, _, _ = registry.gemv_shapes(self.config)[kind]
         n = n_model if n is None else n
         key = f"gemv_rows_{kind}_m{registry.row_bucket(int(m))}"
@@ -189,8 +206,8 @@ class DecodeKernels(Launcher):
         grid = self._rows_grids.get((key, n)) or self._rows_grid(key, n)
         rows = 2 * n if epi == registry.Epilogue.SWIGLU else n
         w_map = self._rows_map(qweight, rows, k, self.specs[key].targs[4])
-        self.launch(key, (grid, 1, 1), w_map, x, norm_w, qweight, scales, bias, out, _I32(n),
-                    _I32(m),
+        self.launch(key, (grid, 1, 1), w_map, x, norm_w, qweight, scales, bias, out, res,
+                    _I32(n), _I32(m),
                     pos, rope, pages, _I32(page_stride), kc, vc, stream=stream,
                     label=f"gemv_rows {kind}",
                     nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
@@ -228,7 +245,7 @@ class DecodeKernels(Launcher):
         self._rows_grids[key, n] = grid
         return grid
 
-    def gemv_rows_split(self, m, x, qweight, scales, out, part, *, stream=None) -> None:
+    def gemv_rows_split(self, m, x, qweight, scales, out, res, part, *, stream=None) -> None:
         """down_proj over m = 1..16 token rows, split over K: gemv_rows_split (grid: row
         ranges x K slices, registry.rows_split_grid) writes each slice's sums into `part`,
         then gemv_rows_split_sum adds them to the residual in slice order (deterministic).
@@ -236,7 +253,8 @@ class DecodeKernels(Launcher):
         m        token rows (1..registry.MAX_ROWS; compiled in buckets of 8 and 16)
         x        fp16 [m, I] row-major (the SwiGLU output)
         qweight  uint32 [H, I/8] ValueShuffle rows; scales fp16 [H, I/128]
-        out      fp16 [m, H], the residual stream: out += W x, in place
+        res      fp32 [m, H], the residual stream: res += W x, in place
+        out      fp16 [m, H], its copy after the add (what the next RMSNorm reads)
         part     fp32 workspace of registry.rows_split_workspace(config) bytes, the step's own
                  (allocated once; each launch writes what its sum then reads)
         """
@@ -256,9 +274,9 @@ class DecodeKernels(Launcher):
                     nbytes=n * k // 2 + n * (k // GROUP_SIZE) * 2)  # fmt: skip
         quads = registry.rows_split_padded(n, self.geometry) * mt // 4  # a thread each
         threads = self.specs[sum_key].threads
-        self.launch(sum_key, (-(-quads // threads), 1, 1), part, out, _I32(n), _I32(m),
+        self.launch(sum_key, (-(-quads // threads), 1, 1), part, res, out, _I32(n), _I32(m),
                     stream=stream, label="gemv_rows_split sum",
-                    nbytes=s * n * m * 4 + 2 * m * n * 2)  # fmt: skip
+                    nbytes=s * n * m * 4 + m * n * 10)  # fmt: skip
 
     def _split_grid(self, mt: int) -> int:
         """gemv_rows_split's row ranges at bucket mt on this GPU; raises when its ring would

@@ -132,7 +132,8 @@ class PrefillKernels(Launcher):
         label: str = "prefill gemm",
         stream=None,
     ) -> None:
-        """out = a @ dequant(qweight, scales)^T (+ bias) (+ residual), fp32 accumulate.
+        """out = a @ dequant(qweight, scales)^T (+ bias), fp32 accumulate; with a residual,
+        residual += a @ dequant(qweight, scales)^T and out = fp16(residual).
 
         a        fp16   [M, K] row-major activations (M >= 1, any)
         qweight  uint32 [N, K/8] ValueShuffle words, row-major (nanoqwen.quant)
@@ -140,7 +141,8 @@ class PrefillKernels(Launcher):
         bias     fp16   [N] or None
         out      fp16   [M, N]; with swiglu=True [M, N/2]: the weight is [gate; up] stacked
                  (rows 0..N/2-1 gate, N/2..N-1 up) and out = silu(a @ gate^T) * (a @ up^T)
-        residual fp16   [M, N] or None; added in fp32 before rounding; may be `out` itself
+        residual fp32   [M, N] or None; the residual stream, updated in place (out: its fp16
+                 copy, a separate buffer)
         K % 128 == 0, N % 128 == 0. All pointers 16-byte aligned.
         spec     a GEMM spec of this launcher (default: pick_gemm's)
         a_rows   rows of `a`'s buffer that may be read (0: M). When they cover M rounded up to
@@ -175,10 +177,12 @@ class PrefillKernels(Launcher):
             raise ValueError(f"prefill gemm: N={N} must be a positive multiple of {rows}")
         if swiglu and any(given):  # (bias, residual) passed
             raise ValueError("prefill gemm: swiglu takes no bias and no residual")
+        if residual and residual == out:
+            raise ValueError("prefill gemm: the fp32 residual and the fp16 out are two buffers")
         spec = spec if spec is not None else self.pick_gemm(M, swiglu)
         if spec.tile is None or spec.tile.swiglu != swiglu:
             raise ValueError(f"prefill gemm: {spec.expression} does not match swiglu={swiglu}")
-        if any(p % 16 for p in (a, qweight, scales, residual, out)):  # 16-byte residual reads
+        if any(p % 16 for p in (a, qweight, scales, residual, out)):  # 2 x 16-byte residual reads
             raise ValueError(
                 f"prefill gemm: pointers must be 16-byte aligned, got {[a, qweight, scales, out]} "
                 f"residual {residual}"

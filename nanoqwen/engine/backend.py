@@ -164,15 +164,15 @@ class CudaBackend:
         return launches
 
     def decode_hidden(self, token: int, pos: int, layers: int) -> np.ndarray:
-        """fp16 [H]: the residual row after the first `layers` layers of the decode step for
+        """fp32 [H]: the residual row after the first `layers` layers of the decode step for
         `token` at `pos` (its K/V written into the pages at pos)."""
         self.set_decode_state(DecodeState(token=token, pos=pos))
-        out = np.empty(self.config.hidden_size, np.float16)
+        out = np.empty(self.config.hidden_size, np.float32)
         with self.gpu.guard("decode_hidden"):
             self.forward.embed_token()
             for i in range(layers):
                 self.forward.layer(i)
-            return self.gpu.download(self.forward.x, out)
+            return self.gpu.download(self.forward.res, out)
 
     def memory(self) -> dict:
         """Device memory: what we hold (weights, KV cache, workspace = the kernels' own

@@ -127,12 +127,13 @@ def pages_per_row(max_context: int) -> int:
 
 def batch_buffers(config: ModelConfig, rows: int, max_context: int) -> dict[str, int]:
     """Bytes of BatchStep's own buffers for `rows` rows: the staging words' device copy (int32
-    RowLayout.words), x fp16 [rows, H], q and attn fp16 [rows, q], mlp fp16 [rows, I], logits
-    fp32 [rows, V], keys u64 [rows + 1] (the last: spare), out int32 [rows + 1] (the last:
-    prefill_chunk's token)."""
+    RowLayout.words), res fp32 [rows, H] (the residual stream), x fp16 [rows, H] (its copy), q
+    and attn fp16 [rows, q], mlp fp16 [rows, I], logits fp32 [rows, V], keys u64 [rows + 1] (the
+    last: spare), out int32 [rows + 1] (the last: prefill_chunk's token)."""
     c = config
     return {
         "rows": RowLayout(rows, pages_per_row(max_context)).words * 4,
+        "res": rows * c.hidden_size * 4,
         "x": rows * c.hidden_size * 2,
         "q": rows * c.q_size * 2,
         "attn": rows * c.q_size * 2,
@@ -284,17 +285,18 @@ class BatchStep:
         b, k, w, kv, L = self.buf, self.kernels, self.weights, self.kv, self.layout
         tokens, pos, tables = self.word(L.tokens), self.word(L.pos), self.word(L.tables)
         stride = L.pages_per_row
-        k.embed(tokens, w.embed, b["x"], m, stream=stream)
+        k.embed(tokens, w.embed, b["x"], b["res"], m, stream=stream)
         for i, ly in enumerate(w.layers):
             k.gemv_rows("qkv", m, b["x"], ly.input_norm, ly.qkv_w, ly.qkv_s, b["q"],
                         bias=ly.qkv_b, pos=pos, rope=self.rope, pages=tables,
                         page_stride=stride, kc=kv.k[i], vc=kv.v[i], stream=stream)  # fmt: skip
             self.batch.attention(b["q"], kv.k[i], kv.v[i], tables, stride, pos, m,
                                  self.attn_scratch, b["attn"], stream=stream)  # fmt: skip
-            k.gemv_rows("o", m, b["attn"], 0, ly.o_w, ly.o_s, b["x"], stream=stream)
+            k.gemv_rows("o", m, b["attn"], 0, ly.o_w, ly.o_s, b["x"], res=b["res"],
+                        stream=stream)  # fmt: skip
             k.gemv_rows("gate_up", m, b["x"], ly.post_norm, ly.gate_up_w, ly.gate_up_s,
                         b["mlp"], stream=stream)  # fmt: skip
-            down_proj(self, m, self.down[m], b["mlp"], ly, b["x"], self.part, stream)
+            down_proj(self, m, self.down[m], b["mlp"], ly, b["x"], b["res"], self.part, stream)
         self.verify.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m,
                                  stream=stream)  # fmt: skip
         self.batch.sample(b["logits"], b["keys"], self.word(L.params), b["out"], m,

@@ -5,7 +5,7 @@ Decode step (captured into the generation graph), per layer:
 
     gemv_qkv      RMSNorm + q/k/v + bias + RoPE, K/V written into the pages at state[POS]
     attention     over the pages 0..POS, split along the sequence, merged in one launch
-    gemv o        + residual (x in place)
+    gemv o        + residual (res in place, fp32; x its fp16 copy)
     gemv gate_up  RMSNorm + SwiGLU
     gemv down     + residual
 
@@ -35,11 +35,13 @@ from .weights import Weights
 
 def decode_buffers(config: ModelConfig, max_context: int) -> dict[str, int]:
     """Bytes of Forward's own device buffers (the attention scratch is the kernels'):
-    rope float32 [max_context, D/2, 2] (rope_table), x fp16 [H], q and attn fp16 [heads, D],
-    mlp fp16 [I], logits fp32 [V], the argmax key u64."""
+    rope float32 [max_context, D/2, 2] (rope_table), res fp32 [H] (the residual stream), x
+    fp16 [H] (its copy, what the RMSNorms read), q and attn fp16 [heads, D], mlp fp16 [I],
+    logits fp32 [V], the argmax key u64."""
     c = config
     return {
         "rope": max_context * (c.head_dim // 2) * 2 * 4,
+        "res": c.hidden_size * 4,
         "x": c.hidden_size * 2,
         "q": c.q_size * 2,
         "attn": c.q_size * 2,
@@ -59,10 +61,12 @@ def scratch_rows(tokens: int) -> int:
 
 def prefill_scratch_buffers(config: ModelConfig, tokens: int) -> dict[str, int]:
     """Bytes of the prefill's buffers for a prompt of `tokens` new tokens (scratch_rows of
-    them): ids int32 [T]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q]; mlp [T, I]."""
+    them): ids int32 [T]; res fp32 [T, H]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q];
+    mlp [T, I]."""
     c, cap = config, scratch_rows(tokens)
     per_token = {
         "ids": 4,
+        "res": c.hidden_size * 4,
         "x": c.hidden_size * 2,
         "h": c.hidden_size * 2,
         "qkv": (c.q_size + 2 * c.kv_size) * 2,
@@ -76,8 +80,13 @@ def prefill_scratch_buffers(config: ModelConfig, tokens: int) -> dict[str, int]:
 class Forward:
     """The forward of one model over its weights and KV cache, reading the token and the
     position from the decode loop's state words. Public buffers (device addresses):
-    `x` fp16 [H] the decode step's residual row; `logits` fp32 [V]; `key` u64 lm_head's
-    argmax key (the sampler re-zeroes it)."""
+    `res` fp32 [H] the decode step's residual row and `x` fp16 [H] its copy (what the RMSNorms
+    read); `logits` fp32 [V]; `key` u64 lm_head's argmax key (the sampler re-zeroes it).
+
+    Why two: the residual stream is a running sum over every layer, so it is kept in fp32 (its
+    fp16 rounding was the largest single source of the logits' noise on real weights:
+    docs/DESIGN.md, Activation precision), while each RMSNorm reads the fp16 copy the writer
+    stores beside it, so that the norm-fused kernels keep their fp16 x staging."""
 
     def __init__(
         self,
@@ -93,7 +102,8 @@ class Forward:
         self.gpu, self.config, self.kernels, self.prefill_kernels = gpu, config, kernels, prefill
         self.weights, self.kv, self.loop = weights, kv, loop
         ptrs = {k: gpu.alloc(n, k).ptr for k, n in decode_buffers(config, max_context).items()}
-        self.rope, self.x, self.q, self.attn = ptrs["rope"], ptrs["x"], ptrs["q"], ptrs["attn"]
+        self.rope, self.res, self.x = ptrs["rope"], ptrs["res"], ptrs["x"]
+        self.q, self.attn = ptrs["q"], ptrs["attn"]
         self.mlp, self.logits, self.key = ptrs["mlp"], ptrs["logits"], ptrs["key"]
         gpu.upload(self.rope, rope_table(config, max_context))
         self.attn_scratch = kernels.attention_scratch()
@@ -105,30 +115,31 @@ class Forward:
 
     # -- decode ------------------------------------------------------------------------------
     def embed_token(self, stream=None) -> None:
-        """x = embed[state[TOKEN]]."""
-        self.kernels.embed(self.loop.word(StateWord.TOKEN), self.weights.embed, self.x, 1,
-                           stream=stream)  # fmt: skip
+        """res, x = embed[state[TOKEN]]."""
+        self.kernels.embed(self.loop.word(StateWord.TOKEN), self.weights.embed, self.x, self.res,
+                           1, stream=stream)  # fmt: skip
 
     def layer(self, i: int, stream=None) -> None:
-        """Decoder layer i for the token at state[POS] (x in place; its K/V into the pages)."""
+        """Decoder layer i for the token at state[POS] (res, x in place; its K/V into the
+        pages)."""
         L, k = self.weights.layers[i], self.kernels
         k.qkv_rope(self.x, L.input_norm, L.qkv_w, L.qkv_s, L.qkv_b, self.loop.word(StateWord.POS),
                    self.rope, self.kv.page_table, self.kv.k[i], self.kv.v[i], self.q,
                    stream=stream)  # fmt: skip
-        self._token_tail(i, self.q, self.x, stream)
+        self._token_tail(i, self.q, self.x, self.res, stream)
 
-    def _token_tail(self, i: int, q: int, x: int, stream=None) -> None:
+    def _token_tail(self, i: int, q: int, x: int, res: int, stream=None) -> None:
         """Layer i after its q/k/v for one token at state[POS] (its K/V already in the
-        pages): attention of q (fp16 [heads, D]), o, gate/up, down; x (fp16 [H], the token's
-        residual row) updated in place."""
+        pages): attention of q (fp16 [heads, D]), o, gate/up, down; res (fp32 [H], the token's
+        residual row) and x (fp16 [H], its copy) updated in place."""
         L, k, c, sc = self.weights.layers[i], self.kernels, self.config, self.attn_scratch
         k.attention(q, self.kv.k[i], self.kv.v[i], self.kv.page_table,
                     self.loop.word(StateWord.POS), sc.part_ml.ptr, sc.part_acc.ptr,
                     sc.counters.ptr, self.attn, stream=stream)  # fmt: skip
-        k.gemv("o", self.attn, 0, L.o_w, L.o_s, x, c.hidden_size, stream=stream)
+        k.gemv("o", self.attn, 0, L.o_w, L.o_s, x, c.hidden_size, res, stream=stream)
         k.gemv("gate_up", x, L.post_norm, L.gate_up_w, L.gate_up_s, self.mlp,
                c.intermediate_size, stream=stream)  # fmt: skip
-        k.gemv("down", self.mlp, 0, L.down_w, L.down_s, x, c.hidden_size, stream=stream)
+        k.gemv("down", self.mlp, 0, L.down_w, L.down_s, x, c.hidden_size, res, stream=stream)
 
     def head(self, x: int, stream=None, key: int = 0) -> None:
         """logits = lm_head(final_norm(x)) and the argmax key (into `key`, a zeroed u64, when
@@ -173,22 +184,23 @@ class Forward:
         c, k, pk, kv = self.config, self.kernels, self.prefill_kernels, self.kv
         h, qkv_n, b = c.hidden_size, c.q_size + 2 * c.kv_size, self.scratch(T)
         rows = self._scratch_tokens  # the buffers' rows: a_rows of every GEMM
-        k.embed(b["ids"], self.weights.embed, b["x"], T)
+        k.embed(b["ids"], self.weights.embed, b["x"], b["res"], T)
         for i, L in enumerate(self.weights.layers):
             k.rmsnorm(b["x"], L.input_norm, b["h"], T)
             pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, a_rows=rows,
                     label="gemm qkv")  # fmt: skip
             k.rope_kv(b["qkv"], start, self.rope, kv.page_table, kv.k[i], kv.v[i], b["q"], T)
             if last_only and self.last_token_shortcut and i == c.num_layers - 1:
-                self._token_tail(i, b["q"] + (T - 1) * c.q_size * 2, b["x"] + (T - 1) * h * 2)
+                self._token_tail(i, b["q"] + (T - 1) * c.q_size * 2, b["x"] + (T - 1) * h * 2,
+                                 b["res"] + (T - 1) * h * 4)  # fmt: skip
                 break
             pk.attention(b["q"], kv.k[i], kv.v[i], kv.page_table, b["attn"], start, T)
-            pk.gemm(b["attn"], L.o_w, L.o_s, None, b["x"], T, h, c.q_size, residual=b["x"],
+            pk.gemm(b["attn"], L.o_w, L.o_s, None, b["x"], T, h, c.q_size, residual=b["res"],
                     a_rows=rows, label="gemm o")  # fmt: skip
             k.rmsnorm(b["x"], L.post_norm, b["h"], T)
             pk.gemm(b["h"], L.gate_up_w, L.gate_up_s, None, b["mlp"], T,
                     2 * c.intermediate_size, h, swiglu=True, a_rows=rows,
                     label="gemm gate_up")  # fmt: skip
             pk.gemm(b["mlp"], L.down_w, L.down_s, None, b["x"], T, h, c.intermediate_size,
-                    residual=b["x"], a_rows=rows, label="gemm down")  # fmt: skip
+                    residual=b["res"], a_rows=rows, label="gemm down")  # fmt: skip
         return b["x"]

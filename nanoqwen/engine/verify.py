@@ -25,13 +25,15 @@ from .weights import Weights, check_speculation_head
 
 
 def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
-    """Bytes of Verify's own buffers for `rows` rows: tokens and pos int32 [rows], x fp16
-    [rows, H], q and attn fp16 [rows, q], mlp fp16 [rows, I], logits fp32 [rows, V], keys u64
-    [rows] (attention_rows' scratch: rows_attention_scratch_buffers)."""
+    """Bytes of Verify's own buffers for `rows` rows: tokens and pos int32 [rows], res fp32
+    [rows, H] (the residual stream), x fp16 [rows, H] (its copy), q and attn fp16 [rows, q], mlp
+    fp16 [rows, I], logits fp32 [rows, V], keys u64 [rows] (attention_rows' scratch:
+    rows_attention_scratch_buffers)."""
     c = config
     return {
         "tokens": rows * 4,
         "pos": rows * 4,
+        "res": rows * c.hidden_size * 4,
         "x": rows * c.hidden_size * 2,
         "q": rows * c.q_size * 2,
         "attn": rows * c.q_size * 2,
@@ -65,19 +67,22 @@ def down_path(config: ModelConfig, rows: int, geometry: Geometry) -> str:
     return DOWN_SLICED if slices >= DOWN_SLICED_MIN_SLICES else "rows"
 
 
-def down_proj(step, m: int, path: str, mlp: int, layer, x: int, part: int, stream) -> None:
-    """One layer's down_proj of m rows by `path` (down_path's): x fp16 [m, H] += W mlp, mlp
-    fp16 [m, I]; `step` holds the launchers (kernels, prefill_kernels); part: the split's
-    workspace (registry.rows_split_workspace bytes)."""
+def down_proj(step, m: int, path: str, mlp: int, layer, x: int, res: int, part: int,
+              stream) -> None:  # fmt: skip
+    """One layer's down_proj of m rows by `path` (down_path's): res fp32 [m, H] += W mlp and
+    x fp16 [m, H] its copy, mlp fp16 [m, I]; `step` holds the launchers (kernels,
+    prefill_kernels); part: the split's workspace (registry.rows_split_workspace bytes)."""
     if path == "split":
-        step.kernels.gemv_rows_split(m, mlp, layer.down_w, layer.down_s, x, part, stream=stream)
+        step.kernels.gemv_rows_split(m, mlp, layer.down_w, layer.down_s, x, res, part,
+                                     stream=stream)  # fmt: skip
     elif path == "gemm":
         c = step.config
         step.prefill_kernels.gemm(mlp, layer.down_w, layer.down_s, None, x, m, c.hidden_size,
-                                  c.intermediate_size, residual=x, label="gemm down",
+                                  c.intermediate_size, residual=res, label="gemm down",
                                   stream=stream)  # fmt: skip
     elif path == "rows":
-        step.kernels.gemv_rows("down", m, mlp, 0, layer.down_w, layer.down_s, x, stream=stream)
+        step.kernels.gemv_rows("down", m, mlp, 0, layer.down_w, layer.down_s, x, res=res,
+                               stream=stream)  # fmt: skip
     else:
         raise ValueError(f"down_proj path {path!r}: one of {DOWN_PATHS}")
 
@@ -129,15 +134,15 @@ class Verify:
         if not 1 <= m <= self.rows:
             raise ValueError(f"verify step: m must be 1..{self.rows}, got {m}")
         b, k, v, w, kv = self.buf, self.kernels, self.verify, self.weights, self.kv
-        k.embed(b["tokens"], w.embed, b["x"], m, stream=stream)
+        k.embed(b["tokens"], w.embed, b["x"], b["res"], m, stream=stream)
         for i, L in enumerate(w.layers):
             k.gemv_rows("qkv", m, b["x"], L.input_norm, L.qkv_w, L.qkv_s, b["q"], bias=L.qkv_b,
                         pos=b["pos"], rope=self.rope, pages=kv.page_table, page_stride=0,
                         kc=kv.k[i], vc=kv.v[i], stream=stream)  # fmt: skip
             v.attention_rows(b["q"], kv.k[i], kv.v[i], kv.page_table, start, m,
                              self.attn_scratch, b["attn"], stream=stream)  # fmt: skip
-            k.gemv_rows("o", m, b["attn"], 0, L.o_w, L.o_s, b["x"], stream=stream)
+            k.gemv_rows("o", m, b["attn"], 0, L.o_w, L.o_s, b["x"], res=b["res"], stream=stream)
             k.gemv_rows("gate_up", m, b["x"], L.post_norm, L.gate_up_w, L.gate_up_s, b["mlp"],
                         stream=stream)  # fmt: skip
-            down_proj(self, m, self.down, b["mlp"], L, b["x"], self.part, stream)
+            down_proj(self, m, self.down, b["mlp"], L, b["x"], b["res"], self.part, stream)
         v.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m, stream=stream)

@@ -150,7 +150,8 @@ def gemm_shapes(cfg: ModelConfig) -> dict[str, dict]:
 def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None, padded=True):
     """One GEMM of `pk` (a PrefillKernels) with tile `spec` (None: pick_gemm's) on the M = m
     rows of `a` against the reference: (ok, max|err|, max|ref|); err is inf when a guard row
-    was written. padded: A sits in a buffer of the engine's prefill rows
+    was written or, with a residual (fp32, the result), when out is not its exact fp16 copy.
+    padded: A sits in a buffer of the engine's prefill rows
     (forward.scratch_rows, passed as a_rows) whose rows past M are NaN, which must not reach
     any output; else A is exactly M rows (the TMA fills the rest of a box)."""
     n = shape["n"]
@@ -160,17 +161,12 @@ def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None, pad
     # stores past row M shows up as a finite guard row.
     buf = torch.full((m + GUARD_ROWS, out_cols), float("nan"), device="cuda", dtype=torch.float16)
     out = buf[:m]
-    if shape.get("residual") and m % 2 == 0:  # in place, as the engine's h += o_proj(...)
-        residual = torch.randn(m, n, device="cuda", dtype=torch.float16)
-        out.copy_(residual)
-        ref = gemm_reference(a, deq, bias, residual, swiglu)
-        res_arg = out
-    elif shape.get("residual"):  # separate residual buffer, poisoned output
-        res_arg = torch.randn(m, n, device="cuda", dtype=torch.float16)
-        ref = gemm_reference(a, deq, bias, res_arg, swiglu)
-    else:
-        ref = gemm_reference(a, deq, bias, None, swiglu)
-        res_arg = None
+    res_buf = res_arg = None
+    if shape.get("residual"):  # the fp32 residual, in place (off the fp16 grid), guarded too
+        res_buf = torch.full((m + GUARD_ROWS, n), float("nan"), device="cuda")
+        res_arg = res_buf[:m]
+        res_arg.copy_(torch.randn(m, n, device="cuda"))
+    ref = gemm_reference(a, deq, bias, res_arg, swiglu)
     a_rows = scratch_rows(m) if padded else 0
     if padded:
         a_buf = torch.full((a_rows, a.shape[1]), float("nan"), device="cuda", dtype=a.dtype)
@@ -181,12 +177,17 @@ def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None, pad
     pk.gemm(a, words, scales, bias, out, m, n, shape["k"], res_arg, swiglu=swiglu, spec=spec,
             a_rows=a_rows)  # fmt: skip
     wait_or_die(pk.gpu, what)
-    err = (out.float() - ref).abs().max().item()
-    scale = ref.abs().max().item()
+    got = out.float()
     guard_ok = bool(torch.isnan(buf[m:]).all().item())
+    if res_buf is not None:  # the result is the fp32 residual; out must be its fp16 copy
+        got = res_arg
+        guard_ok &= bool(torch.isnan(res_buf[m:]).all().item())
+        guard_ok &= bool(torch.equal(res_arg.half(), out))
+    err = (got - ref).abs().max().item()
+    scale = ref.abs().max().item()
     if not guard_ok:
-        err = float("inf")  # reported as a failure: the kernel wrote past row M
-    ok = guard_ok and bool(torch.isfinite(out).all().item()) and err <= GEMM_REL_TOL * scale
+        err = float("inf")  # reported as a failure: a guard row written, or a wrong copy
+    ok = guard_ok and bool(torch.isfinite(got).all().item()) and err <= GEMM_REL_TOL * scale
     return ok, err, scale
 
 

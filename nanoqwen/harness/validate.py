@@ -110,21 +110,27 @@ def unit_gemv(k, dev, cfg: ModelConfig, rng, tol: dict) -> list[Check]:
             if kind == "down":  # the MLP's activations carry a few huge outliers
                 x[rng.choice(kdim, 8, replace=False)] = _f16(rng.choice([-300.0, 300.0], 8))
             normw = _f16(1 + 0.1 * rng.standard_normal(kdim))
-            resid = _f16(rng.standard_normal(n))
+            # The residual in fp32 off the fp16 grid: a kernel that rounded it would show.
+            resid = rng.standard_normal(n).astype(np.float32)
             xin = _rms(x, normw, cfg.rms_norm_eps) if kind == "gate_up" else x
             y = deq.astype(np.float64) @ xin.astype(np.float64)
+            optr, host = dev.out(n, np.float16)
             if kind == "gate_up":
                 g, u = y[:n], y[n:]
-                ref = g / (1 + np.exp(-g)) * u
-                optr, host = dev.out(n, np.float16)
+                ref, rptr = g / (1 + np.exp(-g)) * u, 0
             else:
-                ref = resid.astype(np.float64) + y
-                optr, host = dev.put(resid), np.empty(n, np.float16)
+                ref, rptr = resid.astype(np.float64) + y, dev.put(resid)
             k.gemv(kind, dev.put(x), dev.put(normw) if kind == "gate_up" else 0, dev.put(words),
-                   dev.put(scales), optr, n)  # fmt: skip
-            err = _rel_err(dev.get(optr, host), ref)
+                   dev.put(scales), optr, n, rptr)  # fmt: skip
+            got, copy_ok, note = dev.get(optr, host), True, ""
+            if rptr:  # the fp32 residual is the result; out must be its fp16 copy, exactly
+                res = dev.get(rptr, np.empty(n, np.float32))
+                copy_ok = np.array_equal(_f16(res), got)
+                got, note = res, "" if copy_ok else ", fp16 copy WRONG"
+            err = _rel_err(got, ref)
             lim = tol["swiglu"] if kind == "gate_up" else tol["gemv"]
-            out.append(Check("unit", f"gemv {kind} N={n} K={kdim}", err <= lim, f"{err:.2e}"))
+            out.append(Check("unit", f"gemv {kind} N={n} K={kdim}", err <= lim and copy_ok,
+                             f"{err:.2e}{note}"))  # fmt: skip
             dev.free()
     out += unit_qkv_rope(k, dev, cfg, rng, tol["gemv"])
     return out
@@ -177,9 +183,11 @@ def unit_small(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
     for T in (1, 3, 17):
         ids = rng.integers(0, cfg.vocab_size, T).astype(np.int32)
         optr, host = dev.out((T, h), np.float16)
-        k.embed(dev.put(ids), eptr, optr, T)
-        got = dev.get(optr, host)
-        out.append(Check("unit", f"embed T={T}", np.array_equal(got, embed[ids]), "exact"))
+        rptr, rhost = dev.out((T, h), np.float32)
+        k.embed(dev.put(ids), eptr, optr, rptr, T)
+        got, res = dev.get(optr, host), dev.get(rptr, rhost)
+        ok = np.array_equal(got, embed[ids]) and np.array_equal(res, embed[ids].astype(np.float32))
+        out.append(Check("unit", f"embed T={T}", ok, "exact, fp16 x and fp32 residual"))
         x = _f16(3 * rng.standard_normal((T, h)))
         w = _f16(1 + 0.1 * rng.standard_normal(h))
         optr, host = dev.out((T, h), np.float16)

@@ -1,6 +1,6 @@
 // decode_misc.cu: the small token-parallel kernels around the GEMVs and the device sampler.
 //
-// embed_gather   x[t] = embed[ids[t]]                        (T tokens; decode: T = 1)
+// embed_gather   x[t] = embed[ids[t]], res[t] its fp32 copy  (T tokens; decode: T = 1)
 // rmsnorm_rows   y[t] = rmsnorm(x[t]) * w                    (prefill: before each GEMM)
 // rope_kv_write  q/k RoPE + K/V into 16-token pages          (T tokens at positions pos0..)
 // lm_head_argmax logits = W_lm @ rmsnorm(x) (fp32) and a 64-bit atomicMax of (logit, -id);
@@ -22,16 +22,26 @@ extern "C" __device__ void cudaGraphSetConditional(unsigned long long handle, un
 // rows), kSampleThreads (the sampler's block: sampler.cuh) and enum StateWord: the decode
 // state's int32 words in device memory (registry.StateWord), advanced by sample_finish.
 
-// ids int32 [T]; embed fp16 [V, kHidden]; x fp16 [T, kHidden]. Grid T, block kMiscThreads.
+// ids int32 [T]; embed fp16 [V, kHidden]; x fp16 [T, kHidden] (what the first RMSNorm reads)
+// and res fp32 [T, kHidden] (the residual stream). Grid T, block kMiscThreads.
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
-embed_gather(const int* __restrict__ ids, const uint4* __restrict__ embed, uint4* x) {
+embed_gather(const int* __restrict__ ids, const uint4* __restrict__ embed, uint4* __restrict__ x,
+             float4* __restrict__ res) {
   static_assert(kHidden % 8 == 0, "rows are copied as 16-byte vectors");
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
   const size_t id = (size_t)ids[t];
-  for (int v = threadIdx.x; v < kHidden / 8; v += blockDim.x)
-    x[(size_t)t * (kHidden / 8) + v] = embed[id * (kHidden / 8) + v];
+  for (int v = threadIdx.x; v < kHidden / 8; v += blockDim.x) {
+    const uint4 e = embed[id * (kHidden / 8) + v];
+    const size_t i = (size_t)t * (kHidden / 8) + v;
+    x[i] = e;
+    const half2* h = reinterpret_cast<const half2*>(&e);
+    const float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
+    const float2 f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+    res[2 * i] = make_float4(f0.x, f0.y, f1.x, f1.y);
+    res[2 * i + 1] = make_float4(f2.x, f2.y, f3.x, f3.y);
+  }
 }
 
 // x fp16 [T, kHidden] -> y fp16 [T, kHidden] = x * rsqrt(mean(x^2) + eps) * w (fp32 math,

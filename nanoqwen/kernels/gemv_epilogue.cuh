@@ -5,7 +5,8 @@
 //
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
 //             rotation) and the K/V write into the paged cache
-//   kResidual (o_proj, down_proj)  out[n] += dot (in place: the residual stream)
+//   kResidual (o_proj, down_proj)  res[n] += dot (in place: the fp32 residual stream), and
+//             out[n] = fp16(res[n]), the copy the next RMSNorm reads
 //   kSwiGLU   (fused gate/up)      out[n] = silu(dot_gate) * dot_up
 #pragma once
 
@@ -27,7 +28,7 @@ __device__ __forceinline__ int pair_row_b(int p, int N, int half_n) {
 
 // What a pair's epilogue reads from global memory. A kernel loads it well before the sums are
 // ready: under the weight stream an L2 round trip takes ~1 us, and waited for at the end it
-// would add that to the launch. kResidual: the residual at rows a, b; kRope: the biases,
+// would add that to the launch. kResidual: the fp32 residual at rows a, b; kRope: the biases,
 // (cos, sin), the K/V page and the token's slot in it.
 struct EpiIn {
   float a, b;
@@ -35,16 +36,16 @@ struct EpiIn {
   int page, t;
 };
 
-// EpiIn of pair p for one token: out its row of the output (kResidual: read in place), pos its
+// EpiIn of pair p for one token: res its row of the fp32 residual stream (kResidual), pos its
 // position and pages its page table (kRope); half_n = ceil(N/2) (pair_row_b).
 template <int EPI>
-__device__ __forceinline__ EpiIn epi_inputs(int p, const half* out, int N, int half_n,
+__device__ __forceinline__ EpiIn epi_inputs(int p, const float* res, int N, int half_n,
                                             const half* bias, const int* pos, const float2* rope,
                                             const int* pages) {
   EpiIn in{};
   if (EPI == kResidual) {
-    in.a = __half2float(out[p]);
-    if (p + half_n < N) in.b = __half2float(out[p + half_n]);
+    in.a = res[p];
+    if (p + half_n < N) in.b = res[p + half_n];
   } else if (EPI == kRope) {
     const int ra = pair_row_a<EPI>(p), ps = *pos;
     in.a = __half2float(bias[ra]);
@@ -57,10 +58,11 @@ __device__ __forceinline__ EpiIn epi_inputs(int p, const half* out, int N, int h
 }
 
 // The epilogue of pair p for one token from its rows' sums da (row a) and db (row b): out its
-// row of the output (kRope: of q), kc / vc the layer's K / V caches (kRope).
+// row of the output (kRope: of q; kResidual: the fp16 copy of the residual), res its row of
+// the fp32 residual stream (kResidual), kc / vc the layer's K / V caches (kRope).
 template <int EPI>
 __device__ __forceinline__ void epi_finish(int p, float da, float db, const EpiIn& in, half* out,
-                                           int N, int half_n, half* kc, half* vc) {
+                                           float* res, int N, int half_n, half* kc, half* vc) {
   if (EPI == kRope) {
     const int ra = pair_row_a<EPI>(p), rb = pair_row_b<EPI>(p, N, half_n);
     half ha = __float2half_rn(da + in.a);
@@ -83,7 +85,12 @@ __device__ __forceinline__ void epi_finish(int p, float da, float db, const EpiI
   } else if (EPI == kSwiGLU) {
     out[p] = __float2half_rn(da / (1.f + __expf(-da)) * db);
   } else {
-    out[p] = __float2half_rn(in.a + da);
-    if (p + half_n < N) out[p + half_n] = __float2half_rn(in.b + db);
+    const float a = in.a + da, b = in.b + db;
+    res[p] = a;
+    out[p] = __float2half_rn(a);
+    if (p + half_n < N) {
+      res[p + half_n] = b;
+      out[p + half_n] = __float2half_rn(b);
+    }
   }
 }

@@ -48,8 +48,8 @@
 // gate/up takes ~18.8 us a launch (3.7 TB/s; nanoqwen bench FILE --kernels).
 //
 // Epilogues (gemv_epilogue.cuh): kRope (q/k/v: + bias, RoPE, the K/V write into the pages: the
-// decode step's whole attention prologue), kResidual (o, down: + the residual stream, in place),
-// kSwiGLU (gate/up).
+// decode step's whole attention prologue), kResidual (o, down: + the fp32 residual stream, in
+// place, and its fp16 copy), kSwiGLU (gate/up).
 #include "common.cuh"
 #include "kv_cache.cuh"
 #include "gemv_epilogue.cuh"
@@ -238,8 +238,10 @@ __device__ __forceinline__ void warp_items(const unsigned char* wa, const unsign
 // qweight  uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
 // scales   fp16   [R, K/128]
 // bias     fp16   [N]            kRope only (q | k | v biases)
-// out      fp16   [N]            kResidual: read and written in place (the residual stream);
-//                                kRope: q fp16 [kHeads, kHeadDim] (rotated; only kQSize used)
+// out      fp16   [N]            kResidual: the fp16 copy of the new residual (what the next
+//                                RMSNorm reads); kRope: q fp16 [kHeads, kHeadDim] (rotated;
+//                                only kQSize used)
+// res      fp32   [N]            kResidual only: the residual stream, read and written in place
 // N        int                   output features (kRope: kQKVSize)
 // kRope only: pos int32* (the token's position; device memory), rope float2 [max_pos,
 //   kHeadDim/2] (cos, sin), pages int32 [max_pages], kc/vc this layer's caches
@@ -251,7 +253,7 @@ template <int K, bool NORM, int EPI>
 __global__ void __launch_bounds__(GvForm<K>::kThreads, GvForm<K>::kCtasPerSm)
 gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
           const unsigned char* __restrict__ qweight, const half* __restrict__ scales,
-          const half* __restrict__ bias, half* out, int N, const int* pos,
+          const half* __restrict__ bias, half* out, float* res, int N, const int* pos,
           const float2* __restrict__ rope, const int* __restrict__ pages, half* kc, half* vc) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
   constexpr int C = GvForm<K>::kConsumers;   // consumer warps; warp C produces
@@ -298,7 +300,7 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
   };
   // The epilogue's global inputs, loaded before the stage loop (gemv_epilogue.cuh: why).
   auto epi_load = [&](int p) {
-    return epi_inputs<EPI>(p, out, N, half_n, bias, pos, rope, pages);
+    return epi_inputs<EPI>(p, res, N, half_n, bias, pos, rope, pages);
   };
 
   if (tid == 0) {
@@ -457,6 +459,6 @@ gemv_int4(const half* __restrict__ x, const half* __restrict__ norm_w,
       da += v.x;
       db += v.y;
     }
-    epi_finish<EPI>(p, da, db, e, out, N, half_n, kc, vc);
+    epi_finish<EPI>(p, da, db, e, out, res, N, half_n, kc, vc);
   }
 }

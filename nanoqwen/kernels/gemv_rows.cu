@@ -63,8 +63,9 @@
 // consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
 //
 // Epilogues (gemv_epilogue.cuh), per token row r: kRope + bias, RoPE at pos[r], K/V into the
-// pages at pos[r] (page table pages + r * page_stride), q to out[r, :]; kResidual out[r, n] +=
-// dot (in place); kSwiGLU out[r, n] = silu(dot_gate) * dot_up.
+// pages at pos[r] (page table pages + r * page_stride), q to out[r, :]; kResidual res[r, n] +=
+// dot (the fp32 residual, in place) and out[r, n] its fp16 copy; kSwiGLU out[r, n] =
+// silu(dot_gate) * dot_up.
 #include "common.cuh"
 #include "kv_cache.cuh"
 #include "gemv_epilogue.cuh"
@@ -213,8 +214,9 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 // qweight  uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
 // scales   fp16   [R, K/128]
 // bias     fp16   [N]            kRope only (q | k | v biases)
-// out      fp16   [M, N]         kResidual: read and written in place; kSwiGLU: [M, N];
-//                                kRope: q fp16 [M, kQSize] (rotated)
+// out      fp16   [M, N]         kResidual: the fp16 copy of the new residual; kSwiGLU:
+//                                [M, N]; kRope: q fp16 [M, kQSize] (rotated)
+// res      fp32   [M, N]         kResidual only: the residual stream, read and written in place
 // N        int                   output features (kRope: kQKVSize)
 // M        int                   token rows, 1..MT
 // kRope only: pos int32 [M] (device; each row's position), rope float2 [max_pos, kHeadDim/2]
@@ -229,8 +231,8 @@ template <int K, int MT, bool NORM, int EPI, int S>
 __global__ void __launch_bounds__(kMrThreads, 1)
 gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
           const half* __restrict__ norm_w, const unsigned char* __restrict__ qweight,
-          const half* __restrict__ scales, const half* __restrict__ bias, half* out, int N,
-          int M, const int* __restrict__ pos, const float2* __restrict__ rope,
+          const half* __restrict__ scales, const half* __restrict__ bias, half* out, float* res,
+          int N, int M, const int* __restrict__ pos, const float2* __restrict__ rope,
           const int* __restrict__ pages, int page_stride, half* kc, half* vc) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
   static_assert(MT == 8 || MT == 16, "token buckets of one or two n8 tiles");
@@ -268,14 +270,16 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     return EPI == kRope ? min(n, kHeadDim / 2 - p % (kHeadDim / 2)) : n;
   };
   auto slice0 = [](int s) { return s * G / S; };  // slice s: groups slice0(s) .. slice0(s + 1)
-  // Token r's row of the output (kRope: of q), and what its epilogue of pair p reads.
+  // Token r's row of the output (kRope: of q) and of the residual (kResidual), and what its
+  // epilogue of pair p reads.
   auto out_row = [&](int r) { return out + (size_t)r * (EPI == kRope ? kQSize : N); };
+  auto res_row = [&](int r) { return res + (size_t)r * N; };
   auto epi_load = [&](int p, int r) {
-    return epi_inputs<EPI>(p, out_row(r), N, half_n, bias, pos + r, rope,
+    return epi_inputs<EPI>(p, res_row(r), N, half_n, bias, pos + r, rope,
                            pages + (size_t)r * page_stride);
   };
   auto finish = [&](int p, int r, float da, float db, const EpiIn& in) {
-    epi_finish<EPI>(p, da, db, in, out_row(r), N, half_n, kc, vc);
+    epi_finish<EPI>(p, da, db, in, out_row(r), res_row(r), N, half_n, kc, vc);
   };
   // A consumer thread's next epilogue inputs, loaded early (gemv_epilogue.cuh: why): at S = 1
   // those of (pair j, token r) of its next stage (thread tid = j MT + r < 8 MT), a stage ahead;
@@ -500,7 +504,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
 // ---- Split-K down_proj: gemv_rows_split (partial sums) + gemv_rows_split_sum (residual) ----
 //
 //   part[j, n, r] = sum over K slice j of dequant(W)[n, k] x[r, k]       (gemv_rows_split)
-//   out[r, n]    += part[0, n, r] + part[1, n, r] + ... + part[S-1, n, r] (gemv_rows_split_sum)
+//   res[r, n]    += part[0, n, r] + part[1, n, r] + ... + part[S-1, n, r] (gemv_rows_split_sum)
 //
 // gemv_rows with S > 1 gives each CTA all K of its ~14 pairs, slice after slice: ~2 stages a
 // slice, and every CTA reads all of x (132 x M x K x 2 bytes, 80 MB of L2 reads at the 7B's
@@ -667,12 +671,14 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
 }
 
 // part  fp32 [S][Npad][MT] gemv_rows_split's sums (Npad = ceil(N / kRows) x kRows)
-// out   fp16 [M, N]        the residual stream, read and written in place:
-//                          out[r, n] = fp16(out[r, n] + part[0, n, r] + ... + part[S-1, n, r])
+// res   fp32 [M, N]        the residual stream, read and written in place:
+//                          res[r, n] += part[0, n, r] + part[1, n, r] + ... + part[S-1, n, r]
+// out   fp16 [M, N]        out[r, n] = fp16(res[r, n]), the copy the next RMSNorm reads
 // Thread t: feature n = t / (MT / 4), tokens 4 (t % (MT / 4)) .. + 3 (one float4 a slice;
 // a warp's loads are contiguous). Grid: ceil(Npad x MT / 4 / block) CTAs, any block.
 template <int MT, int S>
-__global__ void gemv_rows_split_sum(const float* __restrict__ part, half* out, int N, int M) {
+__global__ void gemv_rows_split_sum(const float* __restrict__ part, float* res,
+                                    half* __restrict__ out, int N, int M) {
   static_assert(MT % 4 == 0, "token quads");
   constexpr int Q = MT / 4;
   constexpr int kRows = 16 * kMrSplitSub;
@@ -697,8 +703,10 @@ __global__ void gemv_rows_split_sum(const float* __restrict__ part, half* out, i
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     if (r0 + c < M) {
-      half* o = out + (size_t)(r0 + c) * N + n;
-      *o = __float2half_rn(__half2float(*o) + acc[c]);
+      const size_t i = (size_t)(r0 + c) * N + n;
+      const float v = res[i] + acc[c];
+      res[i] = v;
+      out[i] = __float2half_rn(v);
     }
   }
 }

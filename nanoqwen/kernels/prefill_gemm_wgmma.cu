@@ -1,6 +1,7 @@
 // prefill_gemm_wgmma.cu — INT4 (ValueShuffle, g128) x fp16 GEMM for prefill on Hopper wgmma.
 //
-//   out[M, N] fp16 = A[M, K] fp16 @ dequant(W)^T  (+ bias[N]) (+ residual[M, N])
+//   out[M, N] fp16 = A[M, K] fp16 @ dequant(W)^T  (+ bias[N])
+//   or, with a residual: residual[M, N] fp32 += A @ dequant(W)^T, out = fp16(residual)
 //   or, SWIGLU:  out[M, N/2] = silu(A @ Wgate^T) * (A @ Wup^T)   with W = [Wgate; Wup]
 //
 // A prefill GEMM is compute bound (at M = 512 an INT4 weight byte feeds 2 x 512 multiply-adds),
@@ -13,8 +14,8 @@
 //
 //   wgmma.mma_async m64nBTk16: D[64 weight rows][BT tokens] += Wfrag[64][16] x Atile[BT][16]^T
 //
-// Arguments (fp16 = IEEE half bits; row-major; all addresses 16-byte aligned; no aliasing except
-// that `residual` may equal `out`: each element is read and then written by one thread):
+// Arguments (fp16 = IEEE half bits; row-major; all addresses 16-byte aligned; no aliasing; the
+// residual is updated in place, each element read and then written by one thread):
 //   a_map     CUtensorMap of A fp16 [M, K] (the activations, row stride K): boxes of 64 K x BT
 //             tokens in the 128-byte swizzle; rows past M arrive as zeros
 //   w_map     CUtensorMap of qweight uint32 [N, K/8] (ValueShuffle words: word j of row n holds
@@ -23,8 +24,9 @@
 //             gate, N/2..N-1 the up projection
 //   scales    fp16  [N, K/128]    one scale per weight row and 128-group of K: w = q * scale
 //   bias      fp16  [N] or null   added in fp32 (not used with SWIGLU)
-//   residual  fp16  [M, N] or null  added in fp32 (not used with SWIGLU)
-//   out       fp16  [M, N]        ([M, N/2] with SWIGLU)
+//   residual  fp32  [M, N] or null  the residual stream, read and written in place (not used
+//                                  with SWIGLU)
+//   out       fp16  [M, N]        ([M, N/2] with SWIGLU; with a residual, its fp16 copy)
 //   M, N, K   M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even count)
 //   partials  fp32  [gridDim.x, BT/2, 256]  the stream-K hand-over, one part per CTA
 //   flags     int32 [gridDim.x]   zero before the first launch; every launch leaves them zero
@@ -208,8 +210,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     prefill_gemm_wgmma(const __grid_constant__ TensorMap a_map,
                        const __grid_constant__ TensorMap w_map,
                        const unsigned short* __restrict__ scales,
-                       const unsigned short* __restrict__ bias, const unsigned short* residual,
-                       unsigned short* out, int M, int N, int K, float* partials, int* flags) {
+                       const unsigned short* __restrict__ bias, float* residual,
+                       unsigned short* __restrict__ out, int M, int N, int K, float* partials, int* flags) {
   using namespace nanoqwen_wgmma;
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
@@ -388,8 +390,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
     // ---------------------------------------------------------------------------- epilogue
     // (owners) Bias / SwiGLU in registers, then the tile goes through shared memory (fp32,
     // [BT][cols + 4], reusing the ring) so that each thread stores 16 contiguous bytes of one
-    // token row and adds the residual there in fp32 (out may alias residual: each element is
-    // read and then written by one thread).
+    // token row and adds the fp32 residual there (32 bytes, read and then written by this
+    // thread alone).
     // Both consumer warpgroups must be done reading the ring before it becomes staging.
     named_barrier_sync(kEpilogueBarrier, 256);
     if (SWIGLU) {
@@ -436,13 +438,13 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
       float v[8] = {u.x, u.y, u.z, u.w, w.x, w.y, w.z, w.w};
       const long idx = (long)tok * ld_out + col0;
       if (!SWIGLU && residual) {
-        const uint4 r = *reinterpret_cast<const uint4*>(residual + idx);
-        const unsigned rw[4] = {r.x, r.y, r.z, r.w};
+        float4* rp = reinterpret_cast<float4*>(residual + idx);
+        const float4 r0 = rp[0], r1 = rp[1];
+        const float r[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          v[2 * i] += half_to_float(static_cast<half_t>(rw[i] & 0xFFFF));
-          v[2 * i + 1] += half_to_float(static_cast<half_t>(rw[i] >> 16));
-        }
+        for (int i = 0; i < 8; ++i) v[i] += r[i];
+        rp[0] = make_float4(v[0], v[1], v[2], v[3]);
+        rp[1] = make_float4(v[4], v[5], v[6], v[7]);
       }
       uint4 o;
       o.x = pack_half2(v[0], v[1]);
