@@ -178,9 +178,9 @@ class Forward:
     def prefill(self, T: int, start: int = 0, last_only: bool = False) -> int:
         """The T tokens in scratch(T)["ids"] at positions start .. start + T - 1 through every
         layer, their K/V into the pages (positions 0 .. start - 1 already there). Returns the
-        device address of x fp16 [T, H] (pre final-norm hidden states); with last_only (and
-        last_token_shortcut) only row T - 1 of it is valid, and state[POS] must be
-        start + T - 1 (the decode kernels of the last layer read it)."""
+        device address of x fp16 [T, H] (the residual's copy: the pre final-norm hidden states
+        lm_head reads); with last_only (and last_token_shortcut) only row T - 1 of it is valid,
+        and state[POS] must be start + T - 1 (the decode kernels of the last layer read it)."""
         c, k, pk, kv = self.config, self.kernels, self.prefill_kernels, self.kv
         h, qkv_n, b = c.hidden_size, c.q_size + 2 * c.kv_size, self.scratch(T)
         rows = self._scratch_tokens  # the buffers' rows: a_rows of every GEMM

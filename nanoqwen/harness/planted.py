@@ -4,7 +4,7 @@ Real checkpoints carry a few residual channels at 1e4..6e4 on a few "sink" token
 token, some delimiters), next to channels of order 1. fp16 holds at most 65504, so these rows
 test every place the engine stores or squares the residual: the embedding copy, RMSNorm's sum of
 squares (6e4^2 = 3.6e9 overflows fp16, not fp32), the o and down kernels' fused residual add,
-and the fp16 residual buffer itself.
+and the fp16 copy of the (fp32) residual that the RMSNorms read.
 
 The plant (planted_tensors): the synthetic model of a preset (convert.synthetic), then
   * embed_tokens[s, c] = PLANTED[c] for every sink token s (an embedding column, one of the
