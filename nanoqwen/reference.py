@@ -209,10 +209,12 @@ class Fp16Storage:
     every tensor a kernel hands to the next in fp16: the copy of the residual stream each
     RMSNorm reads (the o and down kernels write it beside the fp32 residual), the normed x
     (fused into q/k/v, gate/up and lm_head, which round it in registers), q/k/v + bias and q/k
-    after RoPE (the K/V pages are fp16), the attention's fp16 P for P.V and its output, gate and
-    up, and silu(gate) * up. `residual`: the residual stream itself rounded after each branch's
-    add, as the engine stored it before it kept the stream in fp32 (dev/residual_precision.py
-    measures the difference). The sums stay float32 as the kernels' accumulators do."""
+    after RoPE (the K/V pages are fp16), the attention's fp16 P for P.V and its output, and
+    silu(gate) * up (gate and up themselves stay fp32: the kernels apply SwiGLU in the GEMM's
+    epilogue, decode and prefill alike). `residual`: the residual stream itself rounded after
+    each branch's add, as the engine stored it before it kept the stream in fp32
+    (dev/residual_precision.py measures the difference). The sums stay float32 as the kernels'
+    accumulators do."""
 
     residual: bool = False
     activations: bool = True
@@ -323,9 +325,8 @@ class Qwen2Reference:
 
     def mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """SwiGLU: down(silu(gate(x)) * up(x)); x: [T, H] -> [T, H]."""
-        act = self._act
-        gate, up = act(F.linear(x, w.gate_proj)), act(F.linear(x, w.up_proj))
-        return F.linear(act(F.silu(gate) * up), w.down_proj)
+        gate, up = F.linear(x, w.gate_proj), F.linear(x, w.up_proj)
+        return F.linear(self._act(F.silu(gate) * up), w.down_proj)
 
 
 # --- Threads ----------------------------------------------------------------------------------
