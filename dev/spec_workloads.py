@@ -30,6 +30,7 @@ import traceback
 from dataclasses import replace
 
 from nanoqwen.engine import verify
+from nanoqwen.harness import import_torch_first
 from nanoqwen.harness.spec_bench import print_spec_result, run_spec_bench
 from nanoqwen.harness.workloads import WORKLOADS, build
 from nanoqwen.llm import LLM
@@ -100,6 +101,8 @@ def main() -> int:
         return LLM(args.file, backend=args.backend, max_context=args.max_context,
                    speculative=config)  # fmt: skip
 
+    if args.margins:
+        import_torch_first()  # the reference is built after the engine's kernels
     margin = reference_margin(args.file, args.max_context) if args.margins else None
     results = {}
     for spec in specs:

@@ -48,6 +48,7 @@ from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.engine.verify import DOWN_PATHS, Verify
 from nanoqwen.fileformat import NanoqwenFile
+from nanoqwen.harness import import_torch_first
 from nanoqwen.harness.bench import aggregate_kernels, compare_steps, launch_times, time_graph
 from nanoqwen.harness.gpu_script import run_part
 from nanoqwen.harness.real_text import compare
@@ -267,6 +268,8 @@ def main() -> int:
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     print(f"seed {seed}")
     rng = np.random.default_rng(seed)
+    if args.reference:
+        import_torch_first()  # the reference runs after the engine's kernels build
     f = NanoqwenFile(args.file)
     e = CudaBackend(f, max_context=args.context + 64)
     steps = {"": VerifyStep(e)}

@@ -22,7 +22,10 @@ import pytest
 
 from nanoqwen.config import ModelConfig
 from nanoqwen.fileformat import TokenizerSpec, write_nanoqwen
+from nanoqwen.harness import import_torch_first
 from nanoqwen.paths import cache_dir
+
+import_torch_first()  # GPU tests take the reference after an engine has built its kernels
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = ("-m", "nanoqwen.cli")

@@ -77,6 +77,33 @@ def test_cancel_frees_pages(tiny):
     assert e.kv_pages_in_use == 0
 
 
+def test_close_ends_a_suspended_generation(tiny_model):
+    """close() with generations suspended mid-stream (the graph running) and after their first
+    token: each is ended first (cancelled, synced, pages released), so nothing of theirs runs
+    later against the host ring's freed pinned memory."""
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.sampling import SamplingParams
+
+    with NanoqwenFile(tiny_model) as f:
+        e = CudaBackend(f, max_context=1024)
+        try:
+            streaming = e.generate([1, 2, 3], SamplingParams(max_tokens=500), frozenset())
+            next(streaming), next(streaming)  # the graph runs
+            e.close()
+            assert streaming.gi_frame is None  # finished: its finally ran before the free
+            assert e.kv_pages_in_use == 0
+            with pytest.raises(StopIteration):
+                next(streaming)
+        finally:
+            e.close()  # a second close frees nothing twice
+        e = CudaBackend(f, max_context=1024)
+        first_only = e.generate([4, 5, 6], SamplingParams(max_tokens=500), frozenset())
+        next(first_only)
+        e.close()
+        assert first_only.gi_frame is None and e.kv_pages_in_use == 0
+
+
 def test_generate_on_another_thread(tiny_model):
     """The server builds the engine on its main thread and generates on a worker thread: the
     first generation there allocates prefill scratch and captures the decode graph."""

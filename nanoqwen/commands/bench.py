@@ -129,6 +129,10 @@ def run(args) -> int:
     if args.backend == "reference":
         raise NanoqwenError(f"--workload {args.workload} times the cuda engine: no --backend "
                             "reference (edit, fim and chat take it)")  # fmt: skip
+    if args.baseline:
+        from ..harness import import_torch_first
+
+        import_torch_first()  # the transformers baseline runs after the engine's kernels build
     from ..engine import CudaBackend
     from ..fileformat import NanoqwenFile
     from ..harness.bench import (

@@ -31,11 +31,13 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..engine import CudaBackend
     from ..fileformat import NanoqwenFile
-    from ..harness import load_protocol
+    from ..harness import import_torch_first, load_protocol
     from ..harness import validate as v
     from ..harness import validate_real as vr
     from ..harness.real_text import is_real
 
+    if args.tier != "unit":
+        import_torch_first()  # the layer and graph tiers' reference runs after the kernels build
     ladder = load_protocol()["ladder"]
     checks = []
     with NanoqwenFile(args.file) as f:

@@ -47,6 +47,7 @@ DeviceError.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -133,6 +134,8 @@ class CudaBackend:
                                    self.weights, self.kv, self.forward.rope, self.max_batch,
                                    self.max_context)  # fmt: skip
         self.cached_tokens = 0  # of the running (or last) generation's prompt
+        # generate()'s iterators not yet finished: close() ends them while their memory lives
+        self._generations: weakref.WeakSet = weakref.WeakSet()
         self.gpu.sync("load")
 
     # -- the seam ----------------------------------------------------------------------------
@@ -256,7 +259,9 @@ class CudaBackend:
         self.gpu.ensure_ok()
         ids = check_prompt(prompt_ids, self.config.vocab_size)
         check_fits(len(ids), params.max_tokens, self.max_context)
-        return self._generate(ids, params, frozenset(stop_ids))
+        generation = self._generate(ids, params, frozenset(stop_ids))
+        self._generations.add(generation)
+        return generation
 
     def _generate(self, ids: np.ndarray, params: SamplingParams, stop_ids) -> Iterator[int]:
         T, h, f, loop = len(ids), self.config.hidden_size, self.forward, self.loop
@@ -398,8 +403,17 @@ class CudaBackend:
             self.batch.forget(seq)
 
     def close(self) -> None:
-        """Wait for the GPU, then free everything (the Gpu owns every buffer)."""
+        """End every generation still suspended, wait for the GPU, then free everything (the
+        Gpu owns every buffer).
+
+        A generation's `finally` writes the host ring's cancel word and reads its tokens: the
+        ring is pinned memory that Gpu.close() returns to the driver, so a generator left to
+        the garbage collector after close() would write into memory that is no longer ours
+        (and perhaps another library's by then). Closed here, it cancels, syncs, commits and
+        releases its pages while all of that still exists."""
         try:
+            for generation in list(self._generations):
+                generation.close()
             self.gpu.sync("close")
         finally:
             self.gpu.close()
