@@ -19,11 +19,10 @@ def load_protocol() -> dict:
 def import_torch_first() -> None:
     """Import torch now, in a process that will use it after the engine has built its kernels.
 
-    Measured on the H200 host (torch 2.11, NVRTC 13, 2026-12-03): when the process has compiled
-    kernels with NVRTC (a cold kernel cache) before its first `import torch`, that import fails
-    parsing the schema of one of torch's own Python-defined ops ("expected ident but found ')'"
-    in "annotate(strtag) -> ()"): 3 of 3 runs of tests/test_gpu_engine.py::test_layer_and_graph
-    with the cache emptied; none with the cache warm (3 runs) or with torch imported first. The
-    engine never imports torch, so the order is up to its callers: the ladder, the transformers
-    baseline, the tests and the dev scripts that take a reference."""
+    On the H200 host (torch 2.11, NVRTC 13) a process that compiled kernels with NVRTC (a cold
+    kernel cache) before its first `import torch` fails that import, parsing the schema of one
+    of torch's own ops ("expected ident but found ')'" in "annotate(strtag) -> ()"); with torch
+    imported first it does not (docs/EXPERIMENTS.md, Validation). The engine never imports
+    torch, so the order is up to its callers: the ladder, the transformers baseline, the tests
+    and the dev scripts that take a reference."""
     import torch  # noqa: F401
