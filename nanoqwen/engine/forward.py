@@ -83,10 +83,10 @@ class Forward:
     `res` fp32 [H] the decode step's residual row and `x` fp16 [H] its copy (what the RMSNorms
     read); `logits` fp32 [V]; `key` u64 lm_head's argmax key (the sampler re-zeroes it).
 
-    Why two: the residual stream is a running sum over every layer, so it is kept in fp32 (its
-    fp16 rounding was the largest single source of the logits' noise on real weights:
-    docs/DESIGN.md, Activation precision), while each RMSNorm reads the fp16 copy the writer
-    stores beside it, so that the norm-fused kernels keep their fp16 x staging."""
+    Why two: the residual stream is a running sum over every layer, so it is kept in fp32 (an
+    fp16 rounding there carries into every later layer: docs/DESIGN.md, Activation precision),
+    while each RMSNorm reads the fp16 copy the writer stores beside it, so that the norm-fused
+    kernels keep their fp16 x staging."""
 
     def __init__(
         self,
