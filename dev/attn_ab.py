@@ -122,12 +122,14 @@ class Contig:
 
 
 def inputs(cfg: ModelConfig, start: int, T: int, gen):
-    """Random q [T, HQ, D] and k, v [start + T, HKV, D] fp16, and their paged caches."""
+    """Random q [T, HQ, D], K's parts (this tree's cache format) and v [start + T, HKV, D]
+    fp16, and their paged caches."""
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q = torch.randn(T, hq, d, device="cuda", dtype=torch.float16, generator=gen)
-    k = torch.randn(start + T, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+    k_parts = [torch.randn(start + T, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+               for _ in range(registry.DEFAULT_GEOMETRY.k_parts)]  # fmt: skip
     v = torch.randn(start + T, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
-    return q, k, v, paged_kv(k, v, gen)
+    return q, sum(x.float() for x in k_parts).half(), v, paged_kv(k_parts, v, gen)
 
 
 def same_bits(pairs, gen, log) -> bool:

@@ -34,6 +34,7 @@ import torch
 from nanoqwen.config import PAGE_TOKENS, preset
 from nanoqwen.cuda.decode import DecodeKernels, VerifyKernels
 from nanoqwen.cuda.device import Gpu
+from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, kv_token_bytes
 from nanoqwen.harness.bench import time_graph
 from nanoqwen.harness.gpu_script import gpu_session, run_part
 from nanoqwen.harness.prefill_checks import wait_or_die
@@ -55,27 +56,36 @@ TIME_MS = (1, 2, 4, 8, 16)
 
 # -- attention ----------------------------------------------------------------------------------
 class PagedKV:
-    """A layer's K and V caches in the device layout (kv_cache.cuh), random N(0, 1), with a
-    shuffled page table, and the logical [positions, n_kv, D] float32 views for the reference."""
+    """A layer's K and V caches in the device layout (kv_cache.cuh: K in the default format's
+    parts, each random N(0, 1) / (1 + 3 part), so a part left out shows), with a shuffled page
+    table, and the logical [positions, n_kv, D] float32 views for the reference."""
 
     def __init__(self, cfg, positions: int, layers: int = 1, gen=None):
         pages = -(-positions // PAGE_TOKENS) + 3  # spare pages: the table does not cover all
-        shape = (pages, cfg.num_kv_heads, PAGE_TOKENS, cfg.head_dim)
-        self.k = [torch.randn(shape, generator=gen, device="cuda").half() for _ in range(layers)]
-        self.v = [torch.randn(shape, generator=gen, device="cuda").half() for _ in range(layers)]
+        parts = DEFAULT_GEOMETRY.k_parts
+
+        def cache(n):
+            shape = (pages, cfg.num_kv_heads, n, PAGE_TOKENS, cfg.head_dim)
+            x = torch.randn(shape, generator=gen, device="cuda")
+            return (x / (1 + 3 * torch.arange(n, device="cuda"))[:, None, None]).half()
+
+        self.k = [cache(parts) for _ in range(layers)]
+        self.v = [cache(1) for _ in range(layers)]
         self.table = torch.randperm(pages, generator=gen, device="cuda").to(torch.int32)
         self.cfg = cfg
 
     def logical(self, cache: torch.Tensor, n: int) -> torch.Tensor:
-        """[n, n_kv, D] float32 of positions 0 .. n - 1 (the chunk swizzle undone)."""
+        """[n, n_kv, D] float32 of positions 0 .. n - 1 (the chunk swizzle undone, the parts
+        summed)."""
         d = self.cfg.head_dim
         pos = torch.arange(n, device="cuda")
         t = (pos % PAGE_TOKENS)[:, None]
         col = torch.arange(d, device="cuda")[None, :]
         stored = ((col // 8) ^ (t % 8)) * 8 + col % 8  # [n, D]
-        tiles = cache[self.table[pos // PAGE_TOKENS].long()]  # [n, n_kv, 16, D]
-        rows = tiles[torch.arange(n, device="cuda"), :, pos % PAGE_TOKENS]  # [n, n_kv, D]
-        return torch.gather(rows, 2, stored[:, None, :].expand_as(rows)).float()
+        tiles = cache[self.table[pos // PAGE_TOKENS].long()]  # [n, n_kv, parts, 16, D]
+        rows = tiles[torch.arange(n, device="cuda"), :, :, pos % PAGE_TOKENS]  # [n, n_kv, parts, D]
+        idx = stored[:, None, None, :].expand_as(rows)
+        return torch.gather(rows, 3, idx).float().sum(2)
 
 
 def attention_reference(q, k, v, start):
@@ -222,7 +232,7 @@ def time_attention(gpu, gen, log) -> list[tuple]:
 
             us = 1e6 * time_graph(gpu, body, 4) / layers
             base = base or us
-            tb_s = ctx * cfg.kv_size * 2 * 2 / us / 1e6
+            tb_s = ctx * kv_token_bytes(cfg) / us / 1e6
             rows.append(("attention", ctx, m, us, us / base, tb_s))
             log(f"attention ctx {ctx:6d} M {m:2d}: {us:8.2f} us  x{us / base:5.2f}  "
                 f"{tb_s:5.2f} TB/s")  # fmt: skip

@@ -72,10 +72,12 @@ class Attention:
 def tune_attention(f: NanoqwenFile, sweep, args) -> tuple[str, list[dict]]:
     cfg, gpu = f.config, Gpu()
     rng = np.random.default_rng(0)
-    kv = KVCache(gpu, cfg, max(args.context))
+    # The K pools in the larger format (K_CACHE): a kKParts=1 variant reads the same finite
+    # values in its own layout.
+    kv = KVCache(gpu, cfg, max(args.context), k_parts=2)
     vals = (rng.standard_normal(kv.num_pages * PAGE_TOKENS * cfg.kv_size) * 0.3).astype(np.float16)
     for i in range(cfg.num_layers):  # finite K/V everywhere
-        gpu.upload(kv.k[i], vals)
+        gpu.upload(kv.k[i], np.concatenate([vals, vals[::-1]]))
         gpu.upload(kv.v[i], vals[::-1].copy())
     q = gpu.alloc(cfg.q_size * 2, "q")
     gpu.upload(q.ptr, rng.standard_normal(cfg.q_size).astype(np.float16))
@@ -98,7 +100,7 @@ def tune_attention(f: NanoqwenFile, sweep, args) -> tuple[str, list[dict]]:
                     attend(i, outs[0].ptr, s)
 
             us = 1e6 * time_graph(gpu, body, args.reps) / cfg.num_layers
-            kv_bytes = ctx * cfg.kv_size * 2 * 2
+            kv_bytes = ctx * cfg.kv_size * 2 * (geometry.k_parts + 1)
             row = dict(kernel="attention", **values, context=ctx, splits=kernels.attn_splits,
                        us=us, tb_s=kv_bytes / us / 1e6, regs=regs, err=err)  # fmt: skip
             rows.append(row)

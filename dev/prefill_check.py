@@ -134,7 +134,7 @@ def time_all(pk, cfg, gen, ms=(512,)):
     for t in ATTN_TIMED_T:
         q = torch.randn(t, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.float16)
         kv = torch.randn(t, cfg.num_kv_heads, cfg.head_dim, device="cuda", dtype=torch.float16)
-        kc, vc, table = paged_kv(kv, kv, gen)
+        kc, vc, table = paged_kv([kv] * pk.geometry.k_parts, kv, gen)
         out = torch.empty_like(q)
         attn_ms[t] = time_ms(
             pk.gpu,

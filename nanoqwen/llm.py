@@ -204,11 +204,13 @@ class LLM:
         progress=False,
         speculative: SpeculativeConfig | str | None = DEFAULT_SPECULATE,
         max_batch: int | None = None,
+        k_cache: str | None = None,
     ):
         """progress: show the reference backend's load progress (a bar per layer) on stderr;
         speculative: "off" (or None), "ngram" (SpeculativeConfig's defaults) or a
         SpeculativeConfig; max_batch: the reference backend's batch slots (None: its
-        default; the cuda backend sizes its own)."""
+        default; the cuda backend sizes its own); k_cache: the cuda backend's K cache
+        format (registry.K_CACHE; None: its default; the reference keeps K in float32)."""
         from .fileformat import NanoqwenFile
 
         self.speculative = resolve(speculative)
@@ -220,7 +222,7 @@ class LLM:
             self.config: ModelConfig = self._file.config
             self.tokenizer = Tokenizer.from_file(self._file)
             self.max_context = context_size(max_context, self.backend_name, self.config)
-            self._progress, self._max_batch = progress, max_batch
+            self._progress, self._max_batch, self._k_cache = progress, max_batch, k_cache
             self._backend = self._open_backend()
         except BaseException:
             self._file.close()
@@ -236,9 +238,12 @@ class LLM:
                 raise NanoqwenError(
                     f"the cuda backend cannot be loaded ({exc}); use --backend reference"
                 ) from None
-            # Without speculation the plain constructor call: any engine takes it.
-            spec = {"speculative": self.speculative} if self.speculative else {}
-            return CudaBackend(self._file, max_context=self.max_context, **spec)
+            # Without speculation or a K cache format the plain constructor call: any engine
+            # takes it.
+            extra = {"speculative": self.speculative} if self.speculative else {}
+            if self._k_cache:
+                extra["k_cache"] = self._k_cache
+            return CudaBackend(self._file, max_context=self.max_context, **extra)
         from .reference import ReferenceBackend
 
         batch = {} if self._max_batch is None else {"max_batch": self._max_batch}

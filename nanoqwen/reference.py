@@ -208,16 +208,18 @@ class Fp16Storage:
     between kernels (an emulation of the engine's storage, not of its sums). `activations`:
     every tensor a kernel hands to the next in fp16: the copy of the residual stream each
     RMSNorm reads (the o and down kernels write it beside the fp32 residual), the normed x
-    (fused into q/k/v, gate/up and lm_head, which round it in registers), q/k/v + bias and q/k
-    after RoPE (the K/V pages are fp16), the attention's fp16 P for P.V and its output, and
-    silu(gate) * up (gate and up themselves stay fp32: the kernels apply SwiGLU in the GEMM's
-    epilogue, decode and prefill alike). `residual`: the residual stream itself rounded after
-    each branch's add, as the engine stored it before it kept the stream in fp32
-    (dev/residual_precision.py measures the difference). The sums stay float32 as the kernels'
-    accumulators do."""
+    (fused into q/k/v, gate/up and lm_head, which round it in registers), q after RoPE and v
+    (the q/k/v kernels add the bias and rotate in fp32, then store), K after RoPE unless
+    `k_pair` (the K cache's (hi, lo) pair holds it to ~22 bits: kernels/kv_cache.cuh), the
+    attention's fp16 P for P.V and its output, and silu(gate) * up (gate and up themselves
+    stay fp32: the kernels apply SwiGLU in the GEMM's epilogue, decode and prefill alike).
+    `residual`: the residual stream itself rounded after each branch's add, as the engine
+    stored it before it kept the stream in fp32 (dev/residual_precision.py measures the
+    difference). The sums stay float32 as the kernels' accumulators do."""
 
     residual: bool = False
     activations: bool = True
+    k_pair: bool = True
 
 
 def _round_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -305,10 +307,12 @@ class Qwen2Reference:
         cfg, t = self.config, x.shape[0]
         group, d = cfg.group_ratio, cfg.head_dim
         act = self._act
-        q = act(F.linear(x, w.q_proj, w.q_bias)).view(t, cfg.num_heads, d)  # q: [T, n_heads, d]
-        k = act(F.linear(x, w.k_proj, w.k_bias)).view(t, cfg.num_kv_heads, d)  # k: [T, n_kv, d]
+        q = F.linear(x, w.q_proj, w.q_bias).view(t, cfg.num_heads, d)  # q: [T, n_heads, d]
+        k = F.linear(x, w.k_proj, w.k_bias).view(t, cfg.num_kv_heads, d)  # k: [T, n_kv, d]
         v = act(F.linear(x, w.v_proj, w.v_bias)).view(t, cfg.num_kv_heads, d)  # v: [T, n_kv, d]
-        q, k = act(apply_rope(q, cos, sin)), act(apply_rope(k, cos, sin))
+        q, k = act(apply_rope(q, cos, sin)), apply_rope(k, cos, sin)
+        if not (self.fp16_storage and self.fp16_storage.k_pair):
+            k = act(k)
         cache.write(layer, table, start, k, v)
         k, v = cache.read(layer, table, start + t)  # k, v: [L, n_kv, d], L = start + T
 

@@ -162,7 +162,9 @@ def test_memory_plan_with_pool_and_batch():
     base = memory.plan_memory(cfg, 8192)
     assert "batch" not in base.parts
     plan = memory.plan_memory(cfg, 8192, kv_tokens=65536, max_batch=16)
-    assert plan.parts["kv_cache"] == sum(alloc_size(n) for n in kv_cache_buffers(cfg, 65536))
+    assert plan.parts["kv_cache"] == sum(
+        alloc_size(n) for n in kv_cache_buffers(cfg, 65536, g.k_parts)
+    )
     assert plan.parts["kv_cache"] > 7 * base.parts["kv_cache"]
     for k in ("weights", "prefill_scratch", "decode_buffers"):
         assert plan.parts[k] == base.parts[k]  # the context, not the pool, sizes these
@@ -201,7 +203,7 @@ def test_memory_command_with_pool_and_batch(capsys):
 
     assert main(["memory", "--model", "7b", "--context", "8192", "--kv-tokens", "131072"]) == 0
     out = capsys.readouterr().out
-    assert "batch " in out and "7.00 GiB" in out  # 131072 + 16 positions of 56 KB
+    assert "batch " in out and "10.50 GiB" in out  # 131072 + 16 positions of 84 KB
     assert main(["memory", "--model", "7b", "--max-batch", "0"]) == 0
     assert "batch " not in capsys.readouterr().out
 

@@ -138,7 +138,7 @@ def test_generate_on_another_thread(tiny_model):
     "pdl, overrides",
     [
         (False, {}),
-        (True, {"kGvEarlyStages": 0, "kAttnStages": 8, "kGvStageTarget": 16384}),
+        (True, {"kGvEarlyStages": 0, "kAttnStages": 12, "kGvStageTarget": 16384}),
         (True, {"kGvWideMinK": 128}),  # every GEMV in the wide form (one CTA an SM)
     ],
     ids=["pdl-off", "geometry-variant", "wide-gemv"],

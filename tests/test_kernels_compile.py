@@ -36,6 +36,17 @@ def test_kernels_command_reports_every_kernel(name, capsys):
     assert "SPILLS" not in out and "kGvStageTarget=8192" in out
 
 
+@pytest.mark.parametrize("name", ["0.5b", "7b"])
+def test_kernels_with_the_plain_fp16_k_cache(name, capsys):
+    """The other K cache format (registry.K_CACHE): one tile of K a page, the rings' stages
+    for the same bytes, no spills (head dims 64 and 128)."""
+    from nanoqwen.cli import main
+
+    assert main(["kernels", "--model", name, "--k-cache", "fp16"]) == 0
+    out = capsys.readouterr().out
+    assert "SPILLS" not in out and "kKParts=1" in out and "kAttnStages=12" in out
+
+
 def test_kernels_command_with_an_override(capsys):
     from nanoqwen.cli import main
 

@@ -32,7 +32,8 @@ def test_every_preset_fits_an_h200_at_32k(name):
     assert plan.needed <= memory.H200_FREE
     assert set(plan.parts) == {"weights", "kv_cache", "prefill_scratch", "prefill_workspace",
                                "decode_buffers", "margin"}  # fmt: skip
-    kv = cfg.num_layers * 2 * (32768 + 16) * cfg.kv_size * 2  # + the padding page
+    # K as an fp16 (hi, lo) pair and V in fp16, + the padding page
+    kv = cfg.num_layers * 3 * (32768 + 16) * cfg.kv_size * 2
     assert kv <= plan.parts["kv_cache"] <= kv + 2 * cfg.num_layers * 512 + 4 * 2048 + 512
     # INT4 (half a byte a weight, a fp16 scale a 128) + fp16 embeddings and lm_head
     assert plan.parts["weights"] >= cfg.weight_bytes_per_token()
@@ -42,9 +43,10 @@ def test_the_32b_at_32k():
     plan = memory.plan_memory(preset("32b"), 32768)
     p = {k: v / GIB for k, v in plan.parts.items()}
     assert 17.5 < p["weights"] < 18.5  # 64 layers of INT4 + 2 x 152064 x 5120 fp16
-    assert p["kv_cache"] == pytest.approx(8.0, abs=0.01)  # 64 x 2 x 32768 x 8 x 128 x 2 bytes
-    assert 3.9 < p["prefill_scratch"] < 4.1  # ~128 KB a token of a 32k prompt (20 KB: fp32 res)
-    assert plan.needed < 31 * GIB < memory.H200_FREE
+    assert p["kv_cache"] == pytest.approx(12.0, abs=0.01)  # 64 x 3 x 32768 x 8 x 128 x 2 bytes
+    # ~142 KB a token of a 32k prompt (20 KB: the fp32 residual, 28 KB: the fp32 q/k/v)
+    assert 4.3 < p["prefill_scratch"] < 4.5
+    assert plan.needed < 36 * GIB < memory.H200_FREE
     assert plan.describe().startswith(f"{plan.needed / GIB:.2f} GiB = weights 17.")
 
 
@@ -57,7 +59,7 @@ def test_refused_with_needed_against_free():
     msg = str(err.value)
     assert f"the 32b at max_context 32768 needs {needed} bytes" in msg
     assert f"but {free} of {total} bytes (24.00 of 80.00 GiB) are free" in msg
-    assert "weights 17." in msg and "kv_cache 8.00" in msg
+    assert "weights 17." in msg and "kv_cache 12.01" in msg
     assert f"max_context {largest} would fit" in msg
     assert memory.plan_memory(cfg, largest).needed <= free
     assert memory.plan_memory(cfg, largest + 1).needed > free
@@ -127,7 +129,7 @@ def test_the_plan_is_what_the_load_allocates(tmp_path, files):
     assert weights.lm_head == weights.embed  # tied: uploaded once
 
     before = gpu.live_bytes()
-    kv = KVCache(gpu, cfg, ctx)
+    kv = KVCache(gpu, cfg, ctx, registry.DEFAULT_GEOMETRY.k_parts)
     assert gpu.live_bytes() - before == plan["kv_cache"]
     before = gpu.live_bytes()
     kernels = SimpleNamespace(config=cfg, geometry=registry.DEFAULT_GEOMETRY, gpu=gpu)

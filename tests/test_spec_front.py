@@ -131,7 +131,7 @@ def test_llm_passes_the_config_to_the_backend(tiny_model):
 
 def test_cuda_backend_gets_the_argument_only_with_speculation(tiny_model, monkeypatch):
     """The cuda backend is opened with speculative= when speculation is on, and without it
-    otherwise (any engine takes that call)."""
+    otherwise (any engine takes that call); k_cache= only when one is asked for."""
     import nanoqwen.engine as engine
     import nanoqwen.llm as llm_module
 
@@ -145,7 +145,12 @@ def test_cuda_backend_gets_the_argument_only_with_speculation(tiny_model, monkey
     monkeypatch.setattr(engine, "CudaBackend", FakeCuda, raising=False)
     LLM(tiny_model, backend="cuda", max_context=256)
     LLM(tiny_model, backend="cuda", max_context=256, speculative="ngram")
-    assert calls == [{"max_context": 256}, {"max_context": 256, "speculative": SpeculativeConfig()}]
+    LLM(tiny_model, backend="cuda", max_context=256, k_cache="fp16")
+    assert calls == [
+        {"max_context": 256},
+        {"max_context": 256, "speculative": SpeculativeConfig()},
+        {"max_context": 256, "k_cache": "fp16"},
+    ]
 
 
 # -- statistics --------------------------------------------------------------------------------

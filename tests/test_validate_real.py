@@ -3,6 +3,7 @@ the reference with the engine's fp16 storage emulated passes them, one with a la
 broken fails them. A synthetic tiny file stands in for real weights (the tiers take any file)."""
 
 import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ TOL_GRAPH = {**load_protocol()["ladder"]["graph"]["real"], "windows": 2, "tokens
 
 class FakeEngine:
     """The reference with fp16 storage, behind the engine's validation methods."""
+
+    kv = types.SimpleNamespace(k_parts=2)  # the K cache's (hi, lo) pair: Fp16Storage's default
 
     def __init__(self, file, broken: bool = False):
         self.ref = ReferenceBackend(file, max_context=256, prefix_caching=False)

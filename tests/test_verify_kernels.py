@@ -44,8 +44,12 @@ def test_lm_head_rows_ring(name):
 
 
 def test_mattn_smem_7b():
-    """Ring 16 pages x 8 KB, inbox 8 ranks x 112 rows x 16 columns fp32, (m, l) 8 x 112."""
-    assert registry.mattn_smem_bytes(preset("7b")) == 16 * 8192 + 8 * 112 * 16 * 4 + 8 * 112 * 8
+    """Ring 8 pages x 12 KB (K's hi and lo, V), inbox 8 ranks x 112 rows x 16 columns fp32,
+    (m, l) 8 x 112; with the plain fp16 K cache 16 pages x 8 KB."""
+    inbox = 8 * 112 * 16 * 4 + 8 * 112 * 8
+    assert registry.mattn_smem_bytes(preset("7b")) == 8 * 12288 + inbox
+    plain = registry.k_cache_geometry("fp16")
+    assert registry.mattn_smem_bytes(preset("7b"), plain) == 16 * 8192 + inbox
 
 
 @pytest.mark.parametrize("m", [0, -1, 17])

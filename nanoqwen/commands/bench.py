@@ -25,7 +25,7 @@ inter-token latency and TTFT p50/p99 by N; --plot draws tokens/s and ITL against
 import sys
 
 from .argtypes import int_range
-from .generate import add_speculative_arguments
+from .generate import add_k_cache_argument, add_speculative_arguments
 
 HELP = "benchmark the CUDA engine (needs an sm_90 GPU), or speculation on real prompts"
 BASELINES = ("transformers",)
@@ -76,6 +76,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--top-p", type=float, default=1.0, help="edit/fim/chat: with --temperature")
     add_speculative_arguments(p, method=False)
+    add_k_cache_argument(p)
     p.add_argument("--new-len", type=int_range(1), default=64,
                    help="prefix workload: new tokens after the --prompt-len prefix")  # fmt: skip
     p.add_argument("--prompt-len", type=int_range(1), default=protocol["prompt_len"],
@@ -155,7 +156,7 @@ def run(args) -> int:
         max_context = args.max_context or default_max_context(
             args.prompt_len, args.gen_len, cfg.max_position_embeddings
         )
-        engine = CudaBackend(f, max_context=max_context)
+        engine = CudaBackend(f, max_context=max_context, k_cache=args.k_cache)
         try:
             res = run_bench(engine, args.prompt_len, args.gen_len, args.warmup, args.runs)
             if args.kernels:
@@ -196,7 +197,7 @@ def _prefix(args) -> int:
         max_context = args.max_context or default_max_context(
             args.prompt_len + args.new_len, args.gen_len, f.config.max_position_embeddings
         )
-        engine = CudaBackend(f, max_context=max_context)
+        engine = CudaBackend(f, max_context=max_context, k_cache=args.k_cache)
         try:
             res = run_prefix_bench(engine, args.prompt_len, args.new_len, args.gen_len,
                                    args.warmup, args.runs)  # fmt: skip
@@ -224,7 +225,7 @@ def _speculative(args) -> int:
 
     def open_llm(config):
         return LLM(args.file, backend=args.backend, max_context=args.max_context,
-                   speculative=config)  # fmt: skip
+                   speculative=config, k_cache=args.k_cache)  # fmt: skip
 
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     res = run_spec_bench(open_llm, args.workload, prompts, spec, args.gen_len, args.warmup,
@@ -261,7 +262,7 @@ def _concurrency(args) -> int:
         if name == "cuda":
             from ..engine import CudaBackend
 
-            backend = CudaBackend(f, max_context=max_context)
+            backend = CudaBackend(f, max_context=max_context, k_cache=args.k_cache)
         else:
             from ..reference import ReferenceBackend
 

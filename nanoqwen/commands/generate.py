@@ -57,7 +57,22 @@ def add_backend_arguments(p: argparse.ArgumentParser) -> None:
         help="torch threads of the reference backend; None = $OMP_NUM_THREADS if set, else "
         "the physical cores - 1 (at least 1): a thread that shares its core stalls every op",
     )
+    add_k_cache_argument(p)
     add_speculative_arguments(p)
+
+
+def add_k_cache_argument(p: argparse.ArgumentParser) -> None:
+    """--k-cache: the cuda backend's K cache format (nanoqwen.cuda.registry.K_CACHE)."""
+    from ..cuda.registry import DEFAULT_K_CACHE, K_CACHE
+
+    p.add_argument(
+        "--k-cache",
+        choices=tuple(K_CACHE),
+        default=DEFAULT_K_CACHE,
+        help="cuda backend: the K cache's format. fp16x2 keeps each key as an fp16 (hi, lo) "
+        "pair, exact to ~22 bits (the default: fp16 keys were the largest rounding left); fp16 "
+        "takes 2/3 of the KV memory and attention's bytes, for long contexts and big batches",
+    )
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser, method: bool = True) -> None:
@@ -199,7 +214,7 @@ def open_llm(path, args: argparse.Namespace, max_tokens: int | None = None,
     print(f"nanoqwen: backend {backend} ({reason}); loading {path}", file=sys.stderr)
     start = time.perf_counter()
     llm = LLM(path, backend=backend, max_context=args.max_context, progress=sys.stderr.isatty(),
-              speculative=speculative, max_batch=max_batch)  # fmt: skip
+              speculative=speculative, max_batch=max_batch, k_cache=args.k_cache)  # fmt: skip
     print(f"nanoqwen: loaded in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return llm
 

@@ -2,14 +2,18 @@
 prefill's) with NVRTC for sm_90a, no GPU needed, and print each one's block, dynamic shared
 memory, registers, static shared memory, stack and spill bytes, then the tunables the kernels
 were built with, by source file. Exits non-zero on a compile error or on local-memory spills.
---set NAME=VALUE builds a variant of the geometry (e.g. --set kGvEarlyStages=2);
+--k-cache picks the K cache format's geometry (registry.K_CACHE) and --set NAME=VALUE builds a
+variant of it (e.g. --set kGvEarlyStages=2);
 NANOQWEN_DUMP_PTX=<name> also writes that kernel's PTX."""
+
+from .generate import add_k_cache_argument
 
 HELP = "compile every kernel and show its resources (no GPU needed)"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="7b", help="config preset whose dims the kernels get")
+    add_k_cache_argument(p)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a geometry value (registry.Geometry, C name)")  # fmt: skip
 
@@ -47,7 +51,7 @@ def run(args) -> int:
 
     cfg = preset(args.model)
     try:
-        geometry = registry.DEFAULT_GEOMETRY.override(_overrides(args.set))
+        geometry = registry.k_cache_geometry(args.k_cache).override(_overrides(args.set))
     except ValueError as exc:
         raise NanoqwenError(str(exc)) from None
     specs = registry.kernel_table(cfg, geometry)

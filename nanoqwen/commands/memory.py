@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 from .argtypes import int_range
+from .generate import add_k_cache_argument
 
 HELP = "plan device memory for a preset and context against free bytes (no GPU needed)"
 
@@ -36,11 +37,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sms", type=int_range(1), default=None,
                    help="SMs of the GPU (default: an H200's, engine.memory.H200_SMS)")  # fmt: skip
+    add_k_cache_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..backend import check_max_context
     from ..config import preset
+    from ..cuda.registry import k_cache_geometry
     from ..engine.memory import GIB, H200_FREE, H200_SMS, largest_context, plan_memory
 
     cfg = preset(args.model)
@@ -49,9 +52,11 @@ def run(args: argparse.Namespace) -> int:
     sms = args.sms or H200_SMS
     lm_head = {"fp16": "float16", "int8": "int8"}[args.lm_head]
     max_batch = args.max_batch if lm_head == "float16" else 0  # as CudaBackend
-    extra = {"lm_head": lm_head, "kv_tokens": args.kv_tokens, "max_batch": max_batch}
+    extra = {"geometry": k_cache_geometry(args.k_cache), "lm_head": lm_head,
+             "kv_tokens": args.kv_tokens, "max_batch": max_batch}  # fmt: skip
     plan = plan_memory(cfg, args.context, sms, **extra)
-    print(f"{cfg.name} ({args.lm_head} lm_head) at max_context {args.context} on {sms} SMs:")
+    print(f"{cfg.name} ({args.lm_head} lm_head, {args.k_cache} K cache) at max_context "
+          f"{args.context} on {sms} SMs:")  # fmt: skip
     for part, n in plan.parts.items():
         print(f"  {part:18} {n:15,d} bytes {n / GIB:8.2f} GiB")
     print(f"  {'needed':18} {plan.needed:15,d} bytes {plan.needed / GIB:8.2f} GiB")

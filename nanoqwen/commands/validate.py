@@ -5,6 +5,7 @@ gguf) runs the layer and graph tiers on real code with the gates of ladder.*.rea
 (harness.validate_real). Exits non-zero if any check fails."""
 
 from .argtypes import int_range
+from .generate import add_k_cache_argument
 
 HELP = "validate the CUDA kernels and engine against the reference"
 
@@ -20,6 +21,7 @@ def add_arguments(p) -> None:
         help="graph tier prompts of a synthetic file; None = the count in config/nanoqwen.yaml "
         "(a real file's code windows are set there)",
     )
+    add_k_cache_argument(p)
     p.add_argument(
         "--seed",
         type=int_range(0),
@@ -43,9 +45,9 @@ def run(args) -> int:
     with NanoqwenFile(args.file) as f:
         real = is_real(f)  # real weights: real code and the gates of ladder.*.real
         if args.tier in ("unit", "all"):
-            checks += v.unit_tier(f.config, ladder["unit"]["tolerances"], args.seed)
+            checks += v.unit_tier(f.config, ladder["unit"]["tolerances"], args.seed, args.k_cache)
         if args.tier in ("layer", "graph", "all"):
-            engine = CudaBackend(f, max_context=4096)
+            engine = CudaBackend(f, max_context=4096, k_cache=args.k_cache)
             try:
                 if args.tier in ("layer", "all") and real:
                     checks += vr.real_layer_tier(engine, f, ladder["layer"]["real"])

@@ -79,7 +79,7 @@ class BatchKernels(Launcher):
         self.launch("attention_batch", (c.num_kv_heads, (rows + self.spare) * cl, 1), q, kc, vc,
                     pages, pos, scratch.part_ml.ptr, scratch.part_acc.ptr, scratch.counters.ptr,
                     out, _I32(rows), _I32(page_stride), stream=stream, label="attention",
-                    per_token=c.kv_size * 2 * 2)  # fmt: skip
+                    per_token=registry.kv_token_bytes(c, self.geometry))  # fmt: skip
 
     def scratch(self, rows: int) -> AttentionScratch:
         """attention's scratch for up to `rows` sequences, allocated on the Gpu."""

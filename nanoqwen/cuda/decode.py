@@ -297,7 +297,7 @@ class DecodeKernels(Launcher):
     def rope_kv(self, qkv, pos0: int, rope, pages, kc, vc, q, T, stream=None) -> None:
         """RoPE + paged K/V write for T tokens at positions pos0 .. pos0 + T - 1.
 
-        qkv fp16 [T, q+2kv] (bias added); rope float32 [max_pos, D/2, 2] (cos, sin); pages
+        qkv fp32 [T, q+2kv] (bias added); rope float32 [max_pos, D/2, 2] (cos, sin); pages
         int32 [max_pages]; kc, vc the layer's K/V caches (engine.kv_cache's device layout);
         q fp16 [T, n_heads, D] (the rotated queries).
         """
@@ -317,7 +317,7 @@ class DecodeKernels(Launcher):
         c = self.config
         self.launch("attention", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages, pos,
                     part_ml, part_acc, counters, out, _I32(1), _I32(0), stream=stream,
-                    per_token=c.kv_size * 2 * 2)  # fmt: skip
+                    per_token=registry.kv_token_bytes(c, self.geometry))  # fmt: skip
 
     def attention_scratch(self) -> AttentionScratch:
         """The scratch `attention` needs for this geometry, allocated on the Gpu."""
@@ -423,7 +423,7 @@ class VerifyKernels(Launcher):
         self.launch("attention_rows", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages,
                     start, _I32(self._check_rows(m)), scratch.part_ml.ptr, scratch.part_acc.ptr,
                     scratch.counters.ptr, out, stream=stream,
-                    per_token=c.kv_size * 2 * 2)  # fmt: skip
+                    per_token=registry.kv_token_bytes(c, self.geometry))  # fmt: skip
 
     def attention_scratch(self) -> AttentionScratch:
         """The scratch attention_rows needs for this geometry, allocated on the Gpu."""

@@ -127,6 +127,7 @@ class PrefillKernels(Launcher):
         residual=None,
         *,
         swiglu: bool = False,
+        out_fp32: bool = False,
         spec: registry.KernelSpec | None = None,
         a_rows: int = 0,
         label: str = "prefill gemm",
@@ -143,6 +144,8 @@ class PrefillKernels(Launcher):
                  (rows 0..N/2-1 gate, N/2..N-1 up) and out = silu(a @ gate^T) * (a @ up^T)
         residual fp32   [M, N] or None; the residual stream, updated in place (out: its fp16
                  copy, a separate buffer)
+        out_fp32 out is fp32 [M, N] (a plain GEMM: no swiglu, no residual): the q/k/v
+                 projection's output, k unrounded until the K cache (kernels/kv_cache.cuh)
         K % 128 == 0, N % 128 == 0. All pointers 16-byte aligned.
         spec     a GEMM spec of this launcher (default: pick_gemm's)
         a_rows   rows of `a`'s buffer that may be read (0: M). When they cover M rounded up to
@@ -156,17 +159,18 @@ class PrefillKernels(Launcher):
         ptrs = (_ptr(a), _ptr(qweight), _ptr(scales), 0 if bias is None else _ptr(bias),
                 0 if residual is None else _ptr(residual), _ptr(out))  # fmt: skip
         given = (bias is not None, residual is not None)
-        key = (*ptrs, *given, M, N, K, swiglu, None if spec is None else spec.key, a_rows)
+        key = (*ptrs, *given, M, N, K, swiglu, out_fp32, None if spec is None else spec.key,
+               a_rows)  # fmt: skip
         launch = self._gemm_launches.get(key)
         if launch is None:
-            launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, spec, a_rows)
+            launch = self._gemm_launch(ptrs, given, M, N, K, swiglu, out_fp32, spec, a_rows)
             if len(self._gemm_launches) >= _MAX_KEPT:
                 self._gemm_launches.clear()
             self._gemm_launches[key] = launch
         with self.gpu.guard("prefill gemm"):  # a sticky error marks the Gpu broken
             self.launch(*launch, stream=stream, label=label)
 
-    def _gemm_launch(self, ptrs, given, M, N, K, swiglu, spec, a_rows) -> tuple:
+    def _gemm_launch(self, ptrs, given, M, N, K, swiglu, out_fp32, spec, a_rows) -> tuple:
         """gemm's checks, tile and TMA descriptors: (spec key, grid, *arguments) of its
         launch, kept per call (a prefill repeats the same few hundred)."""
         a, qweight, scales, bias, residual, out = ptrs
@@ -179,6 +183,8 @@ class PrefillKernels(Launcher):
             raise ValueError("prefill gemm: swiglu takes no bias and no residual")
         if residual and residual == out:
             raise ValueError("prefill gemm: the fp32 residual and the fp16 out are two buffers")
+        if out_fp32 and (swiglu or residual):
+            raise ValueError("prefill gemm: an fp32 out is a plain GEMM's (no swiglu, no residual)")
         spec = spec if spec is not None else self.pick_gemm(M, swiglu)
         if spec.tile is None or spec.tile.swiglu != swiglu:
             raise ValueError(f"prefill gemm: {spec.expression} does not match swiglu={swiglu}")
@@ -194,7 +200,8 @@ class PrefillKernels(Launcher):
         padded = -(-M // tokens) * tokens
         a_map = self._map(a, padded if a_rows >= padded else M, K, tokens, k_tile, True)
         w_map = self._map(qweight, N, K // 8, 64, k_tile // 8, False)  # 64 rows x 8 words
-        return (spec.key, grid, a_map, w_map, scales, bias, residual, out, np.int32(M),
+        out16, out32 = (0, out) if out_fp32 else (out, 0)
+        return (spec.key, grid, a_map, w_map, scales, bias, residual, out16, out32, np.int32(M),
                 np.int32(N), np.int32(K), self._parts.ptr, self._flags.ptr)  # fmt: skip
 
     def _map(self, ptr: int, rows: int, cols: int, box_rows: int, box_cols: int, fp16: bool):

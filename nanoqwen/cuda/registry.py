@@ -129,26 +129,31 @@ class Geometry:
     lm_ring: int = 200 * 1024  # host only: the shared memory lm_head's slots may take
     sample_threads: int = 1024
     sample_candidates: int = 2048
+    # kernels/kv_cache.cuh: fp16 tiles a page of K, 2 for the (hi, lo) pair that holds k to
+    # ~22 bits, 1 for plain fp16 K (K_CACHE names the two).
+    k_parts: int = 2
     # decode_attention.cu: consumer warps (one producer more), the most splits along the
-    # sequence, pages in flight a CTA, CTAs a cluster merges, the fewest pages a cluster rank
-    # owns, the merge's independent loads a thread, and the grid's target size.
+    # sequence, pages in flight a CTA (96 KB at D = 128: 8 stages of K (hi, lo) and V, 12 of
+    # plain fp16 K and V), CTAs a cluster merges, the fewest pages a cluster rank owns, the
+    # merge's independent loads a thread, and the grid's target size.
     attn_consumers: int = 4
     attn_splits: int = 64
-    attn_stages: int = 12
+    attn_stages: int = 8
     attn_cluster: int = 8
     attn_min_pages: int = 16
     attn_merge_loads: int = 16
     attn_ctas: int = 128  # host only
     # The multi-row step (speculative decoding: the current token and its drafts; its most rows
     # are MAX_ROWS, kVerifyRows in the header): decode_attention_rows.cu's consumer warps (one
-    # producer more; a power of two), most splits along the sequence, ring pages, CTAs a
+    # producer more; a power of two), most splits along the sequence, ring pages (8 of K (hi,
+    # lo) and V leave room for the cluster inbox; 16 of plain fp16 K and V), CTAs a
     # cluster merges, fewest pages a cluster rank owns and the final merge's independent loads
     # a thread; lm_head_rows.cu's consumer warps
     # (one producer more), vocab rows a block (TMA box rows), columns a k-tile (TMA box
     # columns: 128 bytes), ring stages at most, and the shared memory it asks for.
     mattn_consumers: int = 8
     mattn_splits: int = 64
-    mattn_stages: int = 16
+    mattn_stages: int = 8
     mattn_cluster: int = 8
     mattn_min_pages: int = 8
     mattn_merge_loads: int = 8
@@ -228,6 +233,29 @@ class Geometry:
 
 
 DEFAULT_GEOMETRY = Geometry()
+
+# The K cache's formats (kernels/kv_cache.cuh), by name: the Geometry fields each sets.
+# "fp16x2" (the default) keeps k as an fp16 (hi, lo) pair, to ~22 bits: K's rounding was the
+# engine's largest left (docs/DESIGN.md, Activation precision), for 1.5x the KV bytes. "fp16"
+# is the plain cache: 2/3 of the KV bytes and attention's stream, for long contexts and many
+# sequences, at the old precision; its rings take 12 and 16 stages for the same bytes.
+K_CACHE = {
+    "fp16x2": {"kKParts": 2, "kAttnStages": 8, "kMattnStages": 8},
+    "fp16": {"kKParts": 1, "kAttnStages": 12, "kMattnStages": 16},
+}
+DEFAULT_K_CACHE = "fp16x2"  # DEFAULT_GEOMETRY's
+
+
+def k_cache_geometry(name: str, g: Geometry = DEFAULT_GEOMETRY) -> Geometry:
+    """`g` with the K cache format `name` (K_CACHE)."""
+    if name not in K_CACHE:
+        raise ValueError(f"unknown K cache format {name!r}; known: {', '.join(K_CACHE)}")
+    return g.override(K_CACHE[name])
+
+
+def k_cache_name(g: Geometry) -> str:
+    """The K_CACHE format of g's K cache (its k_parts)."""
+    return next(name for name, v in K_CACHE.items() if v["kKParts"] == g.k_parts)
 
 
 def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) -> str:
@@ -346,13 +374,13 @@ PREFILL_GEMM = "prefill_gemm_wgmma.cu"
 PREFILL_ATTENTION = "prefill_attention.cu"
 _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
-                "kGvBalance")  # fmt: skip
-_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages")
+                "kGvBalance", "kKParts")  # fmt: skip
+_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages", "kKParts")
 _MR_SPLIT_TUNABLES = (*_MR_TUNABLES, "kMrSplitSub")
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
-                  "kAttnMinPages", "kAttnMergeLoads")  # fmt: skip
+                  "kAttnMinPages", "kAttnMergeLoads", "kKParts")  # fmt: skip
 _MATTN_TUNABLES = ("kVerifyRows", "kMattnConsumers", "kMattnSplits", "kMattnStages",
-                   "kMattnCluster", "kMattnMinPages", "kMattnMergeLoads")  # fmt: skip
+                   "kMattnCluster", "kMattnMinPages", "kMattnMergeLoads", "kKParts")  # fmt: skip
 _LMR_TUNABLES = ("kVerifyRows", "kLmrConsumers", "kLmrBlockRows", "kLmrKTile",
                  "kLmrMaxStages")  # fmt: skip
 
@@ -370,8 +398,9 @@ def gemm_smem_bytes(tile: GemmTile, g: Geometry = DEFAULT_GEOMETRY) -> int:
 
 def prefill_attention_smem_bytes(head_dim: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
     """prefill_attention.cu's Layout<D>::kSmemBytes: 1024 bytes of alignment slack + a Q tile,
-    two K and two V tiles of prefill_attn_tile rows x head_dim halves."""
-    return 1024 + 5 * g.prefill_attn_tile * head_dim * 2
+    two K tiles (k_parts parts each) and two V tiles of prefill_attn_tile rows x head_dim
+    halves."""
+    return 1024 + (3 + 2 * g.k_parts) * g.prefill_attn_tile * head_dim * 2
 
 
 @dataclass(frozen=True)
@@ -442,11 +471,22 @@ def lm_head_smem_bytes(
     return g.lm_warps * min(most, g.lm_ring // (g.lm_warps * row)) * row
 
 
+def kv_token_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """Bytes of K (k_parts fp16 values a dim) and V (one) a token occupies in one layer's
+    cache: what attention reads a position."""
+    return config.kv_size * 2 * (g.k_parts + 1)
+
+
+def attn_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """decode_attention.cu's kAttnRingBytes: attn_stages pages of K (k_parts tiles) and V."""
+    return g.attn_stages * (g.k_parts + 1) * PAGE_TOKENS * config.head_dim * 2
+
+
 def mattn_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
     """decode_attention_rows.cu's kMaSmemBytes: the ring (mattn_stages pages of K and V), then
     the cluster inbox: a column slice of every rank's rows (fp32) and their (m, l)."""
     rows = g.verify_rows * config.group_ratio
-    ring = g.mattn_stages * 2 * PAGE_TOKENS * config.head_dim * 2
+    ring = g.mattn_stages * (g.k_parts + 1) * PAGE_TOKENS * config.head_dim * 2
     return (
         ring
         + g.mattn_cluster * rows * (config.head_dim // g.mattn_cluster) * 4
@@ -653,11 +693,11 @@ def decode_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[K
         for kind, (k, _, norm, epi) in gemv_shapes(config).items()
     )
     misc, misc_tunables = g.misc_threads, ("kMiscThreads",)
-    attn_smem = g.attn_stages * 2 * PAGE_TOKENS * config.head_dim * 2  # K + V page a stage
+    attn_smem = attn_smem_bytes(config, g)
     return gemv + (
         KernelSpec("embed", MISC, "embed_gather", misc, tunables=misc_tunables),
         KernelSpec("rmsnorm", MISC, "rmsnorm_rows", misc, tunables=("kMiscThreads", "kNormRows")),
-        KernelSpec("rope_kv", MISC, "rope_kv_write", misc, tunables=misc_tunables),
+        KernelSpec("rope_kv", MISC, "rope_kv_write", misc, tunables=("kMiscThreads", "kKParts")),
         KernelSpec("lm_head", MISC, "lm_head_argmax", g.lm_warps * 32,
                    lm_head_smem_bytes(config, g), tunables=("kLmWarps", "kLmMaxSlots")),
         KernelSpec("lm_head_q8", MISC, "lm_head_argmax_q8", g.lm_warps * 32,
@@ -674,7 +714,7 @@ def batch_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[Ke
     """The batched decode step's own kernels (engine/batch.py; its GEMVs are rows_specs', its
     lm_head verify_specs'): attention over B sequences of one token each (attn_decode<true>)
     and the per-row sampler (decode_misc.cu's sample_batch)."""
-    attn_smem = g.attn_stages * 2 * PAGE_TOKENS * config.head_dim * 2
+    attn_smem = attn_smem_bytes(config, g)
     return (
         KernelSpec("attention_batch", ATTENTION, "attn_decode", g.attn_threads, attn_smem,
                    targs=(True,), tunables=_ATTN_TUNABLES),
@@ -728,7 +768,7 @@ def prefill_specs(
         "prefill_attention", PREFILL_ATTENTION, "prefill_attention", g.prefill_attn_threads,
         prefill_attention_smem_bytes(config.head_dim, g),
         targs=(config.head_dim, config.num_heads, config.num_kv_heads),
-        tunables=("kPrefillAttnTile", "kPrefillAttnThreads", "kPrefillMergeThreads"),
+        tunables=("kPrefillAttnTile", "kPrefillAttnThreads", "kPrefillMergeThreads", "kKParts"),
     )  # fmt: skip
     merge = KernelSpec(
         "prefill_attention_merge", PREFILL_ATTENTION, "prefill_attention_merge",

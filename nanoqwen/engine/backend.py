@@ -58,7 +58,14 @@ from ..cuda.decode import DecodeKernels
 from ..cuda.device import Gpu
 from ..cuda.launcher import Launch
 from ..cuda.prefill import PrefillKernels
-from ..cuda.registry import DEFAULT_GEOMETRY, MAX_ROWS, Geometry, StateWord
+from ..cuda.registry import (
+    DEFAULT_GEOMETRY,
+    MAX_ROWS,
+    Geometry,
+    StateWord,
+    k_cache_geometry,
+    k_cache_name,
+)
 from ..errors import ContextError, NanoqwenError
 from ..kv_pages import BlockManager, KVStats, PageTable
 from ..sampling import SamplingParams
@@ -81,6 +88,7 @@ class CudaBackend:
         max_context: int = DEFAULT_CONTEXT["cuda"],
         *,
         geometry: Geometry = DEFAULT_GEOMETRY,
+        k_cache: str | None = None,
         pdl: bool = True,
         prefix_caching: bool = True,
         speculative: SpeculativeConfig | None = None,
@@ -88,17 +96,22 @@ class CudaBackend:
         max_batch: int = MAX_ROWS,
     ) -> None:
         """file: an open NanoqwenFile; geometry: the kernels' (registry.Geometry; dev/
-        kernel_tune.py passes overrides); pdl: programmatic dependent launch between kernels;
-        prefix_caching: generate() reuses the K/V of earlier prompts' and replies' full pages;
-        speculative: generations verify n-gram drafts (speculate.py; None: one token a
-        step). `spec_stats` holds the last generation's SpecStats. `speculative` may be set
-        to None between generations, which then run the plain loop on the same engine
-        (dev/speculate_e2e.py); otherwise the speculative graphs run. kv_tokens: the KV
-        pool's positions, shared by every sequence (None: max_context); max_batch: the most
-        sequences of one decode_batch (1..16; 0: no batch path, nothing of it allocated or
-        compiled; an int8 head forces 0)."""
+        kernel_tune.py passes overrides); k_cache: the K cache's format (registry.K_CACHE:
+        "fp16x2" holds k to ~22 bits, "fp16" takes 2/3 of the KV bytes), which sets
+        geometry's K fields (None: the geometry's own; DEFAULT_GEOMETRY's is fp16x2); pdl:
+        programmatic dependent launch between kernels; prefix_caching: generate() reuses the
+        K/V of earlier prompts' and replies' full pages; speculative: generations verify
+        n-gram drafts (speculate.py; None: one token a step). `spec_stats` holds the last
+        generation's SpecStats. `speculative` may be set to None between generations, which
+        then run the plain loop on the same engine (dev/speculate_e2e.py); otherwise the
+        speculative graphs run. kv_tokens: the KV pool's positions, shared by every sequence
+        (None: max_context); max_batch: the most sequences of one decode_batch (1..16; 0: no
+        batch path, nothing of it allocated or compiled; an int8 head forces 0)."""
         cfg = file.config
         self.config, self.file = cfg, file
+        if k_cache is not None:
+            geometry = k_cache_geometry(k_cache, geometry)
+        self.k_cache = k_cache_name(geometry)
         self.max_context = check_max_context(max_context, cfg)
         if speculative:
             check_speculation_head(file.lm_head)  # before anything is allocated
@@ -123,7 +136,7 @@ class CudaBackend:
         # which a server's first request would otherwise wait for.
         self.prefill_kernels = PrefillKernels(self.gpu, cfg, geometry, pdl=pdl)
         self.weights = upload_weights(self.gpu, file)
-        self.kv = KVCache(self.gpu, cfg, pool, prefix_caching)
+        self.kv = KVCache(self.gpu, cfg, pool, geometry.k_parts, prefix_caching)
         self.loop = DecodeLoop(self.gpu, self.kernels, max_context, max(positions, pool))
         self.forward = Forward(self.gpu, cfg, self.kernels, self.prefill_kernels, self.weights,
                                self.kv, self.loop, positions)  # fmt: skip

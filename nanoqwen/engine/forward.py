@@ -61,15 +61,15 @@ def scratch_rows(tokens: int) -> int:
 
 def prefill_scratch_buffers(config: ModelConfig, tokens: int) -> dict[str, int]:
     """Bytes of the prefill's buffers for a prompt of `tokens` new tokens (scratch_rows of
-    them): ids int32 [T]; res fp32 [T, H]; x, h fp16 [T, H]; qkv [T, q + 2 kv]; q, attn [T, q];
-    mlp [T, I]."""
+    them): ids int32 [T]; res fp32 [T, H]; x, h fp16 [T, H]; qkv fp32 [T, q + 2 kv] (k reaches
+    the K cache unrounded: kernels/kv_cache.cuh); q, attn fp16 [T, q]; mlp fp16 [T, I]."""
     c, cap = config, scratch_rows(tokens)
     per_token = {
         "ids": 4,
         "res": c.hidden_size * 4,
         "x": c.hidden_size * 2,
         "h": c.hidden_size * 2,
-        "qkv": (c.q_size + 2 * c.kv_size) * 2,
+        "qkv": (c.q_size + 2 * c.kv_size) * 4,
         "q": c.q_size * 2,
         "attn": c.q_size * 2,
         "mlp": c.intermediate_size * 2,
@@ -188,7 +188,7 @@ class Forward:
         for i, L in enumerate(self.weights.layers):
             k.rmsnorm(b["x"], L.input_norm, b["h"], T)
             pk.gemm(b["h"], L.qkv_w, L.qkv_s, L.qkv_b, b["qkv"], T, qkv_n, h, a_rows=rows,
-                    label="gemm qkv")  # fmt: skip
+                    out_fp32=True, label="gemm qkv")  # fmt: skip
             k.rope_kv(b["qkv"], start, self.rope, kv.page_table, kv.k[i], kv.v[i], b["q"], T)
             if last_only and self.last_token_shortcut and i == c.num_layers - 1:
                 self._token_tail(i, b["q"] + (T - 1) * c.q_size * 2, b["x"] + (T - 1) * h * 2,

@@ -70,7 +70,7 @@ class MemoryPlan:
         return sum(self.parts.values())
 
     def describe(self) -> str:
-        """'26.51 GiB = weights 17.93 + kv_cache 8.00 + ...' (GiB)."""
+        """'35.38 GiB = weights 17.89 + kv_cache 12.01 + ...' (GiB)."""
         terms = " + ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items())
         return f"{self.needed / GIB:.2f} GiB = {terms}"
 
@@ -101,7 +101,7 @@ def plan_memory(
     )
     parts = {
         "weights": weight_bytes(config, lm_head),
-        "kv_cache": rounded(kv_cache_buffers(config, pool)),
+        "kv_cache": rounded(kv_cache_buffers(config, pool, geometry.k_parts)),
         "prefill_scratch": rounded(prefill_scratch_buffers(config, max_context).values()),
         "prefill_workspace": rounded(workspace_buffers(config, num_sms, geometry).values()),
         "decode_buffers": rounded(decode),

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from ..config import PAGE_TOKENS
+from ..cuda.registry import kv_token_bytes
 from ..errors import NanoqwenError
 
 COPY_BYTES = 2 << 30
@@ -102,7 +103,7 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
             gap_runs.append(np.diff(stamps))
             decode_walls.append((stamps[-1] - stamps[0]) / (gen_len - 1))
     itl = float(np.median(np.concatenate(gap_runs)))
-    kv = cfg.num_layers * 2 * cfg.kv_size * 2 * (prompt_len + gen_len / 2)
+    kv = cfg.num_layers * kv_token_bytes(cfg, engine.kernels.geometry) * (prompt_len + gen_len / 2)
     head = getattr(getattr(engine, "file", None), "lm_head", "float16")  # int8: half the head
     bpt = cfg.weight_bytes_per_token(head) + int(kv)
     memory = engine.memory()  # before the copy test's 4 GiB of buffers
@@ -112,6 +113,7 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
         "commit": commit_id(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "model": cfg.name,
+        "k_cache": engine.k_cache,
         "prompt_len": prompt_len,
         "gen_len": gen_len,
         "max_context": engine.max_context,
@@ -212,7 +214,8 @@ def print_prefix_result(res: dict) -> None:
 
 
 def print_result(res: dict) -> None:
-    print(f"{res['gpu']}  model {res['model']}  prompt {res['prompt_len']}  gen {res['gen_len']}")
+    print(f"{res['gpu']}  model {res['model']}  K cache {res['k_cache']}  "
+          f"prompt {res['prompt_len']}  gen {res['gen_len']}")  # fmt: skip
     for k in ("ttft_ms", "itl_ms", "itl_wall_ms", "tokens_per_s", "achieved_tb_s", "copy_tb_s"):
         print(f"  {k:14} {res[k]:10.3f}")
     if "memory" in res:

@@ -9,10 +9,12 @@ kernel (a pipeline deadlock never returns, and every later call would wait behin
 reference dequantizes exactly as the kernel does (q * scale rounded once to fp16; the packing
 is checked against nanoqwen.quant on a slice) and multiplies in fp32, so what is left is fp32
 summation order (~1e-6 relative) and the final fp16 rounding (2^-11 relative): the tolerance
-is max|out - ref| <= GEMM_REL_TOL * max|ref|.
+is max|out - ref| <= GEMM_REL_TOL * max|ref| (GEMM_FP32_REL_TOL for the q/k/v projection's fp32
+output, which no fp16 rounding may touch).
 
 Attention: T new tokens after `start` cached ones, (start, T) in ATTN_CASES, K/V in paged
-caches behind a scattered page table, against an fp32 causal softmax over all start + T
+caches behind a scattered page table (K's parts as the kernels' cache format has them, each
+random: random_k_parts), against an fp32 causal softmax over all start + T
 positions; P is rounded to fp16 before P V, so the tolerance is max abs error <= ATTN_ABS_TOL
 on outputs of magnitude ~1.
 
@@ -34,7 +36,7 @@ import torch
 
 from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
 from ..engine.forward import scratch_rows
-from ..engine.kv_cache import kv_cache_to_device
+from ..engine.kv_cache import kv_tiles_to_device
 from ..quant import LANE_SHIFTS, dequantize_packed
 
 # One row, odd counts, whole tiles (16 tokens: the verify step's most rows), one either side.
@@ -47,6 +49,8 @@ ATTN_CASES = tuple((0, t) for t in (1, 15, 16, 17, 100, 512, 1000)) + (
     (8190, 64),
 )  # fmt: skip
 GEMM_REL_TOL = 2e-3  # fp16 output rounding (2^-11) with room for fp32 summation order
+# An fp32 out (q/k/v): summation order alone; an fp16 rounding (up to 2^-12 of max|ref|) fails.
+GEMM_FP32_REL_TOL = 2e-5
 GUARD_ROWS = 256  # poisoned rows past M after every GEMM output (must stay untouched)
 ATTN_ABS_TOL = 4e-3  # P is rounded to fp16 before P V; outputs are of magnitude ~1
 HANG_S = 60.0  # a launch still running after this long is a deadlock
@@ -117,22 +121,33 @@ def attention_reference(q, k, v):
     return torch.einsum("hts,shd->thd", s.softmax(-1), vf)
 
 
-def paged_kv(k, v, gen: torch.Generator):
-    """k, v [L, Hkv, D] fp16 -> (K cache, V cache, page table) on the GPU in the engine's
+def paged_kv(k_parts: list, v, gen: torch.Generator):
+    """K's parts (the kernels sum them: [k] for a plain fp16 cache, [hi, lo] for the pair) and
+    v, each [L, Hkv, D] fp16 -> (K cache, V cache, page table) on the GPU in the engine's
     layout (engine.kv_cache), the pages scattered by a random permutation with spare pages."""
-    n, hkv, d = k.shape
+    n, hkv, d = v.shape
     pages = -(-n // PAGE_TOKENS) + 3
     table = torch.randperm(pages, generator=gen, device=gen.device).to(torch.int32).cpu()
 
-    def cache(x):
+    def physical(x):
         rows = torch.zeros(pages * PAGE_TOKENS, hkv, d, dtype=torch.float16)
         rows[:n] = x.cpu()
-        logical = rows.view(pages, PAGE_TOKENS, hkv, d).numpy()
-        physical = np.empty_like(logical)
-        physical[table.numpy()] = logical
-        return torch.from_numpy(kv_cache_to_device(physical)).cuda()
+        out = np.empty((pages, PAGE_TOKENS, hkv, d), np.float16)
+        out[table.numpy()] = rows.view(pages, PAGE_TOKENS, hkv, d).numpy()
+        return out
 
-    return cache(k), cache(v), table.cuda()
+    def cache(parts):
+        return torch.from_numpy(kv_tiles_to_device([physical(x) for x in parts])).cuda()
+
+    return cache(k_parts), cache([v]), table.cuda()
+
+
+def random_k_parts(pk, shape, gen: torch.Generator) -> list:
+    """K's parts for pk's cache format (its geometry's k_parts), random fp16 [shape]: a lo part
+    a quarter of hi's scale, far above a real remainder, so that a kernel leaving it out
+    fails the check."""
+    return [torch.randn(shape, device="cuda", dtype=torch.float16, generator=gen) / (1 + 3 * i)
+            for i in range(pk.geometry.k_parts)]  # fmt: skip
 
 
 # -- checks -------------------------------------------------------------------------------------
@@ -140,7 +155,7 @@ def gemm_shapes(cfg: ModelConfig) -> dict[str, dict]:
     """The prefill's four GEMMs of `cfg`: N, K and what the epilogue adds."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     return {
-        "qkv": dict(n=cfg.q_size + 2 * cfg.kv_size, k=h, bias=True),
+        "qkv": dict(n=cfg.q_size + 2 * cfg.kv_size, k=h, bias=True, fp32_out=True),
         "o": dict(n=h, k=cfg.q_size, residual=True),
         "gate_up": dict(n=2 * i, k=h, swiglu=True),
         "down": dict(n=h, k=i, residual=True),
@@ -159,7 +174,8 @@ def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None, pad
     out_cols = n // 2 if swiglu else n
     # `out` is the first m rows of a NaN-poisoned buffer with GUARD_ROWS more: a kernel that
     # stores past row M shows up as a finite guard row.
-    buf = torch.full((m + GUARD_ROWS, out_cols), float("nan"), device="cuda", dtype=torch.float16)
+    out_dtype = torch.float32 if shape.get("fp32_out") else torch.float16
+    buf = torch.full((m + GUARD_ROWS, out_cols), float("nan"), device="cuda", dtype=out_dtype)
     out = buf[:m]
     res_buf = res_arg = None
     if shape.get("residual"):  # the fp32 residual, in place (off the fp16 grid), guarded too
@@ -175,7 +191,7 @@ def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None, pad
     torch.cuda.synchronize()
     what = f"gemm {spec.key if spec else 'picked'} N={n} K={shape['k']} M={m} a_rows={a_rows}"
     pk.gemm(a, words, scales, bias, out, m, n, shape["k"], res_arg, swiglu=swiglu, spec=spec,
-            a_rows=a_rows)  # fmt: skip
+            a_rows=a_rows, out_fp32=shape.get("fp32_out", False))  # fmt: skip
     wait_or_die(pk.gpu, what)
     got = out.float()
     guard_ok = bool(torch.isnan(buf[m:]).all().item())
@@ -187,7 +203,8 @@ def run_gemm_case(pk, a, words, scales, deq, shape, m, spec=None, bias=None, pad
     scale = ref.abs().max().item()
     if not guard_ok:
         err = float("inf")  # reported as a failure: a guard row written, or a wrong copy
-    ok = guard_ok and bool(torch.isfinite(got).all().item()) and err <= GEMM_REL_TOL * scale
+    tol = GEMM_FP32_REL_TOL if shape.get("fp32_out") else GEMM_REL_TOL
+    ok = guard_ok and bool(torch.isfinite(got).all().item()) and err <= tol * scale
     return ok, err, scale
 
 
@@ -239,9 +256,10 @@ def check_attention(configs, gen: torch.Generator, log: Log = print):
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for start, t in ATTN_CASES:
             q = torch.randn(t, hq, d, device="cuda", dtype=torch.float16, generator=gen)
-            k = torch.randn(start + t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
+            k_parts = random_k_parts(pk, (start + t, hkv, d), gen)
             v = torch.randn(start + t, hkv, d, device="cuda", dtype=torch.float16, generator=gen)
-            kc, vc, table = paged_kv(k, v, gen)
+            kc, vc, table = paged_kv(k_parts, v, gen)
+            k = sum(x.float() for x in k_parts)
             out = torch.full_like(q, float("nan"))
             torch.cuda.synchronize()
             pk.attention(q, kc, vc, table, out, start, t)

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
 from ..engine.decode_loop import DecodeState
-from ..engine.kv_cache import kv_cache_from_device, kv_cache_to_device
+from ..engine.kv_cache import kv_cache_from_device, kv_cache_to_device, kv_tiles_to_device
 from ..errors import NanoqwenError
 from ..quant import dequantize_packed, quantize_rows_int8
 from ..rope import rope_table
@@ -91,11 +91,18 @@ def _rms(x, w, eps):
 
 
 def _rope_ref(heads: np.ndarray, rope: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """NEOX RoPE of fp16 heads [T, n, D] at positions pos [T] -> fp16 (fp32 math)."""
+    """NEOX RoPE of heads [T, n, D] at positions pos [T] -> float64 (the kernels rotate in
+    fp32, unrounded inputs, and round q once after; K goes into its cache whole)."""
     half = heads.shape[-1] // 2
     c, s = rope[pos, :, 0][:, None, :], rope[pos, :, 1][:, None, :]
-    x1, x2 = heads[..., :half].astype(np.float32), heads[..., half:].astype(np.float32)
-    return _f16(np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1))
+    x1, x2 = heads[..., :half].astype(np.float64), heads[..., half:].astype(np.float64)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+
+def _k_tol(k, tol: dict) -> float:
+    """The K cache's bound: k_pair for the (hi, lo) cache (kv_cache.cuh), else one fp16
+    rounding (gemv's)."""
+    return tol["k_pair"] if k.geometry.k_parts == 2 else tol["gemv"]
 
 
 def unit_gemv(k, dev, cfg: ModelConfig, rng, tol: dict) -> list[Check]:
@@ -132,14 +139,15 @@ def unit_gemv(k, dev, cfg: ModelConfig, rng, tol: dict) -> list[Check]:
             out.append(Check("unit", f"gemv {kind} N={n} K={kdim}", err <= lim and copy_ok,
                              f"{err:.2e}{note}"))  # fmt: skip
             dev.free()
-    out += unit_qkv_rope(k, dev, cfg, rng, tol["gemv"])
+    out += unit_qkv_rope(k, dev, cfg, rng, tol["gemv"], _k_tol(k, tol))
     return out
 
 
-def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
+def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float, k_tol: float) -> list[Check]:
     """RMSNorm + q/k/v GEMV + bias + RoPE + K/V page write against numpy, at a first-page,
-    a mid-page and a page-crossing position of a scattered page table."""
-    out, h, npages = [], cfg.hidden_size, 40
+    a mid-page and a page-crossing position of a scattered page table. K within k_tol (the
+    (hi, lo) cache holds it far inside one fp16 rounding), q and v within tol."""
+    out, h, npages, parts = [], cfg.hidden_size, 40, k.geometry.k_parts
     hq, hkv, d, n = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.q_size + 2 * cfg.kv_size
     rope = rope_table(cfg, npages * PAGE_TOKENS)
     table = rng.permutation(npages).astype(np.int32)
@@ -148,13 +156,13 @@ def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
         x = _f16(rng.standard_normal(h))
         normw = _f16(1 + 0.1 * rng.standard_normal(h))
         bias = _f16(rng.standard_normal(n))
-        qkv = _f16(deq.astype(np.float64) @ _rms(x, normw, cfg.rms_norm_eps).astype(np.float64)
-                   + bias)  # fmt: skip
+        qkv = (deq.astype(np.float64) @ _rms(x, normw, cfg.rms_norm_eps).astype(np.float64)
+               + bias)  # fmt: skip
         heads = qkv[: cfg.q_size + cfg.kv_size].reshape(1, hq + hkv, d)
         rot = _rope_ref(heads, rope, np.array([pos]))[0]
         q_ptr, qh = dev.out((hq, d), np.float16)
-        kc_ptr, kc = dev.out((npages, hkv, PAGE_TOKENS, d), np.float16)  # the device layout
-        vc_ptr, vc = dev.out((npages, hkv, PAGE_TOKENS, d), np.float16)
+        kc_ptr, kc = dev.out((npages, hkv, parts, PAGE_TOKENS, d), np.float16)  # device layout
+        vc_ptr, vc = dev.out((npages, hkv, 1, PAGE_TOKENS, d), np.float16)
         k.qkv_rope(dev.put(x), dev.put(normw), dev.put(words), dev.put(scales), dev.put(bias),
                    dev.put(np.array([pos], np.int32)), dev.put(rope), dev.put(table), kc_ptr,
                    vc_ptr, q_ptr)  # fmt: skip
@@ -164,11 +172,13 @@ def unit_qkv_rope(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
         slot = table[pos // PAGE_TOKENS], pos % PAGE_TOKENS
         got_k, got_v = kc[slot].copy(), vc[slot].copy()
         kc[slot], vc[slot] = np.nan, np.nan
-        err = max(_rel_err(got_q, rot[:hq]), _rel_err(got_k, rot[hq:]),
+        err = max(_rel_err(got_q, rot[:hq]),
                   _rel_err(got_v, qkv[cfg.q_size + cfg.kv_size :].reshape(hkv, d)))  # fmt: skip
+        k_err = _rel_err(got_k, rot[hq:])
         untouched = bool(np.isnan(kc).all() and np.isnan(vc).all())  # only the slot written
-        note = f"{err:.2e}, other slots {'untouched' if untouched else 'WRITTEN'}"
-        out.append(Check("unit", f"qkv+rope+kv pos={pos}", err <= tol and untouched, note))
+        note = f"{err:.2e}, K {k_err:.2e}, other slots {'untouched' if untouched else 'WRITTEN'}"
+        ok = err <= tol and k_err <= k_tol and untouched
+        out.append(Check("unit", f"qkv+rope+kv pos={pos}", ok, note))
         dev.free()
     return out
 
@@ -198,19 +208,20 @@ def unit_small(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
     return out
 
 
-def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check]:
-    out = []
+def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float, k_tol: float) -> list[Check]:
+    """rope_kv_write (q, and v exactly, within tol of numpy; K within k_tol) and decode
+    attention at single-page, page-edge and multi-cluster lengths."""
+    out, parts = [], k.geometry.k_parts
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qkv_n, npages = cfg.q_size + 2 * cfg.kv_size, 300
     rope = rope_table(cfg, npages * PAGE_TOKENS)
     rptr = dev.put(rope)
     table = rng.permutation(npages).astype(np.int32)  # scattered pages
     tptr = dev.put(table)
-    cache_shape = (npages, hkv, PAGE_TOKENS, d)  # the device layout
     for T, pos0 in ((1, 0), (3, 14), (17, 37)):
-        qkv = _f16(rng.standard_normal((T, qkv_n)))
-        kc_ptr, kc = dev.out(cache_shape, np.float16)
-        vc_ptr, vc = dev.out(cache_shape, np.float16)
+        qkv = rng.standard_normal((T, qkv_n)).astype(np.float32)  # the q/k/v GEMM's fp32 out
+        kc_ptr, kc = dev.out((npages, hkv, parts, PAGE_TOKENS, d), np.float16)  # device layout
+        vc_ptr, vc = dev.out((npages, hkv, 1, PAGE_TOKENS, d), np.float16)
         q_ptr, qh = dev.out((T, hq, d), np.float16)
         k.rope_kv(dev.put(qkv), pos0, rptr, tptr, kc_ptr, vc_ptr, q_ptr, T)
         pos = pos0 + np.arange(T)
@@ -221,9 +232,10 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
         kc = kv_cache_from_device(dev.get(kc_ptr, kc))
         vc = kv_cache_from_device(dev.get(vc_ptr, vc))
         slots = table[pos // PAGE_TOKENS], pos % PAGE_TOKENS
-        ok = (_rel_err(got_q, rot[:, :hq]) <= tol and _rel_err(kc[slots], rot[:, hq:]) <= tol
-              and np.array_equal(vc[slots], v_ref))  # fmt: skip
-        out.append(Check("unit", f"rope_kv_write T={T} pos0={pos0}", ok, "q + pages"))
+        k_err = _rel_err(kc[slots], rot[:, hq:])
+        ok = (_rel_err(got_q, rot[:, :hq]) <= tol and k_err <= k_tol
+              and np.array_equal(vc[slots], _f16(v_ref)))  # fmt: skip
+        out.append(Check("unit", f"rope_kv_write T={T} pos0={pos0}", ok, f"K {k_err:.2e}"))
         dev.free()
         rptr, tptr = dev.put(rope), dev.put(table)
     S = k.geometry.attn_splits
@@ -235,15 +247,16 @@ def unit_rope_attention(k, dev, cfg: ModelConfig, rng, tol: float) -> list[Check
     acache = (apages, PAGE_TOKENS, hkv, d)
     g = cfg.group_ratio
     for L in lengths:
-        kc = _f16(rng.standard_normal(acache))
-        vc = _f16(rng.standard_normal(acache))
+        # K's parts: any fp16 values (the kernel sums them), so a part left out shows.
+        k_parts = [_f16(rng.standard_normal(acache) / (1 + 3 * i)) for i in range(parts)]
+        kc, vc = sum(p.astype(np.float64) for p in k_parts), _f16(rng.standard_normal(acache))
         q = _f16(rng.standard_normal((hq, d)))
         atable = rng.permutation(apages).astype(np.int32)  # scattered pages
         optr, host = dev.out((hq, d), np.float16)  # NaN-poisoned
         ml, _ = dev.out((hq, S, 2), np.float32)
         acc, _ = dev.out((hq, S, d), np.float32)
         cnt = dev.put(np.zeros(hkv, np.int32))  # last-CTA counters: zero once, re-armed by each
-        args = (dev.put(q), dev.put(kv_cache_to_device(kc)), dev.put(kv_cache_to_device(vc)),
+        args = (dev.put(q), dev.put(kv_tiles_to_device(k_parts)), dev.put(kv_cache_to_device(vc)),
                 dev.put(atable),
                 dev.put(np.array([L - 1], np.int32)), ml, acc, cnt)  # fmt: skip
         k.attention(*args, optr)
@@ -375,17 +388,22 @@ def unit_sampling(k, dev, cfg: ModelConfig, rng, draws: int = 4000) -> list[Chec
     return out
 
 
-def unit_tier(config: ModelConfig, tol: dict, seed: int | None = None) -> list[Check]:
+def unit_tier(
+    config: ModelConfig, tol: dict, seed: int | None = None, k_cache: str | None = None
+) -> list[Check]:
+    """The decode kernels against numpy, built for the K cache format `k_cache`
+    (registry.K_CACHE; None: the default)."""
     from ..cuda.decode import DecodeKernels
     from ..cuda.device import Gpu
+    from ..cuda.registry import DEFAULT_K_CACHE, k_cache_geometry
 
     rng = np.random.default_rng(seed)  # None: fresh inputs every run
     gpu = Gpu()
-    k = DecodeKernels(gpu, config, pdl=False)
+    k = DecodeKernels(gpu, config, k_cache_geometry(k_cache or DEFAULT_K_CACHE), pdl=False)
     dev = _Dev(gpu)
     checks = unit_gemv(k, dev, config, rng, tol)
     checks += unit_small(k, dev, config, rng, tol["elementwise"])
-    checks += unit_rope_attention(k, dev, config, rng, tol["attention"])
+    checks += unit_rope_attention(k, dev, config, rng, tol["attention"], _k_tol(k, tol))
     checks += unit_lm_sample(k, dev, config, rng, tol["lm_head"])
     checks += unit_lm_head_q8(k, dev, config, rng, tol["lm_head"])
     checks += unit_sampling(k, dev, config, rng)

@@ -69,7 +69,8 @@ def real_layer_tier(engine, file, tol: dict) -> list[Check]:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref = _reference(file, dev)
     want = _layer0(ref, ids, dev, None)
-    emu_max, emu_rms = _errors(_layer0(ref, ids, dev, Fp16Storage()), want)
+    storage = Fp16Storage(k_pair=engine.kv.k_parts == 2)
+    emu_max, emu_rms = _errors(_layer0(ref, ids, dev, storage), want)
     got = np.stack([engine.decode_hidden(int(tok), i, layers=1) for i, tok in enumerate(ids)])
     err_max, err_rms = _errors(got, want)
     k = tol["over_fp16_emulation"]
@@ -91,7 +92,7 @@ def real_graph_tier(engine, file, tol: dict) -> list[Check]:
     ref = _reference(file, dev)
     windows = _windows(file, tol["windows"], tol["tokens"])
     want = [ref.logits(ids).astype(np.float32) for ids in windows]
-    with ref.model.storing(Fp16Storage()):
+    with ref.model.storing(Fp16Storage(k_pair=engine.kv.k_parts == 2)):
         emulated = [
             real_text.compare(ref.logits(ids), w) for ids, w in zip(windows, want, strict=True)
         ]

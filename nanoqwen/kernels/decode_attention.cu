@@ -8,7 +8,8 @@
 // multiple of kAttnCluster fixed per model (nanoqwen/cuda/decode.py: S = min(kAttnSplits,
 // attn_ctas / kKVHeads) rounded down to whole clusters, one cluster at least), block
 // kAttnThreads = 5 warps, the K/V ring in dynamic shared memory (kAttnStages pages: 96 KB at
-// D = 128, 48 KB at D = 64), <= 136 registers.
+// D = 128, 48 KB at D = 64), <= 136 registers. The K cache's parts (kv_cache.cuh) are summed
+// in the QK^T accumulators.
 //
 // attn_decode<true>: the batched decode step's (engine/batch.py): `rows` sequences of one query
 // token each, every one with its own position, page table and split scratch, in one launch of
@@ -49,12 +50,14 @@
 // (ld.shared::cluster) between cluster barriers: barrier.cluster.arrive.release compiles to
 // MEMBAR.ALL.GPU, which under the weight streams waits out this thread's global stores.
 //
-// Pipeline. One stage = one page of one kv head: its K tile and its V tile, one 1-D bulk copy
-// each (producer lanes 0 and 1; 4 KB each at D = 128: the copy engine pays per copy, hence
-// kv_cache.cuh's contiguous tiles), both completing on the stage's "full" mbarrier armed with
-// arrive.expect_tx(8 KB). kAttnStages = 12 stages: each consumer warp owns three slots, so its
-// next pages are in flight while it computes the current one; deeper rings no longer let the
-// next launch's CTAs fit beside the running ones. One page per stage because (a) a 16-token
+// Pipeline. One stage = one page of one kv head: its K tiles (kKParts of them, contiguous) and
+// its V tile, one 1-D bulk copy each (producer lanes 0 and 1; 8 KB and 4 KB at D = 128 with
+// the (hi, lo) K cache: the copy engine pays per copy, hence kv_cache.cuh's contiguous tiles),
+// both completing on the stage's "full" mbarrier armed with arrive.expect_tx(12 KB). The ring
+// holds 96 KB at D = 128 (Geometry.attn_stages: 8 stages with the (hi, lo) K cache, 12 with
+// plain fp16 K): each consumer warp owns two slots or three, so its next pages are in flight
+// while it computes the current one; deeper rings no longer let the next launch's CTAs fit
+// beside the running ones. One page per stage because (a) a 16-token
 // page is exactly one m16n8k16 key tile, so a consumer warp owns whole stages and never
 // synchronizes with the other consumers inside the loop, and (b) small stages refill at a
 // finer grain than big ones for the same bytes. The pages before the current token's are
@@ -73,11 +76,11 @@
 // kAttnMergeLoads (the merge's independent partial loads a thread).
 constexpr int kAttnWarps = kAttnConsumers + 1;
 static_assert(kAttnThreads == kAttnWarps * kWarp, "one producer warp beside the consumers");
-constexpr int kAttnTileH = kPageTokens * kHeadDim;  // one page of K (or V) of one kv head
-constexpr int kAttnStageH = 2 * kAttnTileH;          // K tile then V tile
+constexpr int kAttnTileH = kKvTileH;                 // one page of V (or a K part) of a kv head
+constexpr int kAttnStageH = (kKParts + 1) * kAttnTileH;  // K's tiles then V's
 constexpr int kAttnRingBytes = kAttnStages * kAttnStageH * 2;
-constexpr unsigned kAttnTileBytes = kAttnTileH * 2;       // one bulk copy
-constexpr unsigned kAttnStageTx = 2 * kAttnTileBytes;     // bytes landing per stage
+constexpr unsigned kAttnTileBytes = kAttnTileH * 2;
+constexpr unsigned kAttnStageTx = kAttnStageH * 2;  // bytes landing per stage (two bulk copies)
 constexpr int kAttnDK = kHeadDim / 16;      // mma k-steps over the head dim (QK^T)
 constexpr int kAttnDN = kHeadDim / 8;       // n8 tiles over the head dim (PV)
 constexpr int kAttnScrRow = kHeadDim + 8;   // padded fp32 row of the epilogue scratch
@@ -104,6 +107,11 @@ static_assert(kAttnCols % 4 == 0 && kAttnCols * kAttnCluster == kHeadDim,
 // Bytes each CTA's recv_bar expects: every rank's slice of G x kAttnCols floats and G (m, l).
 constexpr unsigned kAttnRecvTx = kAttnCluster * kGroupRatio * (kAttnCols + 2) * 4;
 static_assert(kAttnSplits % kAttnCluster == 0, "the splits come in whole clusters");
+// CTAs an SM by shared memory (228 KB an SM, 1 KB of it reserved a CTA; ~5 KB of static
+// shared memory beside the ring), at most 3: the single-stream kernel's register bound.
+constexpr int kAttnCtasPerSm = 228 * 1024 / (kAttnRingBytes + 6 * 1024) < 3
+                                   ? 228 * 1024 / (kAttnRingBytes + 6 * 1024)
+                                   : 3;
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
 // m16n8k16 (fp16 in, fp32 accumulate) with A rows 8..15 zero: only the row-(lane / 4)
@@ -170,16 +178,17 @@ __device__ __forceinline__ AttnSlot attn_batch_slot(const int* pos, int rows, in
 }
 
 // kBatched = false: the single-stream decode step (grid (kKVHeads, S)); rows and page_stride
-// are unused and the code is the same as without them. The batched kernel's bound asks for 2
-// CTAs an SM, not 3: its plan holds two registers more over the main loop (b, cl), which at
-// the 128 registers of 3 CTAs spilled (ptxas -v: 20 bytes); 137 registers fit 2 CTAs of 5
-// warps, and at D = 128 the 96 KB ring lets no more than 2 reside anyway.
+// are unused and the code is the same as without them. Its bound asks for the CTAs an SM the
+// ring lets reside, at most 3 (kAttnCtasPerSm: 2 at D = 128, 3 at D = 64): the registers of 3
+// (128) spill under the (hi, lo) K cache's second ldmatrix a key tile (ptxas -v: 16 bytes).
+// The batched kernel's bound asks for 2: its plan holds two registers more over the main loop
+// (b, cl), which at the 128 registers of 3 CTAs spilled (ptxas -v: 20 bytes).
 // kBatched = true: `rows` sequences of one query token each (grid (kKVHeads, (rows + spare) x
 // C): attn_batch_slot), sequence b's q, out, pos, page table and scratch at b's stride: q/out
 // rows [b kHeads + h], pos[b], pages + b page_stride, part_ml/part_acc as
 // [rows][kHeads][kAttnSplits][2 | D], counters [rows][kKVHeads].
 template <bool kBatched>
-__global__ void __launch_bounds__(kAttnThreads, kBatched ? 2 : 3)
+__global__ void __launch_bounds__(kAttnThreads, kBatched ? 2 : kAttnCtasPerSm)
     __cluster_dims__(1, kAttnCluster, 1)
 attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,
             const int* __restrict__ pages, const int* pos, float* part_ml, float* part_acc,
@@ -252,10 +261,13 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
   for (int n = 0; n < kAttnDN; ++n) o[n][0] = o[n][1] = 0.f;
 
   if (warp == kAttnConsumers) {
-    // ---- producer warp: lane 0 copies the page's K tile, lane 1 its V tile.
-    const half* src_base = (lane == 0 ? kc : vc) + (size_t)kvh * kAttnTileH;
+    // ---- producer warp: lane 0 copies the page's K tiles (kKParts, contiguous), lane 1 its
+    // V tile.
+    const int parts = lane == 0 ? kKParts : 1;
+    const half* src_base = (lane == 0 ? kc : vc) + (size_t)kvh * parts * kAttnTileH;
+    const size_t src_page = (size_t)kKVHeads * parts * kAttnTileH;
     if constexpr (kBatched) pages += (size_t)b * page_stride;
-    const uint32_t dst_base = ring_s + (lane & 1) * kAttnTileH * 2;
+    const uint32_t dst_base = ring_s + (lane & 1) * kKParts * kAttnTileH * 2;
     // Page ids 32 at a time, one batch ahead, so no page-table load sits on the issue path.
     int cur = pb + lane < pe ? pages[pb + lane] : 0;
     int nxt = pb + 32 + lane < pe ? pages[pb + 32 + lane] : 0;
@@ -281,8 +293,8 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
       if (lane == 0) mbar_arrive_expect_tx(full, kAttnStageTx);
       __syncwarp();
       if (lane < 2)
-        bulk_g2s(dst_base + slot * kAttnStageH * 2,
-                 src_base + (size_t)phys * kKVHeads * kAttnTileH, kAttnTileBytes, full);
+        bulk_g2s(dst_base + slot * kAttnStageH * 2, src_base + phys * src_page,
+                 parts * kAttnTileBytes, full);
     }
   } else {
     // ---- consumer warps. Warp w takes the split's pages w, w + 4, ... (stage slot = page %
@@ -316,18 +328,25 @@ attn_decode(const half* __restrict__ q, const half* __restrict__ kc, const half*
     for (int i = warp; i < npages; i += kAttnConsumers) {
       const int slot = i % kAttnStages;
       mbar_wait(smem_addr(&full_bar[slot]), (i / kAttnStages) & 1);
-      const uint32_t k_s = ring_s + slot * kAttnStageH * 2, v_s = k_s + kAttnTileH * 2;
+      const uint32_t k_s = ring_s + slot * kAttnStageH * 2;
+      const uint32_t v_s = k_s + kKParts * kAttnTileH * 2;
 
-      // S = Q K^T for keys j * 8 + 2c + e (j = key tile 0/1), row r.
+      // S = Q K^T for keys j * 8 + 2c + e (j = key tile 0/1), row r: K's parts (hi, lo) into
+      // the same accumulators, a part's tile at a constant offset from the hi tile's address.
       float s[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
 #pragma unroll
       for (int p = 0; p < kAttnDK / 2; ++p) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          uint32_t b[4];
-          ldmatrix_x4(b, k_s + k_row + j * 8 * D * 2 + kv_chunk(lane, 4 * p + (lane >> 3)) * 16);
-          attn::mma_top(s[j][0], s[j][1], qa[2 * p][0], qa[2 * p][1], b[0], b[1]);
-          attn::mma_top(s[j][0], s[j][1], qa[2 * p + 1][0], qa[2 * p + 1][1], b[2], b[3]);
+          const uint32_t at =
+              k_s + k_row + j * 8 * D * 2 + kv_chunk(lane, 4 * p + (lane >> 3)) * 16;
+#pragma unroll
+          for (int part = 0; part < kKParts; ++part) {
+            uint32_t b[4];
+            ldmatrix_x4(b, at + part * kAttnTileH * 2);
+            attn::mma_top(s[j][0], s[j][1], qa[2 * p][0], qa[2 * p][1], b[0], b[1]);
+            attn::mma_top(s[j][0], s[j][1], qa[2 * p + 1][0], qa[2 * p + 1][1], b[2], b[3]);
+          }
         }
       }
       // Online softmax (log2 domain). Only the page holding token L - 1 needs the mask; it

@@ -27,8 +27,9 @@
 //
 // Per page and warp (16 keys x 16 rows): S = Q K^T, Q the A operand (its fragments live in
 // registers for the whole launch), K rows the B operand (ldmatrix), 2 key tiles x kHeadDim / 16
-// k-steps; the scale log2(e) / sqrt(D) on the fp32 scores; base-2 online softmax per row; then
-// O += P V with the score accumulators as the A fragment and V through a transposed ldmatrix.
+// k-steps a part of the K cache (kv_cache.cuh: hi and lo into the same accumulators); the
+// scale log2(e) / sqrt(D) on the fp32 scores; base-2 online softmax per row; then O += P V
+// with the score accumulators as the A fragment and V through a transposed ldmatrix.
 // Only the pages holding a key past `start` need the causal mask, per row: key > start + t is
 // -inf. A row can see no valid key in a page group or a split (its keys there all lie past its
 // position): its running max stays -inf, the exponents take 0 for the max, and the merges weigh
@@ -38,7 +39,7 @@
 // ceil((start + M) / 16) pages are cut into ncl = min(S / C, ceil(P / (C kMattnMinPages)))
 // cluster ranges, each into C rank ranges; clusters past ncl exit at once. At context 512 that
 // is one cluster of 8 CTAs a kv head (4 pages a CTA), at 8k and beyond S / C clusters (128 CTAs
-// on every model, one an SM: the ring and the inbox take ~190 KB). Each CTA merges its warps,
+// on every model, one an SM: the ring and the inbox take ~160 KB). Each CTA merges its warps,
 // the ranks merge through distributed shared memory (every rank pushes column slice k of its
 // partial and its (m, l) into rank k's inbox with st.async, counted on rank k's mbarrier),
 // and with ncl > 1 every rank k writes its slice of the cluster's partial and bumps
@@ -68,11 +69,11 @@
 constexpr int kMaG = kGroupRatio, kMaD = kHeadDim;
 constexpr int kMaMaxRows = kVerifyRows * kMaG;
 constexpr int kMaMaxTiles = (kMaMaxRows + 15) / 16;
-constexpr int kMaTileH = kPageTokens * kMaD;  // one page of K (or V) of one kv head
-constexpr int kMaStageH = 2 * kMaTileH;        // K tile then V tile
+constexpr int kMaTileH = kKvTileH;                   // one page of V (or a K part) of a kv head
+constexpr int kMaStageH = (kKParts + 1) * kMaTileH;  // K's tiles then V's
 constexpr int kMaRingBytes = kMattnStages * kMaStageH * 2;
 constexpr unsigned kMaTileBytes = kMaTileH * 2;
-constexpr unsigned kMaStageTx = 2 * kMaTileBytes;
+constexpr unsigned kMaStageTx = kMaStageH * 2;
 constexpr int kMaDK = kMaD / 16;  // k-steps over the head dim (QK^T)
 constexpr int kMaDN = kMaD / 8;   // n8 tiles over the head dim (PV)
 constexpr int kMaScrRow = kMaD + 8;  // padded fp32 row of the epilogue scratch
@@ -88,7 +89,10 @@ static_assert(kMattnThreads == (kMattnConsumers + 1) * kWarp, "one producer besi
 static_assert((kMattnConsumers & (kMattnConsumers - 1)) == 0, "page groups are powers of two");
 static_assert(kMaMaxTiles <= kMattnConsumers, "one consumer warp per m16 row tile at least");
 static_assert(kMattnStages % kMattnConsumers == 0, "every ring slot belongs to one page group");
-static_assert(kMattnStages >= 2 * kMattnConsumers, "each group keeps its next page in flight");
+// With J = kMattnConsumers groups (M G <= 16 rows) a group owns kMattnStages / J slots: one
+// where the (hi, lo) K cache's 12 KB stages leave room for 8 (decode_attention.cu's 96 KB),
+// and then its next page comes in while the other groups compute theirs.
+static_assert(kMattnStages >= kMattnConsumers, "every page group owns a ring slot");
 static_assert(kPageTokens == 16, "one page = one m16n8k16 key tile");
 static_assert(kMaD % 32 == 0, "head dim: whole ldmatrix x4 groups");
 static_assert(kMaStageTx < (1u << 20), "mbarrier tx-count range");
@@ -175,9 +179,11 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
   for (int n = 0; n < kMaDN; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
   if (warp == kMattnConsumers) {
-    // ---- producer warp: lane 0 copies a page's K tile, lane 1 its V tile (attn_decode's).
-    const half* src_base = (lane == 0 ? kc : vc) + (size_t)kvh * kMaTileH;
-    const uint32_t dst_base = ring_s + (lane & 1) * kMaTileH * 2;
+    // ---- producer warp: lane 0 copies a page's K tiles, lane 1 its V tile (attn_decode's).
+    const int parts = lane == 0 ? kKParts : 1;
+    const half* src_base = (lane == 0 ? kc : vc) + (size_t)kvh * parts * kMaTileH;
+    const size_t src_page = (size_t)kKVHeads * parts * kMaTileH;
+    const uint32_t dst_base = ring_s + (lane & 1) * kKParts * kMaTileH * 2;
     int cur = pb + lane < pe ? pages[pb + lane] : 0;
     int nxt = pb + 32 + lane < pe ? pages[pb + 32 + lane] : 0;
     const int first_new = start / kPageTokens;  // pages from here hold the M new K/V rows
@@ -199,8 +205,8 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
       if (lane == 0) mbar_arrive_expect_tx(full, kMaStageTx);
       __syncwarp();
       if (lane < 2)
-        bulk_g2s(dst_base + slot * kMaStageH * 2,
-                 src_base + (size_t)phys * kKVHeads * kMaTileH, kMaTileBytes, full);
+        bulk_g2s(dst_base + slot * kMaStageH * 2, src_base + phys * src_page,
+                 parts * kMaTileBytes, full);
     }
   } else if (grp < J) {
     // ---- consumer warps (the file's head): group grp's pages, the warp's row tile.
@@ -226,17 +232,22 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
     for (int i = grp; i < npages; i += J) {
       const int slot = i % kMattnStages;
       mbar_wait(smem_addr(&full_bar[slot]), (i / kMattnStages) & 1);
-      const uint32_t k_s = ring_s + slot * kMaStageH * 2, v_s = k_s + kMaTileH * 2;
+      const uint32_t k_s = ring_s + slot * kMaStageH * 2, v_s = k_s + kKParts * kMaTileH * 2;
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int p = 0; p < kMaDK / 2; ++p) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          uint32_t b[4];
-          ldmatrix_x4(b, k_s + k_row + j * 8 * D * 2 + kv_chunk(lane, 4 * p + (lane >> 3)) * 16);
-          mma_16816(s[j], qa[2 * p], b[0], b[1]);
-          mma_16816(s[j], qa[2 * p + 1], b[2], b[3]);
+          const uint32_t at =
+              k_s + k_row + j * 8 * D * 2 + kv_chunk(lane, 4 * p + (lane >> 3)) * 16;
+#pragma unroll
+          for (int part = 0; part < kKParts; ++part) {  // K's (hi, lo): the same accumulators
+            uint32_t b[4];
+            ldmatrix_x4(b, at + part * kMaTileH * 2);
+            mma_16816(s[j], qa[2 * p], b[0], b[1]);
+            mma_16816(s[j], qa[2 * p + 1], b[2], b[3]);
+          }
         }
       }
       const int tok0 = (pb + i) * kPageTokens;

@@ -78,16 +78,50 @@ rmsnorm_rows(const uint4* __restrict__ x, const uint4* __restrict__ w, uint4* __
 }
 
 // RoPE (NEOX halves) on q and k, then K/V into the paged cache.
-// qkv    fp16 [T, kQKVSize]   q | k | v per token, bias already added (gemv epilogue)
+// qkv    fp32 [T, kQKVSize]   q | k | v per token, bias already added (the prefill GEMM's
+//                             fp32 output: k reaches the cache without an fp16 rounding
+//                             before RoPE, as the decode step's GEMV epilogue keeps it)
 // pos0   int                  position of token 0 (the prefill's first uncached token)
 // rope   float2 [max_pos, kHeadDim/2]  (cos, sin), formed in float64 on the host
 // pages  int32 [max_pages]    page table of the sequence: logical page -> physical page
 // kc, vc fp16                this layer's caches (kv_cache.cuh; prefill attention reads them)
 // q_out  fp16 [T, kHeads, kHeadDim]
-// Grid T, block kMiscThreads. A thread takes 16 bytes: 8 rotations (chunk c of a head's first
-// half and of its second) or 8 values of v; a cache chunk is 8 contiguous halves (kv_chunk).
+// Grid T, block kMiscThreads. A thread takes 8 rotations (chunk c of a head's first half and
+// of its second) or 8 values of v: one 16-byte chunk of the cache (kv_chunk) a half head, and
+// for K one of each part.
+namespace rope_kv {
+__device__ __forceinline__ void load8(float (&x)[8], const float* src) {
+  const float4 a = *reinterpret_cast<const float4*>(src);
+  const float4 b = *reinterpret_cast<const float4*>(src + 4);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+// x rounded to fp16 (hi) and, where rest is given, what it leaves: rest = fp16(x - hi).
+__device__ __forceinline__ uint4 round8(const float (&x)[8], uint4* rest) {
+  uint4 h;
+  uint32_t* hw = reinterpret_cast<uint32_t*>(&h);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) hw[k] = pack_half2(x[2 * k], x[2 * k + 1]);
+  if (rest) {
+    const half2* h2 = reinterpret_cast<const half2*>(&h);
+    uint32_t* rw = reinterpret_cast<uint32_t*>(rest);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __half22float2(h2[k]);
+      rw[k] = pack_half2(x[2 * k] - f.x, x[2 * k + 1] - f.y);
+    }
+  }
+  return h;
+}
+// 8 values of a K row into the cache at k_offset `at` (kKParts parts).
+__device__ __forceinline__ void store_k8(half* kc, size_t at, const float (&x)[8]) {
+  uint4 lo;
+  *reinterpret_cast<uint4*>(kc + at) = round8(x, kKParts == 2 ? &lo : nullptr);
+  if constexpr (kKParts == 2) *reinterpret_cast<uint4*>(kc + at + kKvTileH) = lo;
+}
+}  // namespace rope_kv
+
 extern "C" __global__ void __launch_bounds__(kMiscThreads)
-rope_kv_write(const half* __restrict__ qkv, int pos0, const float2* __restrict__ rope,
+rope_kv_write(const float* __restrict__ qkv, int pos0, const float2* __restrict__ rope,
               const int* __restrict__ pages, half* kc, half* vc, half* q_out) {
   constexpr int kHalf = kHeadDim / 2;
   constexpr int kChunks = kHalf / 8;                    // 16-byte chunks of half a head
@@ -97,37 +131,39 @@ rope_kv_write(const half* __restrict__ qkv, int pos0, const float2* __restrict__
   pdl_trigger();
   const int t = blockIdx.x;
   const int pos = pos0 + t;
-  const half* row = qkv + (size_t)t * kQKVSize;
+  const float* row = qkv + (size_t)t * kQKVSize;
   const int page = pages[pos / kPageTokens], tp = pos % kPageTokens;
   const float4* cs = reinterpret_cast<const float4*>(rope + (size_t)pos * kHalf);
   for (int i = threadIdx.x; i < kRot + kKVSize / 8; i += blockDim.x) {
     if (i >= kRot) {
       const int e = 8 * (i - kRot);
-      const uint4 v = *reinterpret_cast<const uint4*>(row + kQSize + kKVSize + e);
-      *reinterpret_cast<uint4*>(vc + kv_offset(page, e / kHeadDim, tp, e % kHeadDim)) = v;
+      float v[8];
+      rope_kv::load8(v, row + kQSize + kKVSize + e);
+      *reinterpret_cast<uint4*>(vc + v_offset(page, e / kHeadDim, tp, e % kHeadDim)) =
+          rope_kv::round8(v, nullptr);
       continue;
     }
     const int head = i / kChunks, j = 8 * (i % kChunks);  // pairs j .. j + 7
-    const half* src = row + head * kHeadDim + j;
-    uint4 lo = *reinterpret_cast<const uint4*>(src);
-    uint4 hi = *reinterpret_cast<const uint4*>(src + kHalf);
-    half2* l2 = reinterpret_cast<half2*>(&lo);
-    half2* h2 = reinterpret_cast<half2*>(&hi);
+    const float* src = row + head * kHeadDim + j;
+    float x1[8], x2[8], lo[8], hi[8];
+    rope_kv::load8(x1, src);
+    rope_kv::load8(x2, src + kHalf);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float4 c = cs[j / 2 + k];  // (cos, sin) of pairs j + 2k and j + 2k + 1
-      const float2 x1 = __half22float2(l2[k]), x2 = __half22float2(h2[k]);
-      l2[k] = __floats2half2_rn(x1.x * c.x - x2.x * c.y, x1.y * c.z - x2.y * c.w);
-      h2[k] = __floats2half2_rn(x2.x * c.x + x1.x * c.y, x2.y * c.z + x1.y * c.w);
+      lo[2 * k] = x1[2 * k] * c.x - x2[2 * k] * c.y;
+      lo[2 * k + 1] = x1[2 * k + 1] * c.z - x2[2 * k + 1] * c.w;
+      hi[2 * k] = x2[2 * k] * c.x + x1[2 * k] * c.y;
+      hi[2 * k + 1] = x2[2 * k + 1] * c.z + x1[2 * k + 1] * c.w;
     }
     if (head < kHeads) {
       half* q = q_out + ((size_t)t * kHeads + head) * kHeadDim + j;
-      *reinterpret_cast<uint4*>(q) = lo;
-      *reinterpret_cast<uint4*>(q + kHalf) = hi;
+      *reinterpret_cast<uint4*>(q) = rope_kv::round8(lo, nullptr);
+      *reinterpret_cast<uint4*>(q + kHalf) = rope_kv::round8(hi, nullptr);
     } else {
       const int kh = head - kHeads;
-      *reinterpret_cast<uint4*>(kc + kv_offset(page, kh, tp, j)) = lo;
-      *reinterpret_cast<uint4*>(kc + kv_offset(page, kh, tp, j + kHalf)) = hi;
+      rope_kv::store_k8(kc, k_offset(page, kh, tp, j), lo);
+      rope_kv::store_k8(kc, k_offset(page, kh, tp, j + kHalf), hi);
     }
   }
 }

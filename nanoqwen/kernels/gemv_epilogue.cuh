@@ -4,7 +4,7 @@
 // kv_cache.cuh.
 //
 //   kRope     (q/k/v projection) + bias, then RoPE on q and k (the pair is (x1, x2) of one
-//             rotation) and the K/V write into the paged cache
+//             rotation) in fp32 and the K/V write into the paged cache (kv_cache.cuh)
 //   kResidual (o_proj, down_proj)  res[n] += dot (in place: the fp32 residual stream), and
 //             out[n] = fp16(res[n]), the copy the next RMSNorm reads
 //   kSwiGLU   (fused gate/up)      out[n] = silu(dot_gate) * dot_up
@@ -64,23 +64,26 @@ template <int EPI>
 __device__ __forceinline__ void epi_finish(int p, float da, float db, const EpiIn& in, half* out,
                                            float* res, int N, int half_n, half* kc, half* vc) {
   if (EPI == kRope) {
+    // q and k heads rotate (x1, x2) = (row j, row j + D/2) in fp32, then round once (q, v) or
+    // go into the K cache whole (store_k).
     const int ra = pair_row_a<EPI>(p), rb = pair_row_b<EPI>(p, N, half_n);
-    half ha = __float2half_rn(da + in.a);
-    half hb = __float2half_rn(db + in.b);
-    if (ra < kQSize + kKVSize) {  // q and k heads: rotate (x1, x2) = (row j, row j + D/2)
-      const float x1 = __half2float(ha), x2 = __half2float(hb);
-      ha = __float2half_rn(x1 * in.cs.x - x2 * in.cs.y);
-      hb = __float2half_rn(x2 * in.cs.x + x1 * in.cs.y);
+    float a = da + in.a, b = db + in.b;
+    if (ra < kQSize + kKVSize) {
+      const float x1 = a, x2 = b;
+      a = x1 * in.cs.x - x2 * in.cs.y;
+      b = x2 * in.cs.x + x1 * in.cs.y;
     }
     if (ra < kQSize) {
-      out[ra] = ha;
-      out[rb] = hb;
-    } else {  // k or v: rows ra, rb are dims d, d + D/2 of one kv head
-      const bool is_k = ra < kQSize + kKVSize;
-      const int f = ra - kQSize - (is_k ? 0 : kKVSize), kh = f / kHeadDim, d = f % kHeadDim;
-      half* cache = is_k ? kc : vc;
-      cache[kv_offset(in.page, kh, in.t, d)] = ha;
-      cache[kv_offset(in.page, kh, in.t, d + kHeadDim / 2)] = hb;
+      out[ra] = __float2half_rn(a);
+      out[rb] = __float2half_rn(b);
+    } else if (ra < kQSize + kKVSize) {  // rows ra, rb are dims d, d + D/2 of one kv head
+      const int f = ra - kQSize, kh = f / kHeadDim, d = f % kHeadDim;
+      store_k(kc, k_offset(in.page, kh, in.t, d), a);
+      store_k(kc, k_offset(in.page, kh, in.t, d + kHeadDim / 2), b);
+    } else {
+      const int f = ra - kQSize - kKVSize, kh = f / kHeadDim, d = f % kHeadDim;
+      vc[v_offset(in.page, kh, in.t, d)] = __float2half_rn(a);
+      vc[v_offset(in.page, kh, in.t, d + kHeadDim / 2)] = __float2half_rn(b);
     }
   } else if (EPI == kSwiGLU) {
     out[p] = __float2half_rn(da / (1.f + __expf(-da)) * db);

@@ -83,12 +83,14 @@ template <int D>
 struct Layout {
   static_assert(D == 64 || D == 128, "head_dim must be 64 or 128");
   static constexpr int kBlocks = D / 64;                 // 128-byte column blocks of a row
-  static constexpr int kTileBytes = kBlocks * kBlockBytes;  // one Q, K or V tile
-  static constexpr int kSmemBytes = 1024 + 5 * kTileBytes;  // alignment + Q + 2 x K + 2 x V
-  // (host side: nanoqwen/cuda/registry.py prefill_attention_smem_bytes)
-  // CTAs an SM holds by shared memory (2 at D = 128, 5 at D = 64). The kernel's
-  // __launch_bounds__ asks ptxas for registers that allow as many: at D = 64 it would otherwise
-  // take 104 a thread, room for 4.
+  static constexpr int kTileBytes = kBlocks * kBlockBytes;  // one Q or V tile, or a K part
+  static constexpr int kKTileBytes = kKParts * kTileBytes;  // a K tile: its parts, in turn
+  // alignment + Q + 2 x K + 2 x V (host side: nanoqwen/cuda/registry.py
+  // prefill_attention_smem_bytes)
+  static constexpr int kSmemBytes = 1024 + 3 * kTileBytes + 2 * kKTileBytes;
+  // CTAs an SM holds by shared memory (2 at D = 128, 3 at D = 64 with the (hi, lo) K cache).
+  // The kernel's __launch_bounds__ asks ptxas for registers that allow as many: at D = 64 it
+  // would otherwise take 104 a thread, room for 4.
   static constexpr int kCtasPerSm = kSmemPerSm / (kSmemBytes + kSmemCtaReserve);
 };
 
@@ -117,13 +119,14 @@ __device__ __forceinline__ void load_q_tile(unsigned char* dst, const unsigned s
 // One thread's share of the K and V tile copies from a layer's paged cache (kv_cache.cuh). A
 // tile of kTileK keys is kPagesPerTile pages of the kv head; thread tid copies 16-byte chunk
 // c = tid % kChunks of tile rows r0 + i kRowStep (r0 = tid / kChunks, i < kCopies), of K and
-// of V. All but the page ids is fixed for the CTA and computed once: kv_offset is the page
-// times a page's elements plus an in-page offset, and a row's slot in its page repeats every
-// kRowsPerPage copies, so a source pointer per such slot (K and V, page 0) makes a copy's
-// address one multiply-add; copy i lands i kRowStep rows below copy 0 in the shared tile
-// (kRowStep being a multiple of 8, every row of the thread has the same row & 7, hence the
-// same swizzled chunk). The page ids come from fetch_pages a tile ahead, into registers, so
-// the copies wait on no global load.
+// of V (of each K part: the lo part kKvTileH halves after the hi part in the cache, a tile
+// after it in shared memory). All but the page ids is fixed for the CTA and computed once:
+// k_offset and v_offset are the page times a page's elements plus an in-page offset, and a
+// row's slot in its page repeats every kRowsPerPage copies, so a source pointer per such slot
+// (K and V, page 0) makes a copy's address one multiply-add; copy i lands i kRowStep rows
+// below copy 0 in the shared tile (kRowStep being a multiple of 8, every row of the thread has
+// the same row & 7, hence the same swizzled chunk). The page ids come from fetch_pages a tile
+// ahead, into registers, so the copies wait on no global load.
 template <int D>
 struct KvTileCopy {
   static constexpr int kChunks = D / 8;                        // 16-byte chunks of a row
@@ -136,7 +139,7 @@ struct KvTileCopy {
   static_assert(kPageTokens % kRowStep == 0, "a thread's copies take the same slots of each page");
   static_assert(kRowStep % 8 == 0, "a thread's rows share row & 7 (the swizzle's row bits)");
 
-  const unsigned short* k_src[kRowsPerPage];  // kc + kv_offset(0, head, r0 + j kRowStep, 8 c)
+  const unsigned short* k_src[kRowsPerPage];  // kc + k_offset(0, head, r0 + j kRowStep, 8 c)
   const unsigned short* v_src[kRowsPerPage];  // the same in vc
   int r0;                                     // the thread's first tile row
   int dst0;                                   // its shared-memory offset in a tile
@@ -148,10 +151,9 @@ struct KvTileCopy {
     dst0 = tile_chunk(r0, c);
 #pragma unroll
     for (int j = 0; j < kRowsPerPage; ++j) {
-      const size_t at = kv_offset(0, head, r0 + j * kRowStep, c * 8);
-      k_src[j] = kc + at;
-      v_src[j] = vc + at;
-      // Opaque to the optimizer, which would otherwise fold kc + at into every copy's address
+      k_src[j] = kc + k_offset(0, head, r0 + j * kRowStep, c * 8);
+      v_src[j] = vc + v_offset(0, head, r0 + j * kRowStep, c * 8);
+      // Opaque to the optimizer, which would otherwise fold the offsets into every copy's address
       // (a 64-bit element offset, a shift and two adds per K/V pair, SASS): with it, an
       // IMAD.WIDE.U32 a copy.
       asm("" : "+l"(k_src[j]), "+l"(v_src[j]));
@@ -168,8 +170,8 @@ struct KvTileCopy {
       pg[j] = key0 + j * kPageTokens < n_keys ? pages[key0 / kPageTokens + j] : 0;
   }
 
-  // Keys key0..key0 + kTileK - 1 of K and V (pages pg) into the swizzled tiles at k_dst and
-  // v_dst. Keys >= n_keys read as zeros.
+  // Keys key0..key0 + kTileK - 1 of K and V (pages pg) into the swizzled tiles at k_dst (its
+  // kKParts parts, kTileBytes apart) and v_dst. Keys >= n_keys read as zeros.
   __device__ __forceinline__ void issue(unsigned char* k_dst, unsigned char* v_dst,
                                         const int (&pg)[kPagesPerTile], int key0,
                                         int n_keys) const {
@@ -178,8 +180,11 @@ struct KvTileCopy {
     for (int i = 0; i < kCopies; ++i) {
       const size_t page = static_cast<unsigned>(pg[i / kRowsPerPage]);
       const int at = dst0 + i * kRowStep * 128, bytes = r0 + i * kRowStep < live_rows ? 16 : 0;
-      cp_async16(k_dst + at, k_src[i % kRowsPerPage] + page * kv_offset(1, 0, 0, 0), bytes);
-      cp_async16(v_dst + at, v_src[i % kRowsPerPage] + page * kv_offset(1, 0, 0, 0), bytes);
+      const unsigned short* k = k_src[i % kRowsPerPage] + page * k_offset(1, 0, 0, 0);
+#pragma unroll
+      for (int part = 0; part < kKParts; ++part)
+        cp_async16(k_dst + part * Layout<D>::kTileBytes + at, k + part * kKvTileH, bytes);
+      cp_async16(v_dst + at, v_src[i % kRowsPerPage] + page * v_offset(1, 0, 0, 0), bytes);
     }
   }
 };
@@ -204,8 +209,8 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads,
   extern __shared__ unsigned char smem_raw[];
   const unsigned raw = smem_addr(smem_raw);
   unsigned char* q_s = smem_raw + ((raw + 1023) & ~1023u) - raw;
-  unsigned char* k_s = q_s + L::kTileBytes;      // [2] tiles
-  unsigned char* v_s = k_s + 2 * L::kTileBytes;  // [2] tiles
+  unsigned char* k_s = q_s + L::kTileBytes;       // [2] K tiles (kKParts parts each)
+  unsigned char* v_s = k_s + 2 * L::kKTileBytes;  // [2] tiles
   const unsigned q_a = smem_addr(q_s), k_a = smem_addr(k_s), v_a = smem_addr(v_s);
 
   pdl_trigger();
@@ -250,20 +255,25 @@ __global__ void __launch_bounds__(nanoqwen_prefill_attention::kThreads,
     fence_proxy_async_smem();
     __syncthreads();  // tile kb landed and visible to wgmma; buffer buf ^ 1 no longer read
 
-    // S = Q K^T: A = the Q tile, B = the K tile, both K-major (head dim along the rows). Issued
-    // before the next tile's copies, so the tensor cores run while the copies are issued.
+    // S = Q K^T: A = the Q tile, B = the K tile's parts in turn (hi, lo: one sum), both
+    // K-major (head dim along the rows). Issued before the next tile's copies, so the tensor
+    // cores run while the copies are issued.
     float s[kTileK / 2];
-    const unsigned kt_a = k_a + buf * L::kTileBytes;
+    const unsigned kt_a = k_a + buf * L::kKTileBytes;
     wgmma_fence();
 #pragma unroll
-    for (int st = 0; st < kDSteps; ++st) {
-      const unsigned off = (st / 4) * kBlockBytes + (st % 4) * 32;
-      WgmmaSS<kTileK>::mma(s, make_desc_sw128(q_a + off), make_desc_sw128(kt_a + off), st > 0);
+    for (int part = 0; part < kKParts; ++part) {
+#pragma unroll
+      for (int st = 0; st < kDSteps; ++st) {
+        const unsigned off = (st / 4) * kBlockBytes + (st % 4) * 32;
+        WgmmaSS<kTileK>::mma(s, make_desc_sw128(q_a + off),
+                             make_desc_sw128(kt_a + part * L::kTileBytes + off), part + st > 0);
+      }
     }
     wgmma_commit();
     if (kb + 1 < kb1) {  // tile kb + 1 into buffer buf ^ 1; tile kb + 2's page ids
       const int key0 = (kb + 1) * kTileK;
-      kv_copy.issue(k_s + (buf ^ 1) * L::kTileBytes, v_s + (buf ^ 1) * L::kTileBytes, pg, key0,
+      kv_copy.issue(k_s + (buf ^ 1) * L::kKTileBytes, v_s + (buf ^ 1) * L::kTileBytes, pg, key0,
                     n_keys);
       Copy::fetch_pages(pg, pages, key0 + kTileK, n_keys);
     }

@@ -1,6 +1,6 @@
 // prefill_gemm_wgmma.cu — INT4 (ValueShuffle, g128) x fp16 GEMM for prefill on Hopper wgmma.
 //
-//   out[M, N] fp16 = A[M, K] fp16 @ dequant(W)^T  (+ bias[N])
+//   out[M, N] fp16 (or out32 fp32) = A[M, K] fp16 @ dequant(W)^T  (+ bias[N])
 //   or, with a residual: residual[M, N] fp32 += A @ dequant(W)^T, out = fp16(residual)
 //   or, SWIGLU:  out[M, N/2] = silu(A @ Wgate^T) * (A @ Wup^T)   with W = [Wgate; Wup]
 //
@@ -27,6 +27,9 @@
 //   residual  fp32  [M, N] or null  the residual stream, read and written in place (not used
 //                                  with SWIGLU)
 //   out       fp16  [M, N]        ([M, N/2] with SWIGLU; with a residual, its fp16 copy)
+//   out32     fp32  [M, N] or null  the output in fp32 instead of out (not used with SWIGLU
+//                                  or a residual): the q/k/v projection's, whose k reaches the
+//                                  K cache unrounded (kv_cache.cuh)
 //   M, N, K   M >= 1 any; N % 128 == 0; K % 128 == 0 (K/64 k-tiles, an even count)
 //   partials  fp32  [gridDim.x, BT/2, 256]  the stream-K hand-over, one part per CTA
 //   flags     int32 [gridDim.x]   zero before the first launch; every launch leaves them zero
@@ -211,7 +214,8 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
                        const __grid_constant__ TensorMap w_map,
                        const unsigned short* __restrict__ scales,
                        const unsigned short* __restrict__ bias, float* residual,
-                       unsigned short* __restrict__ out, int M, int N, int K, float* partials, int* flags) {
+                       unsigned short* __restrict__ out, float* __restrict__ out32, int M,
+                       int N, int K, float* partials, int* flags) {
   using namespace nanoqwen_wgmma;
   using L = Layout<BT, STAGES>;
   using St = Staging<BT, SWIGLU>;
@@ -445,6 +449,11 @@ __global__ void __launch_bounds__(nanoqwen_wgmma::kThreads, 1)
         for (int i = 0; i < 8; ++i) v[i] += r[i];
         rp[0] = make_float4(v[0], v[1], v[2], v[3]);
         rp[1] = make_float4(v[4], v[5], v[6], v[7]);
+      } else if (!SWIGLU && out32) {
+        float4* op = reinterpret_cast<float4*>(out32 + idx);
+        op[0] = u;
+        op[1] = w;
+        continue;
       }
       uint4 o;
       o.x = pack_half2(v[0], v[1]);
