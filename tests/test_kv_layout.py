@@ -47,6 +47,7 @@ def test_k_cache_formats():
 
     cfg, plain = preset("7b"), registry.k_cache_geometry("fp16")
     assert registry.k_cache_name(registry.DEFAULT_GEOMETRY) == registry.DEFAULT_K_CACHE == "fp16x2"
+    assert registry.k_cache_geometry("fp16x2") == registry.DEFAULT_GEOMETRY  # one default
     assert plain.k_parts == 1 and registry.k_cache_name(plain) == "fp16"
     assert registry.attn_smem_bytes(cfg) == registry.attn_smem_bytes(cfg, plain) == 96 * 1024
     assert (
