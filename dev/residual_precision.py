@@ -2,11 +2,13 @@
 
     PYTHONPATH=. python3 dev/residual_precision.py FILE.nanoqwen [--windows 4] [--tokens 256]
 
-The reference (nanoqwen.reference) runs the real model three ways over windows of stdlib code
+The reference (nanoqwen.reference) runs the real model four ways over windows of stdlib code
 (harness.real_text.code_windows): pure float32 (the oracle); "fp16 all", every inter-kernel
-activation and the residual stream itself rounded to fp16 (reference.Fp16Storage(residual=True):
-the engine's storage before its residual went fp32); "fp32 residual", the engine's storage
-(Fp16Storage()): the stream kept in float32, the RMSNorms reading an fp16 copy. For
+activation and the residual stream itself rounded to fp16, K too (reference.Fp16Storage(
+residual=True, k_pair=False): about the engine's storage before its residual went fp32);
+"fp32 residual", the stream kept in float32, the RMSNorms reading an fp16 copy, K rounded
+(Fp16Storage(k_pair=False): the `--k-cache fp16` engine); "engine", that with K kept whole
+(Fp16Storage(): the default engine, K as an fp16 (hi, lo) pair). For
 each rounded run: top-1 agreement with the oracle, the per-position max |dlogit| / std (median,
 p99, max). Then the residual stream's largest magnitude after each layer (float32 run): the fp16
 headroom (fp16's largest finite value is 65504). The first layer's output is also measured with
@@ -29,8 +31,9 @@ from nanoqwen.tokenizer import Tokenizer
 
 VARIANTS = {
     "fp32": None,
-    "fp16 all": Fp16Storage(residual=True),
-    "fp32 residual": Fp16Storage(),
+    "fp16 all": Fp16Storage(residual=True, k_pair=False),
+    "fp32 residual": Fp16Storage(k_pair=False),
+    "engine": Fp16Storage(),
 }
 FP16_MAX = 65504.0
 FP16_ULP = 2.0**-11
