@@ -51,6 +51,13 @@ def _layer0(ref, ids: list[int], dev: str, storage) -> np.ndarray:
         ref.cache.pages.release(table)
 
 
+def _storage(engine):
+    """The reference.Fp16Storage that emulates `engine`'s: its K cache's format included."""
+    from ..reference import Fp16Storage
+
+    return Fp16Storage(k_pair=engine.kv.k_parts == 2)
+
+
 def _errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     """(max |got - want|, rms of got - want), each over rms(want)."""
     err, rms = np.abs(got.astype(np.float64) - want), float(np.sqrt(np.mean(want**2)))
@@ -63,14 +70,11 @@ def real_layer_tier(engine, file, tol: dict) -> list[Check]:
     stores fp16 where the engine does (reference.Fp16Storage), measured on the same tokens."""
     import torch
 
-    from ..reference import Fp16Storage
-
     ids = _windows(file, 1, tol["tokens"])[0]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref = _reference(file, dev)
     want = _layer0(ref, ids, dev, None)
-    storage = Fp16Storage(k_pair=engine.kv.k_parts == 2)
-    emu_max, emu_rms = _errors(_layer0(ref, ids, dev, storage), want)
+    emu_max, emu_rms = _errors(_layer0(ref, ids, dev, _storage(engine)), want)
     got = np.stack([engine.decode_hidden(int(tok), i, layers=1) for i, tok in enumerate(ids)])
     err_max, err_rms = _errors(got, want)
     k = tol["over_fp16_emulation"]
@@ -86,13 +90,11 @@ def real_graph_tier(engine, file, tol: dict) -> list[Check]:
     generations from their openings, vs the float32 reference."""
     import torch
 
-    from ..reference import Fp16Storage
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref = _reference(file, dev)
     windows = _windows(file, tol["windows"], tol["tokens"])
     want = [ref.logits(ids).astype(np.float32) for ids in windows]
-    with ref.model.storing(Fp16Storage(k_pair=engine.kv.k_parts == 2)):
+    with ref.model.storing(_storage(engine)):
         emulated = [
             real_text.compare(ref.logits(ids), w) for ids, w in zip(windows, want, strict=True)
         ]

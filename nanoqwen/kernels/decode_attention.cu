@@ -109,9 +109,8 @@ constexpr unsigned kAttnRecvTx = kAttnCluster * kGroupRatio * (kAttnCols + 2) * 
 static_assert(kAttnSplits % kAttnCluster == 0, "the splits come in whole clusters");
 // CTAs an SM by shared memory (228 KB an SM, 1 KB of it reserved a CTA; ~5 KB of static
 // shared memory beside the ring), at most 3: the single-stream kernel's register bound.
-constexpr int kAttnCtasPerSm = 228 * 1024 / (kAttnRingBytes + 6 * 1024) < 3
-                                   ? 228 * 1024 / (kAttnRingBytes + 6 * 1024)
-                                   : 3;
+constexpr int kAttnCtasBySmem = 228 * 1024 / (kAttnRingBytes + 6 * 1024);
+constexpr int kAttnCtasPerSm = kAttnCtasBySmem < 3 ? kAttnCtasBySmem : 3;
 
 namespace attn {  // helpers local to this file (common.cuh holds the shared ones)
 // m16n8k16 (fp16 in, fp32 accumulate) with A rows 8..15 zero: only the row-(lane / 4)
