@@ -1,7 +1,7 @@
 """Where the time to first token goes (run on an sm_90 GPU).
 
     PYTHONPATH=. python3 dev/ttft_profile.py FILE.nanoqwen [--prompt-len 512] [--runs 10]
-        [--ablate] [--cached N]
+        [--ablate] [--cached N] [--timeline]
 
 For the prefill as built, without PDL (engine.prefill_kernels.pdl; the decode kernels it
 shares keep theirs) and with its last layer over every token (engine.forward
@@ -13,6 +13,10 @@ enqueue. Printed: the host's time to its first launch, to its last and to the to
 span from the first event to the last; and per kernel label the launches and the sum of event
 deltas (the kernel plus any gap before it). --ablate adds the TTFT with each label's launches
 skipped in turn (each launcher's `launch` replaced on the instance for the run).
+--timeline adds the kernels of one request as built (PDL on, no events between launches) from
+the CUDA profiling interface (torch.profiler's CUPTI trace): per label the kernels' own time and
+the gaps before them (a kernel's start minus the previous kernel's end; negative where PDL
+overlaps them), and the GPU span from the first kernel's start to the last one's end.
 --cached N profiles a warm prefix-cache request instead (bench --workload prefix): every
 request is one fixed N-token prefix, which the request before left in the cache, and
 `prompt-len` fresh tokens.
@@ -22,11 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
+import tempfile
 import time
 from collections import defaultdict
 
 import numpy as np
+import torch.profiler
 
 from nanoqwen.engine import CudaBackend
 from nanoqwen.fileformat import NanoqwenFile
@@ -145,6 +152,42 @@ def instrumented_run(engine, ids) -> dict:
     }
 
 
+def timeline(engine, ids) -> dict:
+    """One generate(max_tokens=1) as built under a CUPTI trace: every kernel's start and end
+    on the GPU, matched in order with the launches' labels."""
+    labels = []
+    for launcher in launchers(engine):
+        launcher.on_launch = lambda launch: labels.append(label_of(launch.label))
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in engine.generate(ids, SamplingParams(max_tokens=1), frozenset()):
+                pass
+    finally:
+        for launcher in launchers(engine):
+            launcher.on_launch = None
+    with tempfile.NamedTemporaryFile(suffix=".json") as t:
+        prof.export_chrome_trace(t.name)
+        trace = json.load(open(t.name))
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in trace["traceEvents"]
+        if e.get("cat") == "kernel"
+    )
+    # Every kernel of a request is a launcher's, in launch order (the names printed beside each
+    # label show the match).
+    if len(kernels) < len(labels):
+        raise RuntimeError(f"{len(kernels)} kernels traced for {len(labels)} launches")
+    per = defaultdict(lambda: [0, 0.0, 0.0, set()])  # launches, kernel us, gap us, names
+    prev_end = kernels[0][0]
+    for label, (start, end, name) in zip(labels, kernels, strict=False):
+        per[label][0] += 1
+        per[label][1] += end - start
+        per[label][2] += start - prev_end
+        per[label][3].add(name.split("<")[0].split("(")[0])
+        prev_end = end
+    return {"span_ms": (kernels[-1][1] - kernels[0][0]) / 1e3, "per_label": dict(per)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
@@ -154,6 +197,7 @@ def main() -> int:
     ap.add_argument(
         "--cached", type=int, default=0, metavar="N", help="warm: N cached + prompt-len new"
     )
+    ap.add_argument("--timeline", action="store_true", help="kernels and gaps from a CUPTI trace")
     args = ap.parse_args()
     f = NanoqwenFile(args.file)
     # Room for the cached prefix, a few requests' tails and the generated token.
@@ -188,6 +232,20 @@ def main() -> int:
         print(f"ablation: TTFT {base:.3f} ms with every launch; without one label:")
         for label, ms in ablated_ttft_ms(engine, prompt, args.runs, labels).items():
             print(f"  {label:<18} {ms:8.3f} ms  (it costs {base - ms:6.3f})")
+    if args.timeline:
+        timeline(engine, prompt())  # the profiler's own first-use costs
+        t = timeline(engine, prompt())
+        print(f"timeline (as built, CUPTI): GPU span {t['span_ms']:.3f} ms")
+        print(
+            f"{'label':<18} {'launches':>8} {'kernel ms':>9} {'gaps ms':>8} {'us each':>8}  kernel"
+        )
+        for label, (n, k_us, g_us, names) in sorted(
+            t["per_label"].items(), key=lambda kv: -kv[1][1]
+        ):
+            print(
+                f"{label:<18} {n:>8} {k_us / 1e3:>9.3f} {g_us / 1e3:>8.3f} {k_us / n:>8.1f}  "
+                + ",".join(sorted(names))
+            )
     configure(engine, False, True)
     ttft_ms(engine, prompt, 1, warmup=1)
     r = instrumented_run(engine, prompt())

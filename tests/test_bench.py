@@ -5,6 +5,7 @@ whole command with --kernels on the tiny synthetic model."""
 
 import json
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -139,6 +140,54 @@ def test_itl_by_position_is_the_median_over_runs():
     assert bench.itl_by_position([]) == []
     with pytest.raises(ValueError):
         bench.itl_by_position([[0.001], [0.001, 0.002]])
+
+
+class _Clocked:
+    """A Gpu stand-in whose SM clock reads `mhz` (None: no NVML), counting the reads."""
+
+    def __init__(self, mhz):
+        self.mhz, self.reads = mhz, 0
+
+    def sm_clock_mhz(self):
+        self.reads += 1
+        return self.mhz
+
+
+def test_clock_sampler_means_over_a_window():
+    gpu = _Clocked(1980)
+    with bench.ClockSampler(gpu, period=0.001) as clocks:
+        t0 = time.perf_counter()
+        time.sleep(0.05)
+        gpu.mhz = 1500
+        t1 = time.perf_counter()
+        time.sleep(0.05)
+        t2 = time.perf_counter()
+    reads = gpu.reads
+    time.sleep(0.01)
+    assert gpu.reads == reads  # the thread stopped with the block
+    # A read can straddle the switch (read before it, stamped after): most are not.
+    assert 1740 < clocks.mean(t0, t1) <= 1980
+    assert 1500 <= clocks.mean(t1, t2) < 1740
+    assert 1500 < clocks.mean(t0, t2) < 1980
+    after = time.perf_counter() + 10
+    assert clocks.mean(after, after + 1) == 1500  # no sample inside: the nearest
+
+
+def test_clock_sampler_records_nothing_without_nvml():
+    gpu = _Clocked(None)
+    with bench.ClockSampler(gpu, period=0.001) as clocks:
+        time.sleep(0.01)
+    assert gpu.reads == 1 and clocks.samples == []
+    assert clocks.mean(0.0, time.perf_counter()) is None
+
+
+def test_print_result_shows_the_clocks(capsys):
+    res = {**fake_result(), "k_cache": "fp16x2", "itl_wall_ms": 2.7, "tokens_per_s": 370.0,
+           "achieved_tb_s": 1.6, "copy_tb_s": 4.1}  # fmt: skip
+    bench.print_result({**res, "sm_mhz": {"ttft": 1492.4, "decode": 1980.0}})
+    assert "SM clock: 1492 MHz in the TTFT, 1980 in the decode" in capsys.readouterr().out
+    bench.print_result({**res, "sm_mhz": {"ttft": None, "decode": None}})
+    assert "SM clock" not in capsys.readouterr().out
 
 
 def fake_result(n=127):

@@ -177,6 +177,7 @@ class Gpu:
         self._staging_ptr = 0
         self._mapped: list[int] = []
         self._configs: dict = {}
+        self._sm_clock = None  # NVML's SM clock of this device, looked up on first use
 
     # -- errors -------------------------------------------------------------------------------
     def ensure_ok(self) -> None:
@@ -397,6 +398,17 @@ class Gpu:
         from cuda.core import EventOptions
 
         return self.stream.record(options=EventOptions(timing_enabled=True))
+
+    def sm_clock_mhz(self) -> int | None:
+        """The SM clock now, in MHz (NVML, through cuda.core.system; thread-safe), or None
+        where NVML cannot tell (no driver library, a virtualized device): the clock is a
+        measurement's context, never a reason to fail one."""
+        try:
+            if self._sm_clock is None:
+                self._sm_clock = self.device.to_system_device().get_clock("sm")
+            return int(self._sm_clock.get_current_mhz())
+        except Exception:
+            return None
 
     def graph_builder(self):
         """A cuda.core GraphBuilder capturing onto the stream (begin_building() called)."""

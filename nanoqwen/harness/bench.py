@@ -6,6 +6,10 @@ Protocol (config/nanoqwen.yaml, benchmark): batch 1, a random prompt of `prompt_
 plus the first sample). ITL: gaps between tokens arriving on the host (median over all gaps of
 all runs) and, as a cross-check, the decode wall time / (gen_len - 1); per position, the
 median over runs of gap i, the decode step at position prompt_len + i (`itl_by_position_ms`).
+SM clocks (`sm_mhz`): a thread reads the SM clock every 5 ms (Gpu.sm_clock_mhz); per run the
+mean over its TTFT and over its decode, the medians over runs recorded (None without NVML).
+An H200 holds its 700 W limit by lowering the clock, so a long compute-bound prefill runs below
+the top clock and a figure is read with the clock it ran at (docs/PERFORMANCE.md).
 Bytes per token: every weight once (ModelConfig.weight_bytes_per_token) + the K/V read at the
 mean context. Achieved TB/s is bytes per token / ITL, against a device-to-device copy measured
 in the same process.
@@ -22,7 +26,9 @@ import contextlib
 import datetime
 import json
 import os
+import statistics
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -81,6 +87,50 @@ def itl_by_position(gap_runs) -> list[float]:
     return [float(v) for v in 1e3 * np.median(np.stack(runs), axis=0)]
 
 
+class ClockSampler:
+    """The GPU's SM clock every `period` seconds on a daemon thread while the block runs:
+    `mean(t0, t1)` over a window of time.perf_counter() stamps (a window of a few periods
+    holds a few samples)."""
+
+    def __init__(self, gpu, period: float = 0.005):
+        self.gpu, self.period = gpu, period
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="sm clock")
+
+    def __enter__(self) -> ClockSampler:
+        if self.gpu.sm_clock_mhz() is not None:  # none without NVML: record nothing
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            mhz = self.gpu.sm_clock_mhz()
+            if mhz is not None:
+                self.samples.append((time.perf_counter(), mhz))
+
+    def mean(self, t0: float, t1: float) -> float | None:
+        """Mean clock over [t0, t1]; the sample nearest the window when none fell inside;
+        None without samples."""
+        inside = [mhz for t, mhz in self.samples if t0 <= t <= t1]
+        if inside:
+            return statistics.fmean(inside)
+        if not self.samples:
+            return None
+        mid = (t0 + t1) / 2
+        return float(min(self.samples, key=lambda s: abs(s[0] - mid))[1])
+
+
+def _median_or_none(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
 def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, seed: int = 0) -> dict:
     from ..sampling import SamplingParams
 
@@ -89,19 +139,25 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
     cfg = engine.config
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=gen_len)
-    ttfts, gap_runs, decode_walls = [], [], []
-    for r in range(warmup + runs):
-        ids = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
-        t0 = time.perf_counter()
-        stamps = []
-        for _ in engine.generate(ids, params, frozenset()):
-            stamps.append(time.perf_counter())
-        if len(stamps) != gen_len:
-            raise RuntimeError(f"run {r}: {len(stamps)} tokens, expected {gen_len}")
-        if r >= warmup:
-            ttfts.append(stamps[0] - t0)
-            gap_runs.append(np.diff(stamps))
-            decode_walls.append((stamps[-1] - stamps[0]) / (gen_len - 1))
+    ttfts, gap_runs, decode_walls, windows = [], [], [], []
+    with ClockSampler(engine.gpu) as clocks:
+        for r in range(warmup + runs):
+            ids = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
+            t0 = time.perf_counter()
+            stamps = []
+            for _ in engine.generate(ids, params, frozenset()):
+                stamps.append(time.perf_counter())
+            if len(stamps) != gen_len:
+                raise RuntimeError(f"run {r}: {len(stamps)} tokens, expected {gen_len}")
+            if r >= warmup:
+                ttfts.append(stamps[0] - t0)
+                gap_runs.append(np.diff(stamps))
+                decode_walls.append((stamps[-1] - stamps[0]) / (gen_len - 1))
+                windows.append((t0, stamps[0], stamps[-1]))
+    sm_mhz = {
+        "ttft": _median_or_none(clocks.mean(t0, t1) for t0, t1, _ in windows),
+        "decode": _median_or_none(clocks.mean(t1, t2) for _, t1, t2 in windows),
+    }
     itl = float(np.median(np.concatenate(gap_runs)))
     kv = cfg.num_layers * kv_token_bytes(cfg, engine.kernels.geometry) * (prompt_len + gen_len / 2)
     head = getattr(getattr(engine, "file", None), "lm_head", "float16")  # int8: half the head
@@ -127,6 +183,7 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
         "achieved_tb_s": bpt / itl / 1e12,
         "copy_tb_s": copy / 1e12,
         "itl_by_position_ms": itl_by_position(gap_runs),
+        "sm_mhz": sm_mhz,
         "memory": memory,
     }
 
@@ -218,6 +275,9 @@ def print_result(res: dict) -> None:
           f"prompt {res['prompt_len']}  gen {res['gen_len']}")  # fmt: skip
     for k in ("ttft_ms", "itl_ms", "itl_wall_ms", "tokens_per_s", "achieved_tb_s", "copy_tb_s"):
         print(f"  {k:14} {res[k]:10.3f}")
+    mhz = res.get("sm_mhz") or {}
+    if mhz.get("ttft") is not None:
+        print(f"  SM clock: {mhz['ttft']:.0f} MHz in the TTFT, {mhz['decode']:.0f} in the decode")
     if "memory" in res:
         m, gb = res["memory"], 1e9
         print(
