@@ -298,6 +298,8 @@ def test_bench_kernels_on_tiny(tiny_model, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["max_context"] == 64  # 40 + 9 -> 4 pages
     assert len(res["itl_by_position_ms"]) == 8
+    mhz = res["sm_mhz"]  # each None where NVML cannot tell
+    assert set(mhz) == {"ttft", "decode"} and all(v is None or 100 < v < 5000 for v in mhz.values())
     k = res["kernels"]
     assert k["pos"] == 40 and k["context"] == 41
     assert k["timed"] == 5 and "(median of 5 launches)" in text
