@@ -126,9 +126,9 @@ class ClockSampler:
         return float(min(self.samples, key=lambda s: abs(s[0] - mid))[1])
 
 
-def _median_or_none(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(np.median(values)) if values else None
+def _median_clock(clocks: ClockSampler, spans) -> float | None:
+    """Median over (t0, t1) spans of the mean clock in each; None without samples."""
+    return float(np.median([clocks.mean(*s) for s in spans])) if clocks.samples else None
 
 
 def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, seed: int = 0) -> dict:
@@ -139,7 +139,7 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
     cfg = engine.config
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=gen_len)
-    ttfts, gap_runs, decode_walls, windows = [], [], [], []
+    gap_runs, windows = [], []  # windows: (called, first token, last token) of each timed run
     with ClockSampler(engine.gpu) as clocks:
         for r in range(warmup + runs):
             ids = rng.integers(0, cfg.vocab_size, prompt_len).tolist()
@@ -150,13 +150,13 @@ def run_bench(engine, prompt_len: int, gen_len: int, warmup: int, runs: int, see
             if len(stamps) != gen_len:
                 raise RuntimeError(f"run {r}: {len(stamps)} tokens, expected {gen_len}")
             if r >= warmup:
-                ttfts.append(stamps[0] - t0)
                 gap_runs.append(np.diff(stamps))
-                decode_walls.append((stamps[-1] - stamps[0]) / (gen_len - 1))
                 windows.append((t0, stamps[0], stamps[-1]))
-    sm_mhz = {
-        "ttft": _median_or_none(clocks.mean(t0, t1) for t0, t1, _ in windows),
-        "decode": _median_or_none(clocks.mean(t1, t2) for _, t1, t2 in windows),
+    ttfts = [t1 - t0 for t0, t1, _ in windows]
+    decode_walls = [(t2 - t1) / (gen_len - 1) for _, t1, t2 in windows]
+    sm_mhz = {  # None without NVML (no samples)
+        "ttft": _median_clock(clocks, [(t0, t1) for t0, t1, _ in windows]),
+        "decode": _median_clock(clocks, [(t1, t2) for _, t1, t2 in windows]),
     }
     itl = float(np.median(np.concatenate(gap_runs)))
     kv = cfg.num_layers * kv_token_bytes(cfg, engine.kernels.geometry) * (prompt_len + gen_len / 2)
