@@ -8,9 +8,11 @@ Parts (each runs on its own: a failing part is logged and the others still run):
 
 correct  12 sequences of mixed prompt lengths (1, 15, 16, 17, 100, 511, 513, 2000, --long, and
          three that share a prefix with earlier ones), admitted through the block manager
-         (prefix cache hits included) and prefill_chunk in chunks of 512, one chunk between
-         decode steps, then decode_batch over --steps steps while sequences join and leave
-         (the scheduler's calls, emulated here on nanoqwen.batching.Sequence). Checks:
+         (prefix cache hits included) and prefill_chunk in chunks of 512 (one of at most
+         max_batch ids, as 1, 15, 16 and 513's last, runs as rows of the batch step), one
+         chunk between decode steps, then decode_batch over --steps steps while sequences
+         join and leave (the scheduler's calls, emulated here on nanoqwen.batching.Sequence).
+         Checks:
          - greedy rows: each sequence's tokens against CudaBackend.generate alone on the same
            file; at a split the batch logits' top-2 margin must be under SPLIT_MARGIN logit
            stds (a near-tie: the M-row kernels round differently from the decode kernels)
@@ -26,7 +28,9 @@ timing   (runs first) B = 1, 2, 4, 8, 16 sequences at context 512, and 16 with o
          at --long: the batch step's graph (CUDA events, median of 5 launches of 20 steps)
          and the whole decode_batch call (host staging, launch, sync: wall clock, median of
          20), against the plain decode step (forward + sampler) at the same context in the
-         same run: us, ratio, aggregate tokens/s.
+         same run: us, ratio, aggregate tokens/s. Then prefill_chunk of CHUNK_TIMES ids after
+         a cached context (a call, sampling: the batch step's rows up to max_batch ids,
+         forward.prefill past it).
 
 sampler  sample_batch against sample_finish on the same logits: 16 rows of mixed parameters
          (greedy, temperature, top-k, top-p; seeds and draw counters of their own) in one
@@ -61,6 +65,7 @@ import numpy as np
 
 from nanoqwen.batching import Sequence
 from nanoqwen.engine import CudaBackend
+from nanoqwen.engine.batch import decode_rows
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness import real_text
@@ -75,6 +80,7 @@ MAX_DLOGIT = 0.05  # max |dlogit| / std against the decode step (dev/verify_step
 # by up to MAX_DLOGIT stds.
 SPLIT_MARGIN = 2 * MAX_DLOGIT
 CHUNK = 512
+CHUNK_TIMES = (1, 8, 16, 17, 64)  # prefill_chunk lengths timed (timing part)
 CONTEXT = 512  # the timing's context
 BATCHES = (1, 2, 4, 8, 16)
 
@@ -115,7 +121,7 @@ class Driver:
             if self.first_margins is not None:  # the head's logits of the prompt's last row
                 row = np.empty(self.e.config.vocab_size, np.float32)
                 self.first_margins[s.name] = top2_margin(self.e.gpu.download(
-                    self.e.forward.logits, row))  # fmt: skip
+                    self.e.chunk_logits, row))  # fmt: skip
         return last
 
     def decode(self, seqs: list[Seq]) -> list[int]:
@@ -253,11 +259,13 @@ def check_correct(e: CudaBackend, args, log) -> dict:
     pending: list = []
     d_steps: list[int] = []
 
-    # Record each row's margin after every step (the batch logits of that step).
-    orig_step = e.batch.step
+    # Record each row's margin after every decode step (the batch logits of that step; its
+    # rows run by slot order).
+    orig_decode = e.decode_batch
 
-    def recording_step(rows):
-        out = orig_step(rows)
+    def recording_decode(seqs):
+        out = orig_decode(seqs)
+        rows = sorted(seqs, key=lambda s: s.slot)
         logits = np.empty((len(rows), V), np.float32)
         e.gpu.download(e.batch.buf["logits"], logits)
         for r, s in enumerate(rows):
@@ -282,11 +290,11 @@ def check_correct(e: CudaBackend, args, log) -> dict:
         d_steps.append(len(rows))
         return out
 
-    e.batch.step = recording_step
+    e.decode_batch = recording_decode
     try:
         steps = run_schedule(e, seqs, log, on_step, first_margins)
     finally:
-        e.batch.step = orig_step
+        del e.decode_batch  # the class's method again
     held = e.block_manager.pages_held
     log(f"  decode steps {steps}, rows a step: min {min(d_steps)} max {max(d_steps)}")
 
@@ -373,7 +381,7 @@ def check_timing(e: CudaBackend, args, log) -> dict:
             e.block_manager.reserve(s.table, s.kv_len + 64)
         for _ in range(3):
             d.decode(seqs)  # warm-up; the bucket's graph is captured here
-        m = e.batch.stage(seqs)
+        m = e.batch.stage(decode_rows(seqs))
         gpu.sync("stage")
         # 20 steps in one graph, as the plain step is timed; the same rows each time (the
         # same K/V slots rewritten)
@@ -394,7 +402,28 @@ def check_timing(e: CudaBackend, args, log) -> dict:
             f"{row['call_tokens_per_s']:8.0f} tok/s")  # fmt: skip
         for s in seqs:
             d.leave(s)
+    # prefill_chunk after CONTEXT - 16 positions: up to max_batch ids as the batch step's rows,
+    # more through forward.prefill (the call, wall clock, median of 20; the same K/V rewritten)
+    chunks = {}
+    for n in CHUNK_TIMES:
+        s = Seq(rng.integers(0, V, CONTEXT - 16 + n).tolist(), SamplingParams(max_tokens=8),
+                name=f"c{n}", target=8)  # fmt: skip
+        d = Driver(e)
+        d.admit(s)
+        e.block_manager.reserve(s.table, len(s.prompt) + 1)
+        e.prefill_chunk(s, CONTEXT - 16, sample=False)
+        wall = []
+        for _ in range(23):
+            s.kv_len = CONTEXT - 16
+            t0 = time.perf_counter()
+            e.prefill_chunk(s, len(s.prompt), sample=True)
+            wall.append((time.perf_counter() - t0) * 1e6)
+        chunks[n] = statistics.median(wall[3:])
+        d.leave(s)
+    log("  prefill_chunk of n ids after " + str(CONTEXT - 16) + ": "
+        + ", ".join(f"n={n} {us:.1f} us" for n, us in chunks.items()))  # fmt: skip
     return {"plain_us": plain, "plain_long_forward_us": plain_long, "rows": rows,
+            "prefill_chunk_us": chunks,
             "ok": e.block_manager.pages_held == 0}  # fmt: skip
 
 

@@ -70,7 +70,8 @@ report() {  # the tails of the named logs, the status table; the logs into one a
 }
 
 load_levels() {  # load_levels NAME [ARGS]: a CUDA-backed server on the 7B under dev/load_test.py
-    # at N = 1..16, 64 requests of a ~510-token prompt and 128 tokens; JSON and plot by NAME
+    # at N = 1..16, 64 requests of a 512-token prompt (token ids: a text's count depends on the
+    # tokenizer, and the synthetic pack's is byte-level) and 128 tokens; JSON and plot by NAME
     nq serve /tmp/s7b.nanoqwen --backend cuda --port 8012 --log-level warning &
     local pid=$! name=$1
     shift
@@ -80,8 +81,7 @@ load_levels() {  # load_levels NAME [ARGS]: a CUDA-backed server on the 7B under
         sleep 1
     done
     python3 dev/load_test.py --url http://127.0.0.1:8012 --endpoint completions \
-        --concurrency 1,2,4,8,16 --requests 64 --max-tokens 128 \
-        --prompt "$(python3 -c "print('def f(x):\n    return x + 1\n\n' * 46, end='')")" \
+        --concurrency 1,2,4,8,16 --requests 64 --max-tokens 128 --prompt-tokens 512 \
         --out "$RESULTS/$name.json" --plot "$RESULTS/$name.png" "$@"
     local rc=$?
     kill "$pid"

@@ -5,6 +5,8 @@
         --max-tokens 64 [--api-key KEY] [--endpoint chat|completions] [--json]
     python3 dev/load_test.py --concurrency 1,2,4,8,16,32 --requests 64 --max-tokens 128 \
         --json --out load.json --plot load.png      # one run per N, against N
+    python3 dev/load_test.py --endpoint completions --prompt-tokens 512 [--distinct] ...
+                                                    # prompts of exactly 512 token ids
 
 `concurrency` clients each send streamed requests one after another until `requests` have
 been sent in all (per level, with a list of levels: the batching curve of a server started
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import sys
 import time
@@ -58,6 +61,17 @@ class Run:
     wall_s: float = 0.0
 
 
+# --prompt-tokens draws ids below this: byte tokens in every vocabulary served here (Qwen's
+# first 256 ids, the synthetic packs' byte-level ones), none of them special.
+PROMPT_ID_RANGE = 256
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    """n token ids drawn by `seed` (the same ids for the same seed)."""
+    rng = random.Random(seed)
+    return [rng.randrange(PROMPT_ID_RANGE) for _ in range(n)]
+
+
 def request_body(args: argparse.Namespace, model: str) -> tuple[str, dict]:
     common = {"model": model, "max_tokens": args.max_tokens, "stream": True}
     common |= {"temperature": args.temperature, "stream_options": {"include_usage": True}}
@@ -65,13 +79,17 @@ def request_body(args: argparse.Namespace, model: str) -> tuple[str, dict]:
         return "/v1/chat/completions", common | {
             "messages": [{"role": "user", "content": args.prompt}]
         }
-    return "/v1/completions", common | {"prompt": args.prompt}
+    prompt = prompt_ids(args.prompt_tokens, 0) if args.prompt_tokens else args.prompt
+    return "/v1/completions", common | {"prompt": prompt}
 
 
 def distinct(body: dict, i: int, start: float) -> dict:
-    """`body` with its prompt starting with the request's own tag: no page of it is in the
-    server's prefix cache, so every request pays its whole prefill."""
+    """`body` with a prompt of its own: no page of it is in the server's prefix cache, so
+    every request pays its whole prefill. Text starts with the request's tag; token ids
+    (--prompt-tokens) are drawn afresh, as many as before."""
     tag = f"[request {i} of run {start:.6f}]\n"
+    if "prompt" in body and isinstance(body["prompt"], list):
+        return body | {"prompt": prompt_ids(len(body["prompt"]), hash((i, start)))}
     if "prompt" in body:
         return body | {"prompt": tag + body["prompt"]}
     (message,) = body["messages"]
@@ -233,9 +251,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--prompt", default=PROMPT, help="prompt (chat: the user message)")
+    p.add_argument("--prompt-tokens", type=int, default=0, metavar="N",
+                   help="completions: a prompt of exactly N token ids instead of --prompt's "
+                   "text (a text's token count depends on the model's tokenizer: the synthetic "
+                   "packs' is byte-level)")  # fmt: skip
     p.add_argument("--distinct", action="store_true",
-                   help="start each prompt with the request's own tag, so none is served "
-                   "from the prefix cache (default: the same prompt every time)")  # fmt: skip
+                   help="start each prompt with the request's own tag (--prompt-tokens: draw "
+                   "its ids afresh), so none is served from the prefix cache (default: the "
+                   "same prompt every time)")  # fmt: skip
     p.add_argument("--retries", type=int, default=0, help="retries of a 429 (after Retry-After)")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request read timeout, s")
     p.add_argument("--json", action="store_true", help="print one JSON object, not a table")
@@ -250,6 +273,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--concurrency: expected integers like 1,2,4, got {args.concurrency!r}")
     if min(args.levels) < 1 or args.requests < 1 or args.max_tokens < 1:
         p.error("--concurrency, --requests and --max-tokens must be >= 1")
+    if args.prompt_tokens < 0 or (args.prompt_tokens and args.endpoint != "completions"):
+        p.error("--prompt-tokens: a count >= 1, with --endpoint completions")
     return args
 
 

@@ -2,25 +2,25 @@
 
     python3 -m nanoqwen.cli pack --synthetic tiny -o /tmp/tiny.nanoqwen
     PYTHONPATH=. python3 dev/sched_model.py /tmp/tiny.nanoqwen [--levels 1,8,16] \
-        [--requests 64] [--max-tokens 128] [--prompt-tokens 530] [--distinct] \
+        [--requests 64] [--max-tokens 128] [--prompt-tokens 512] [--distinct] \
         [--prefill-chunk N] [--record-512 JSON] [--record-concurrency JSON] \
-        [--prefill-scale F] [--real LOAD_JSON] [--json OUT.json]
+        [--prefill-scale F] [--chunk-min-ms MS] [--real LOAD_JSON] [--json OUT.json]
 
 `nanoqwen serve FILE --max-batch 16` runs in a child process as the CLI runs it, its LLM a
 `nanoqwen.harness.paced.PacedLLM` whose StepCosts come from the GPU records:
 
     prefill    t tokens cost t x (TTFT / prompt tokens) of --record-512 (bench at 512: the
                prefill is bound by the GEMMs' compute there), at least one decode step of one
-               row (a chunk is a pass over the weights); --prefill-scale F multiplies the rate
-               (a hypothesis: the GPU path's prefill at this workload's lengths costs F times
-               the record's)
+               row (a chunk is a pass over the weights) or --chunk-min-ms; --prefill-scale F
+               multiplies the rate (a hypothesis: the GPU path's prefill at this workload's
+               lengths costs F times the record's)
     decode     a step of B rows costs the per-stream ITL p50 of --record-concurrency at N = B
                (bench --concurrency, offline: the step and the scheduler's host work),
                interpolated between the measured N
 
 and dev/load_test.py's clients load it as they load the GPU host's server: --levels clients,
---requests in all, each streaming --max-tokens; the prompt is the load test's snippet cut to
---prompt-tokens tokens of FILE's tokenizer (the tag that --distinct puts first counted in).
+--requests in all, each streaming --max-tokens, a prompt of --prompt-tokens token ids (the load
+test's own; --distinct: drawn afresh for each request, as on the GPU host).
 The result is what scheduling and serving alone give when the GPU does its measured work and
 nothing else. Beside the load test's record on the GPU (--real, dev/load_test.py --out JSON of
 the same workload), the gap is the GPU path's own (work the records' steady states do not
@@ -35,7 +35,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,12 +48,18 @@ from nanoqwen.cuda.registry import MAX_ROWS  # noqa: E402 (the stand-in's --max-
 
 SERVE = "--serve"  # argv[1] of the server process; argv[2:] the costs (JSON), file, port, chunk
 PORT = 8021
-SNIPPET = "def f(x):\n    return x + 1\n\n"  # the load test's prompt on the GPU host, repeated
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def costs_from_records(record_512: Path, record_concurrency: Path, rows: int, scale: float):
-    """StepCosts of the module docstring from a bench JSON at 512 and a --concurrency JSON."""
+def costs_from_records(
+    record_512: Path,
+    record_concurrency: Path,
+    rows: int,
+    scale: float,
+    chunk_min_s: float | None = None,
+):
+    """StepCosts of the module docstring from a bench JSON at 512 and a --concurrency JSON
+    (a chunk's least cost: chunk_min_s, else a decode step of one row)."""
     from nanoqwen.harness.paced import StepCosts
 
     bench = json.loads(record_512.read_text())
@@ -62,7 +67,8 @@ def costs_from_records(record_512: Path, record_concurrency: Path, rows: int, sc
     n = [lv["concurrency"] for lv in levels]
     itl = [lv["itl_p50_ms"] / 1e3 for lv in levels]
     decode = tuple(float(v) for v in np.interp(np.arange(1, rows + 1), n, itl))
-    return StepCosts(scale * bench["ttft_ms"] / 1e3 / bench["prompt_len"], decode[0], decode)
+    least = decode[0] if chunk_min_s is None else chunk_min_s
+    return StepCosts(scale * bench["ttft_ms"] / 1e3 / bench["prompt_len"], least, decode)
 
 
 def serve(costs_json: str, file: str, port: int, chunk: int) -> int:
@@ -80,19 +86,6 @@ def serve(costs_json: str, file: str, port: int, chunk: int) -> int:
     argv = ["serve", file, "--port", str(port), "--max-batch", str(rows)]
     argv += ["--log-level", "warning"] + (["--prefill-chunk", str(chunk)] if chunk else [])
     return cli.main(argv)
-
-
-def prompt_of(file: str, tokens: int, distinct: bool) -> str:
-    """SNIPPET repeated and cut to `tokens` tokens of the file's tokenizer, less the tag that
-    load_test's --distinct puts first (as long as the longest of a run's tags)."""
-    from nanoqwen.fileformat import NanoqwenFile
-    from nanoqwen.tokenizer import Tokenizer
-
-    with NanoqwenFile(file) as f:
-        tok = Tokenizer.from_file(f)
-    tag = load_test.distinct({"prompt": ""}, 99, time.perf_counter())["prompt"] if distinct else ""
-    ids = tok.encode(SNIPPET * (tokens // 4 + 1))[: tokens - len(tok.encode(tag))]
-    return tok.decode(ids)
 
 
 def server(costs, file: str, port: int, chunk: int) -> subprocess.Popen:
@@ -124,30 +117,37 @@ def main() -> int:
     ap.add_argument("--levels", default="1,8,16", help="concurrent streaming clients")
     ap.add_argument("--requests", type=int, default=64, help="requests in all, each level")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
-    ap.add_argument("--prompt-tokens", type=int, default=530, help="a prompt's tokens, tag in")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="a prompt's token ids")
     ap.add_argument("--distinct", action="store_true", help="load_test --distinct")
     ap.add_argument("--prefill-chunk", type=int, default=0, help="serve's (0: its default)")
     ap.add_argument("--record-512", type=Path, default=RESULTS / "h200_7b_synthetic_512.json")
     ap.add_argument("--record-concurrency", type=Path,
                     default=RESULTS / "h200_7b_synthetic_concurrency.json")  # fmt: skip
     ap.add_argument("--prefill-scale", type=float, default=1.0, help="the prefill rate times F")
+    ap.add_argument(
+        "--chunk-min-ms",
+        type=float,
+        default=None,
+        help="a prefill chunk's least cost (default: a decode step of one row)",
+    )
     ap.add_argument("--real", type=Path, help="the GPU host's load test JSON, set beside")
     ap.add_argument("--port", type=int, default=PORT, help="the stand-in server's port")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    chunk_min = None if args.chunk_min_ms is None else args.chunk_min_ms / 1e3
     costs = costs_from_records(args.record_512, args.record_concurrency, MAX_ROWS,
-                               args.prefill_scale)  # fmt: skip
+                               args.prefill_scale, chunk_min)  # fmt: skip
     print(f"costs: prefill {1e3 * costs.prefill_token_s:.4f} ms a token (at least "
           f"{1e3 * costs.prefill_min_s:.3f} ms), decode ms by rows "
           f"{', '.join(f'{1e3 * s:.2f}' for s in costs.decode_s)}")  # fmt: skip
-    prompt = prompt_of(args.file, args.prompt_tokens, args.distinct)
     real = {}
     if args.real:
         real = {lv["concurrency"]: row(lv) for lv in json.loads(args.real.read_text())["levels"]}
     load = ["--url", f"http://127.0.0.1:{args.port}", "--endpoint", "completions",
             "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-            "--prompt", prompt] + (["--distinct"] if args.distinct else [])  # fmt: skip
+            "--prompt-tokens", str(args.prompt_tokens)] + (["--distinct"] if args.distinct
+                                                           else [])  # fmt: skip
     rows = []
     proc = server(costs, args.file, args.port, args.prefill_chunk)
     try:

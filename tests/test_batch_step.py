@@ -14,11 +14,13 @@ from nanoqwen.cuda.registry import STATE_WORDS, StateWord
 from nanoqwen.engine import memory
 from nanoqwen.engine.batch import (
     BATCH_BUCKETS,
+    Row,
     RowLayout,
     RowStager,
     batch_buckets,
     batch_buffers,
     batch_plan,
+    decode_rows,
     last_token,
     pages_per_row,
     pick_bucket,
@@ -72,7 +74,7 @@ def test_stage_rows_and_copies():
     st, words, L = _stager()
     a = _seq(bm, range(20), tokens=[5, 6])  # kv_len 21: feeds 6 at 21, 2 pages
     b = _seq(bm, [3], params=SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=11))
-    copies = st.stage([a, b], 4)
+    copies = st.stage(decode_rows([a, b]), 4)
     assert copies[0] == (0, L.head_words)
     assert list(st.tokens) == [6, 3, 0, 0] and list(st.pos) == [21, 0, 0, 0]
     assert last_token(a) == 6 and last_token(b) == 3
@@ -91,32 +93,33 @@ def test_stage_rows_and_copies():
     # The next step: same rows, nothing new but the head.
     a.tokens.append(7)
     a.kv_len += 1
-    assert st.stage([a, b], 4) == [(0, L.head_words)]
+    assert st.stage(decode_rows([a, b]), 4) == [(0, L.head_words)]
     assert st.params[0, StateWord.STEP] == 3 and st.tokens[0] == 7
     # a crosses into a third page: only that page id goes up
     for _ in range(10):
         a.tokens.append(1)
         a.kv_len += 1
     bm.reserve(a.table, a.kv_len + 1)
-    assert st.stage([a, b], 4)[1:] == [(t + 2, 1)] and st.tables[0, 2] == a.table.pages[2]
+    assert st.stage(decode_rows([a, b]), 4)[1:] == [(t + 2, 1)]
+    assert st.tables[0, 2] == a.table.pages[2]
 
 
 def test_rows_change_hands():
     bm = BlockManager(64, prefix_caching=False)
     st, words, L = _stager()
     a, b, c = (_seq(bm, range(n)) for n in (40, 17, 3))
-    st.stage([a, b, c], 4)
+    st.stage(decode_rows([a, b, c]), 4)
     # b leaves: c moves up to row 1 (new owner: whole table and params), row 2 pads
     st.forget(b)
-    copies = st.stage([a, c], 2)
+    copies = st.stage(decode_rows([a, c]), 2)
     t = L.tables
     assert copies[1:] == [(t + 8, 1)] and st.tables[1, 0] == c.table.pages[0]
     # a padding row that a sequence held goes back to the padding page; a later owner of
     # that row uploads its whole table
-    copies = st.stage([a], 4)
+    copies = st.stage(decode_rows([a]), 4)
     assert (t + 8, 1) in copies and st.tables[1, 0] == 999
     d = _seq(bm, range(33))
-    copies = st.stage([a, d], 2)
+    copies = st.stage(decode_rows([a, d]), 2)
     assert copies[1:] == [(t + 8, 3)] and (st.tables[1, :3] == d.table.pages).all()
 
 
@@ -126,12 +129,12 @@ def test_rebuilt_table_uploads_again():
     bm = BlockManager(64, prefix_caching=False)
     st, _, L = _stager()
     a = _seq(bm, range(40))
-    st.stage([a], 1)
+    st.stage(decode_rows([a]), 1)
     bm.release(a.table)
     bm.reserve(PageTable(), 48)  # the old pages go to someone else
     a.table = PageTable()
     bm.reserve(a.table, a.kv_len + 1)
-    copies = st.stage([a], 1)
+    copies = st.stage(decode_rows([a]), 1)
     assert copies[1:] == [(L.tables, 3)] and (st.tables[0, :3] == a.table.pages).all()
 
 
@@ -139,14 +142,37 @@ def test_unseeded_sequences_keep_their_seed():
     bm = BlockManager(64, prefix_caching=False)
     st, _, _ = _stager()
     s = _seq(bm, [1, 2], params=SamplingParams(temperature=1.0))
-    st.stage([s], 1)
+    st.stage(decode_rows([s]), 1)
     seed = s.sampler
     assert isinstance(seed, int)
     st.forget(s)
-    st.stage([s], 1)  # a new owner of the row writes the words again: the same seed
+    st.stage(decode_rows([s]), 1)  # a new owner of the row writes its words again: same seed
     assert s.sampler == seed
     lo, hi = st.params[0, StateWord.SEED_LO], st.params[0, StateWord.SEED_HI]
     assert int(np.uint32(lo)) | int(np.uint32(hi)) << 32 == seed & ((1 << 64) - 1)
+
+
+def test_prefill_rows_of_one_sequence():
+    """A short prefill chunk: one row per id at consecutive positions, every row the
+    sequence's (its sampler words and whole table each); the sequence's decode step after it
+    takes row 0, whose table is already up."""
+    bm = BlockManager(64, prefix_caching=False)
+    st, _, L = _stager()
+    s = Sequence(list(range(40, 60)), SamplingParams(temperature=0.5, seed=3))
+    s.table = bm.admit(s.prompt)
+    bm.reserve(s.table, 21)  # 20 ids and the first token's position: 2 pages
+    s.kv_len = 16
+    rows = [Row(s, 16 + j, s.prompt[16 + j]) for j in range(4)]
+    copies = st.stage(rows, 4)
+    assert list(st.tokens) == [56, 57, 58, 59] and list(st.pos) == [16, 17, 18, 19]
+    assert (st.params[:, StateWord.STEP] == 0).all() and (st.params[:, StateWord.TEMP] != 0).all()
+    assert all((st.tables[r, :2] == s.table.pages).all() for r in range(4))
+    t = L.tables
+    assert copies[1:] == [(t, 2), (t + 8, 2), (t + 16, 2), (t + 24, 2)]
+    s.kv_len, s.tokens = 20, [7]
+    copies = st.stage(decode_rows([s]), 1)
+    assert copies == [(0, L.head_words)] and st.tokens[0] == 7 and st.pos[0] == 20
+    assert st.params[0, StateWord.STEP] == 1
 
 
 def test_table_longer_than_a_row_is_refused():
@@ -154,7 +180,7 @@ def test_table_longer_than_a_row_is_refused():
     st, _, _ = _stager(ppr=2)
     a = _seq(bm, range(40))  # 3 pages
     with pytest.raises(NanoqwenError, match="a batch row's table takes 2"):
-        st.stage([a], 1)
+        st.stage(decode_rows([a]), 1)
 
 
 def test_memory_plan_with_pool_and_batch():
@@ -214,14 +240,16 @@ class _FakeGpu:
 
 
 class _RowsByToken:
-    """BatchStep's surface for decode_batch: each row's token = its fed token + 1000."""
+    """BatchStep's surface for decode_batch and prefill_chunk: each row's token = its fed
+    token + 1000; `rows` records each step's (slot, position) pairs."""
 
     def __init__(self):
         self.rows = []
+        self.buf = {"logits": 1 << 20}
 
-    def step(self, seqs):
-        self.rows.append([s.slot for s in seqs])
-        return [last_token(s) + 1000 for s in seqs]
+    def step(self, rows):
+        self.rows.append([(r.seq.slot, r.pos) for r in rows])
+        return [r.token + 1000 for r in rows]
 
     def forget(self, seq):
         self.rows.append(("forget", seq.slot))
@@ -232,6 +260,7 @@ def _backend(max_batch=4, max_context=256):
 
     e = object.__new__(CudaBackend)  # the batch primitives' host logic, no device
     e.gpu, e.batch, e.max_batch, e.max_context = _FakeGpu(), _RowsByToken(), max_batch, max_context
+    e.config = preset("tiny")
     return e
 
 
@@ -242,7 +271,7 @@ def test_decode_batch_rows_by_slot_tokens_in_order():
         s.slot = slot
     before = [s.kv_len for s in seqs]
     out = e.decode_batch(seqs)
-    assert e.batch.rows == [[0, 2, 3]]  # rows in slot order
+    assert e.batch.rows == [[(0, before[1]), (2, before[0]), (3, before[2])]]  # slot order
     assert out == [1020, 1021, 1022]  # tokens in the order given
     assert [s.kv_len for s in seqs] == [b + 1 for b in before]
     e.release_slot(seqs[0])
@@ -268,6 +297,20 @@ def test_decode_batch_refuses_bad_calls():
     with pytest.raises(NanoqwenError, match="no batch path"):
         e.decode_batch([a])
     assert e.batch is None
+
+
+def test_short_prefill_chunk_is_rows_of_the_batch_step():
+    """A chunk of at most max_batch ids: one batch step, a row per id at its position; the
+    token is the last row's, and chunk_logits that row's logits."""
+    e, bm = _backend(max_batch=4), BlockManager(64, prefix_caching=False)
+    s = _seq(bm, list(range(100, 120)))  # 20 ids
+    s.slot, s.kv_len = 1, 16
+    bm.reserve(s.table, 21)
+    assert e.prefill_chunk(s, 20, sample=True) == 119 + 1000
+    assert e.batch.rows == [[(1, 16), (1, 17), (1, 18), (1, 19)]] and s.kv_len == 20
+    assert e.chunk_logits == (1 << 20) + 3 * e.config.vocab_size * 4
+    s.kv_len = 17
+    assert e.prefill_chunk(s, 20, sample=False) is None and s.kv_len == 20
 
 
 def test_prefill_chunk_refuses_bad_ranges():

@@ -70,7 +70,7 @@ from ..errors import ContextError, NanoqwenError
 from ..kv_pages import BlockManager, KVStats, PageTable
 from ..sampling import SamplingParams
 from ..speculative import SpecStats, SpeculativeConfig
-from .batch import BatchStep
+from .batch import BatchStep, Row, decode_rows
 from .decode_loop import DecodeLoop, DecodeState
 from .forward import Forward
 from .kv_cache import KVCache
@@ -147,6 +147,7 @@ class CudaBackend:
                                    self.weights, self.kv, self.forward.rope, self.max_batch,
                                    self.max_context)  # fmt: skip
         self.cached_tokens = 0  # of the running (or last) generation's prompt
+        self.chunk_logits = 0  # the last sampling prefill_chunk's logits row (device address)
         # generate()'s iterators not yet finished: close() ends them while their memory lives
         self._generations: weakref.WeakSet = weakref.WeakSet()
         self.gpu.sync("load")
@@ -350,10 +351,11 @@ class CudaBackend:
 
     def prefill_chunk(self, seq, end: int, sample: bool) -> int | None:
         """ids[seq.kv_len:end] (ids = prompt + tokens) at positions kv_len .. end - 1 into
-        seq.table's pages (forward.prefill at start kv_len: the earlier positions' K/V are
-        read from the pages); seq.kv_len = end. sample: the next token from the last row,
-        with seq.params as draw number len(seq.tokens) (the plain loop's counter), else
-        None. One sync."""
+        seq.table's pages, the earlier positions' K/V read from the pages: a chunk of at most
+        max_batch ids as rows of the batch step (batch.py: why), a longer one through
+        forward.prefill at start kv_len; seq.kv_len = end. sample: the next token from the
+        last row, with seq.params as draw number len(seq.tokens) (the plain loop's counter),
+        else None; self.chunk_logits is then that row's logits (fp32 [V], device). One sync."""
         self.gpu.ensure_ok()
         ids = [*seq.prompt, *seq.tokens]
         start = seq.kv_len
@@ -362,8 +364,14 @@ class CudaBackend:
         self._check_pages(seq, end + 1 if sample else end)
         if sample and self.batch is None:
             raise NanoqwenError("prefill_chunk: sampling needs the batch path (max_batch > 0)")
-        T, f, token = end - start, self.forward, None
+        T = end - start
         chunk = check_prompt(ids[start:end], self.config.vocab_size)
+        if self.batch is not None and T <= self.max_batch:
+            out = self.batch.step([Row(seq, start + j, int(t)) for j, t in enumerate(chunk)])
+            self.chunk_logits = self.batch.buf["logits"] + (T - 1) * self.config.vocab_size * 4
+            seq.kv_len = end
+            return out[-1] if sample else None
+        f, token = self.forward, None
         with self.gpu.guard("prefill_chunk"):
             self.loop.stage_pages(seq.table.pages, self.kv.page_table)
             self.loop.stage_ids(chunk, f.scratch(T)["ids"])
@@ -374,6 +382,7 @@ class CudaBackend:
             x = f.prefill(T, start=start, last_only=sample)
             if sample:
                 f.head(x + (T - 1) * self.config.hidden_size * 2)
+                self.chunk_logits = f.logits
                 self.batch.sample_first(seq, f.logits, f.key)
                 token = self.batch.read_first()  # the sync
             else:
@@ -403,7 +412,7 @@ class CudaBackend:
                 )
             self._check_pages(s, s.kv_len + 1)
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
-        rows = self.batch.step([seqs[i] for i in order])
+        rows = self.batch.step(decode_rows([seqs[i] for i in order]))
         out = [0] * len(seqs)
         for r, i in enumerate(order):
             out[i] = rows[r]

@@ -1,8 +1,10 @@
 """The batched decode step: B sequences, one token each, each at its own position with its own
 page table and sampling parameters, through ONE pass over the weights (continuous batching:
-the scheduler in nanoqwen/batching.py calls CudaBackend.decode_batch, which lands here).
+the scheduler in nanoqwen/batching.py calls CudaBackend.decode_batch, which lands here, and
+CudaBackend.prefill_chunk for a chunk of at most max_batch ids: rows below).
 
-Per step, for the B rows (row r: the r-th sequence by slot; buffers for max_batch rows):
+Per step, for the B rows (row r: in a decode step the r-th sequence by slot; buffers for
+max_batch rows):
 
     embed        x[r] = embed[tokens[r]]
     per layer    gemv_rows qkv (RMSNorm, bias, RoPE at pos[r], K/V into row r's pages: page
@@ -16,6 +18,14 @@ Per step, for the B rows (row r: the r-th sequence by slot; buffers for max_batc
                  top-k / top-p / seed, the draw counter = the sequence's draw number
                  (len(seq.tokens)), so a seeded row draws what the plain loop draws at that
                  token, whatever else is in the batch; greedy rows take the argmax key
+
+A row is (sequence, position, token): decode_batch gives each sequence one, its last id at
+kv_len; prefill_chunk gives a chunk of at most max_batch ids of one sequence one row each, at
+consecutive positions. The rows of one step see each other's K/V as their positions allow:
+gemv_rows' q/k/v launch writes every row's K/V before attention reads any (row t of a chunk
+attends to the chunk's rows before it), so a short chunk is prefilled through the step's
+graph, one pass over the weights, where forward.prefill would launch its ~9 kernels a layer
+one by one from the host (docs/PERFORMANCE.md, Many sequences).
 
 The step is captured as one CUDA graph per bucket of rows (BATCH_BUCKETS up to max_batch) at
 its first use. B rows run in the smallest bucket m >= B; rows B .. m - 1 are padding: token 0
@@ -48,6 +58,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -176,6 +187,19 @@ def last_token(seq) -> int:
     return int(seq.prompt[seq.kv_len] if seq.kv_len < n else seq.tokens[seq.kv_len - n])
 
 
+class Row(NamedTuple):
+    """One row of a step: `token` fed at `pos` into `seq`'s pages, sampled by seq's params."""
+
+    seq: Any
+    pos: int
+    token: int
+
+
+def decode_rows(seqs) -> list[Row]:
+    """A decode step's rows: each sequence's last id at kv_len."""
+    return [Row(s, s.kv_len, last_token(s)) for s in seqs]
+
+
 _PAD = object()  # a row's owner while it is a padding row
 
 
@@ -195,12 +219,12 @@ class RowStager:
         self._owner: list[object] = [None] * L.rows
         self._uploaded = [0] * L.rows
 
-    def stage(self, seqs, m: int) -> list[tuple[int, int]]:
-        """Write rows 0 .. len(seqs) - 1 (seqs in row order) and padding rows up to m; returns
-        the copies (first word, words) to queue, the head first."""
+    def stage(self, rows: list[Row], m: int) -> list[tuple[int, int]]:
+        """Write rows 0 .. len(rows) - 1 and padding rows up to m; returns the copies (first
+        word, words) to queue, the head first."""
         L, copies = self.layout, [(0, self.layout.head_words)]
-        for r, seq in enumerate(seqs):
-            self.tokens[r], self.pos[r] = last_token(seq), seq.kv_len
+        for r, (seq, pos, token) in enumerate(rows):
+            self.tokens[r], self.pos[r] = token, pos
             if self._owner[r] is not seq:
                 sampling_words(seq, self.params[r])
                 self._owner[r], self._uploaded[r] = seq, 0
@@ -218,7 +242,7 @@ class RowStager:
                 self.tables[r, done:n] = pages[done:n]
                 copies.append((L.tables + r * L.pages_per_row + done, n - done))
                 self._uploaded[r] = n
-        for r in range(len(seqs), m):
+        for r in range(len(rows), m):
             self.tokens[r] = self.pos[r] = 0
             self.params[r] = 0  # temperature 0: greedy
             if self._owner[r] is not _PAD:
@@ -314,20 +338,20 @@ class BatchStep:
             self._graphs[m] = graph
         return graph
 
-    def stage(self, seqs) -> int:
+    def stage(self, rows: list[Row]) -> int:
         """Write the rows' state and queue its copies (no sync); returns the bucket."""
-        m = pick_bucket(len(seqs), self.buckets)
-        for at, n in self.stager.stage(seqs, m):
+        m = pick_bucket(len(rows), self.buckets)
+        for at, n in self.stager.stage(rows, m):
             self.gpu.upload_async(self.word(at), self._host + 4 * at, 4 * n)
         return m
 
-    def step(self, seqs) -> list[int]:
-        """One decode step of `seqs` (row order; each feeds ids[kv_len] at position kv_len
-        into its table's pages): their next tokens. One sync."""
+    def step(self, rows: list[Row]) -> list[int]:
+        """One step of `rows` (each feeds its token at its position into its sequence's
+        pages): the token each row samples. One sync."""
         with self.gpu.guard("batch step"):
-            m = self.stage(seqs)
+            m = self.stage(rows)
             self.graph(m).launch(self.gpu.stream)
-            return self.gpu.download(self.buf["out"], self._tokens[: len(seqs)]).tolist()
+            return self.gpu.download(self.buf["out"], self._tokens[: len(rows)]).tolist()
 
     def sample_first(self, seq, logits: int, key: int) -> None:
         """Queue the draw of a sequence's next token from one row's logits fp32 [V] and argmax
