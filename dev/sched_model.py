@@ -9,9 +9,11 @@
 `nanoqwen serve FILE --max-batch 16` runs in a child process as the CLI runs it, its LLM a
 `nanoqwen.harness.paced.PacedLLM` whose StepCosts come from the GPU records:
 
-    prefill    t tokens cost t x (TTFT / prompt tokens) of --record-512 (bench at 512: the
-               prefill is bound by the GEMMs' compute there), at least one decode step of one
-               row (a chunk is a pass over the weights) or --chunk-min-ms; --prefill-scale F
+    prefill    a chunk of at most 16 ids costs a decode step of as many rows (the cuda
+               backend runs it as rows of its batch step); a longer one, and a lone request's
+               prompt, t tokens cost t x (TTFT / prompt tokens) of --record-512 (bench at 512:
+               the prefill is bound by the GEMMs' compute there), at least one decode step of
+               one row (a pass over the weights) or --chunk-min-ms; --prefill-scale F
                multiplies the rate (a hypothesis: the GPU path's prefill at this workload's
                lengths costs F times the record's)
     decode     a step of B rows costs the per-stream ITL p50 of --record-concurrency at N = B
@@ -59,7 +61,7 @@ def costs_from_records(
     chunk_min_s: float | None = None,
 ):
     """StepCosts of the module docstring from a bench JSON at 512 and a --concurrency JSON
-    (a chunk's least cost: chunk_min_s, else a decode step of one row)."""
+    (a prefill's least cost: chunk_min_s, else a decode step of one row)."""
     from nanoqwen.harness.paced import StepCosts
 
     bench = json.loads(record_512.read_text())
@@ -128,7 +130,7 @@ def main() -> int:
         "--chunk-min-ms",
         type=float,
         default=None,
-        help="a prefill chunk's least cost (default: a decode step of one row)",
+        help="the least cost of a prefill past 16 ids (default: a decode step of one row)",
     )
     ap.add_argument("--real", type=Path, help="the GPU host's load test JSON, set beside")
     ap.add_argument("--port", type=int, default=PORT, help="the stand-in server's port")

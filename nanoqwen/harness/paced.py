@@ -113,7 +113,10 @@ class PacedBackend:
         return self.text_ids[generated % len(self.text_ids)]
 
     def prefill_chunk(self, seq, end: int, sample: bool) -> int | None:
-        self._wait(self.costs.prefill(end - seq.kv_len))
+        """A chunk of at most max_batch ids costs a decode step of as many rows (the cuda
+        backend runs it as rows of its batch step), a longer one its prefill cost."""
+        t = end - seq.kv_len
+        self._wait(self.costs.decode(t) if t <= self.max_batch else self.costs.prefill(t))
         seq.kv_len = end
         return self._token(len(seq.tokens)) if sample else None
 
