@@ -25,8 +25,9 @@ Life of a generation (batch 1):
               step), so a chat's next turn, which resends the reply, reuses them too.
     batch     continuous batching (the scheduler in nanoqwen.batching drives it): the
               block_manager admits a sequence, prefill_chunk runs its prompt in chunks
-              (forward.prefill into the sequence's table, the first token sampled from the
-              last row with the sequence's own params), decode_batch runs one token of up to
+              (forward.prefill into the sequence's table, or a chunk of at most max_batch
+              ids as rows of the batch step; the first token sampled from the last row with
+              the sequence's own params), decode_batch runs one token of up to
               max_batch sequences through ONE pass over the weights (batch.BatchStep: a
               graph per bucket of rows), release_slot forgets a leaving sequence's rows. The
               KV pool (kv_tokens positions) is shared by every sequence; a sequence is at
