@@ -23,8 +23,9 @@ a blocking C call, as a binding that does not; `spin` holds it in a Python loop)
 
 and the host's cost per step that the step does not hide: the mean ITL minus --step-ms, offline
 (the scheduler and the text) and online (that plus the server); their difference is the
-server's. Beside them, from the server process: the stand-in's median gap between two steps
-(the engine thread's host work, GIL waits included) and wait (a sleep overshoots; with `block`
+server's. Beside them, from the server process: the stand-in's median gap before a step (how
+long its device sat idle: the engine thread's host work that no queued step hid, GIL waits
+included; 0 while the scheduler runs one step behind) and wait (a sleep overshoots; with `block`
 it also holds the wait for the GIL once the C call returns), and the CPU time of the event
 loop thread per token and of the engine thread per step.
 
@@ -33,12 +34,12 @@ GPU host: clients in the server's process would take the GIL from its event loop
 thread. An in-process httpx.ASGITransport would skip uvicorn's protocol and the socket writes,
 which are part of the cost measured.
 
---gil-check (GPU host): first, does the batch step's wait release the GIL? The step ends in
-`Gpu.download`'s cuStreamSynchronize (cuda.bindings); a host function on the stream (libc's
-usleep, run by the driver's own thread) keeps it busy GIL_CHECK_MS while another Python thread
-counts, and the count rate during the sync is printed beside the rate during a time.sleep:
-about the same, the bindings release the GIL (read the `sleep` rows); near zero, they hold it
-(read the `block` rows).
+--gil-check (GPU host): first, does the batch step's wait release the GIL? The host waits for
+a step in the sync of a fence recorded after it (`Gpu.fence`, cuda.core's Event.sync); a host
+function on the stream (libc's usleep, run by the driver's own thread) keeps it busy
+GIL_CHECK_MS while another Python thread counts, and the count rate during the sync is printed
+beside the rate during a time.sleep: about the same, the bindings release the GIL (read the
+`sleep` rows); near zero, they hold it (read the `block` rows).
 
 --profile DIR: the server process also runs cProfile in its event loop thread and in the
 engine thread, and writes DIR/{loop,engine}_<wait>.pstats at exit (the figures are then not
@@ -130,8 +131,8 @@ def profiled(main, out: Path, wait: str) -> int:
 
 
 def gil_check() -> dict:
-    """Python steps per second on another thread while this one waits in cuStreamSynchronize
-    and in time.sleep (module docstring)."""
+    """Python steps per second on another thread while this one waits in a fence's sync and
+    in time.sleep (module docstring)."""
     import ctypes
 
     from cuda.bindings import driver
@@ -148,7 +149,7 @@ def gil_check() -> dict:
 
     def synced() -> None:
         check(driver.cuLaunchHostFunc(gpu.stream.handle, usleep, GIL_CHECK_MS * 1000), "host fn")
-        check(driver.cuStreamSynchronize(gpu.stream.handle), "cuStreamSynchronize")
+        gpu.fence().sync()
 
     thread = threading.Thread(target=counter)
     thread.start()
@@ -162,7 +163,7 @@ def gil_check() -> dict:
         stop.set()
         thread.join()
     verdict = "released" if rates["sync"] > 0.3 * rates["sleep"] else "HELD"
-    print(f"GIL check: another thread ran {rates['sync']:.3g} steps/s during cuStreamSynchronize, "
+    print(f"GIL check: another thread ran {rates['sync']:.3g} steps/s during a fence's sync, "
           f"{rates['sleep']:.3g} during time.sleep: the GIL is {verdict}", flush=True)  # fmt: skip
     return rates | {"verdict": verdict}
 

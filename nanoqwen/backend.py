@@ -8,7 +8,7 @@ detokenization; a backend only turns token ids into token ids (and, for validati
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -57,6 +57,31 @@ def check_fits(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
         )
 
 
+class Pending(Protocol):
+    """A decode step that Backend.decode_launch queued: its sequences (in the order given) and,
+    once it has run, one token each."""
+
+    seqs: list
+
+    def tokens(self) -> list[int]:
+        """The step's tokens in `seqs`' order; waits for the step (the first call)."""
+        ...
+
+
+class Ready(NamedTuple):
+    """A Pending step computed at its launch (the backends without a device queue)."""
+
+    seqs: list
+    values: list[int]
+
+    def tokens(self) -> list[int]:
+        return self.values
+
+    def fed(self, seq) -> int:
+        """The token this step sampled for `seq`: what a step launched after it feeds."""
+        return self.values[self.seqs.index(seq)]
+
+
 class Backend(Protocol):
     name: str  # "reference" or "cuda"
     config: ModelConfig
@@ -79,7 +104,7 @@ class Backend(Protocol):
         or dropping it) cancels the generation within one decode step and releases its KV
         pages (those completely written stay in the prefix cache, unreferenced).
         One generate() at a time per backend; speculative drafts run here only, never in
-        decode_batch.
+        decode_launch.
         """
         ...
 
@@ -100,7 +125,7 @@ class Backend(Protocol):
         ...
 
     # Continuous batching (nanoqwen.batching drives these; its docstring states the rules).
-    max_batch: int  # most sequences in one decode_batch
+    max_batch: int  # most sequences in one decode step
 
     @property
     def block_manager(self) -> BlockManager:
@@ -112,9 +137,14 @@ class Backend(Protocol):
         token (draw number len(seq.tokens) of the sequence), else None."""
         ...
 
-    def decode_batch(self, seqs: list) -> list[int]:
-        """One decode step for each sequence (its last id at position kv_len, kv_len += 1):
-        one token per sequence, in the order given, each what it gets alone."""
+    def decode_launch(self, seqs: list, after: Pending | None = None) -> Pending:
+        """Queue one decode step for each sequence, kv_len += 1 at the call; its tokens come
+        from the returned step's tokens(), one per sequence, each what it gets alone. Without
+        `after` each feeds its last id at position kv_len (== len(ids) - 1). With `after`, a
+        step queued before and not yet read (at most that one), `seqs` are some of its
+        sequences in its order, each still waiting for the token `after` samples for it: that
+        token is fed at kv_len (== len(ids)), drawn as draw number len(seq.tokens) + 1. So the
+        host reads step k while step k + 1 runs (nanoqwen.batching: one step behind)."""
         ...
 
     def release_slot(self, seq) -> None:

@@ -9,15 +9,18 @@ A `Sequence` is one request's token ids, sampling parameters and, while admitted
 table and batch slot. The `Scheduler` is the only one who admits, reserves, commits and
 releases pages; it drives any backend with the batch primitives:
 
-    max_batch                     most sequences in one decode_batch (slots 0 .. max_batch - 1)
+    max_batch                     most sequences in one decode step (slots 0 .. max_batch - 1)
     block_manager                 the backend's KV pool (nanoqwen.kv_pages.BlockManager)
     prefill_chunk(seq, end, sample) -> token | None
         ids[kv_len:end] at positions kv_len .. end - 1 into seq.table's pages (reserved by the
         caller to cover end, and end + 1 with sample), then kv_len = end; with sample, the next
         token, sampled as draw number len(seq.tokens) of the sequence
-    decode_batch(seqs) -> tokens  one step for each sequence (distinct slots): feed ids[kv_len]
-        (its last id) at position kv_len, sample its next token as draw len(seq.tokens),
-        kv_len += 1; each row is what the sequence gets alone
+    decode_launch(seqs, after=None) -> step
+        queue one step for each sequence (distinct slots): feed ids[kv_len] (its last id) at
+        position kv_len, sample its next token as draw len(seq.tokens), kv_len += 1; each row
+        is what the sequence gets alone; step.tokens() waits and gives them in seqs' order.
+        With `after`, the step queued just before and not yet read: seqs are some of its
+        sequences, each fed the token that step samples for it, as draw len(seq.tokens) + 1
     release_slot(seq)             the sequence leaves: forget per-slot state
 
 (ReferenceBackend's are the oracle: exactly generate()'s tokens). Each `step()`:
@@ -32,9 +35,24 @@ releases pages; it drives any backend with the batch primitives:
 3. prefills at most `prefill_chunk` tokens, across the admitted sequences that still have
    uncomputed ids, oldest first; a chunk that ends the prompt samples the first token. A long
    prompt therefore costs the running streams one bounded chunk per step, never a whole prefill;
-4. runs one `decode_batch` over every sequence whose ids but the last were computed when the
+4. launches one decode step over every sequence whose ids but the last were computed when the
    step began (one token each; not those whose first token this step's prefill sampled),
-   having reserved kv_len + 1 positions for each, oldest first.
+   having reserved kv_len + 1 positions for each, oldest first; then, one step behind (below),
+   reads its tokens.
+
+One step behind. Reading a step's tokens, committing and emitting them, and staging the next
+step is host work (~0.1-0.2 ms at 16 sequences, docs/PERFORMANCE.md) that the GPU would sit
+idle through. So when the next step can only be "the same sequences, one more token each" it
+is launched before the tokens of the step in flight are read, each row fed the token that step
+samples for it on the device (decode_launch's `after`), and the host's work runs under it. A
+step() with a decode step in flight therefore chains the next one behind it and reads the one
+in flight. It chains only when nothing else has to happen first: no cancel, no waiting request
+with a slot free, no sequence prefilling, no lone sequence about to go solo, pages for every
+row without preempting; otherwise it reads the step in flight, frees the cancelled sequences,
+and the next step() runs the steps above. A sequence whose step in flight gives it its last
+token by length is left out of the chained step; one that stops on a stop id is known only
+when that token is read, so its row in the chained step is computed and thrown away (its K/V
+lands in a page it no longer holds: every later use of that page runs after it on the stream).
 
 Pages are reserved on demand, page by page as a sequence grows (vLLM's rule), not
 prompt + max_tokens up front: most requests stop long before max_tokens (a code completion on a
@@ -52,7 +70,7 @@ one is written and committed (the plain generate() commits the same), its pages 
 
 A sequence alone runs solo: through the backend's single-stream `generate` (the cuda engine's
 one-graph loop, whose step a batch of one costs 1.44x; and speculative drafts, which
-decode_batch does not run), one token per step() call. When a request arrives behind it
+the batch step does not run), one token per step() call. When a request arrives behind it
 (max_batch > 1), the solo generation is closed, which commits what it wrote to the prefix
 cache, and the sequence goes back to the front of the waiting queue with its tokens kept, like
 a preempted one: it resumes in the batch from the cached pages. When a batch shrinks to one
@@ -93,7 +111,7 @@ SOLO_MIN_LEFT = 16
 @dataclass(eq=False)
 class Sequence:
     """One request. The first eight fields are the backends' contract (read and written by
-    prefill_chunk / decode_batch); the rest are the scheduler's. Identity equality: a sequence
+    prefill_chunk / decode_launch); the rest are the scheduler's. Identity equality: a sequence
     is a dict key of whoever tracks requests."""
 
     prompt: list[int]  # the request's prompt ids
@@ -131,7 +149,7 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        """Admitted, with every id but the last computed: the next decode_batch takes it."""
+        """Admitted, with every id but the last computed: the next decode step takes it."""
         return self.table is not None and bool(self.tokens) and self.kv_len == len(self.ids) - 1
 
 
@@ -183,6 +201,7 @@ class Scheduler:
         self.preemptions = 0
         self.solo_moves = 0  # sequences moved from solo into the batch or back
         self._free_slots = list(range(self.max_batch - 1, -1, -1))  # pop() hands out 0 first
+        self._pending = None  # the decode step in flight (decode_launch's), not yet read
         self._ids = itertools.count(1)
 
     # -- requests ------------------------------------------------------------------------------
@@ -206,7 +225,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.solo)
+        return bool(self.waiting or self.running or self.solo or self._pending)
 
     @property
     def active(self) -> int:
@@ -217,6 +236,7 @@ class Scheduler:
         """Drop every sequence now, without a step (after an engine failure, at shutdown):
         pages released, slots freed; returns them."""
         dropped = [*self.running, *self.waiting, *([self.solo] if self.solo else [])]
+        self._pending = None  # never read: what it writes lands before any later use
         for seq in list(self.running):
             self._leave(seq, "cancelled")
         if self.solo is not None:
@@ -227,9 +247,15 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self) -> list[Event]:
-        """Cancel; then one solo token, or: admit, prefill one bounded chunk, decode once
-        (module docstring)."""
+        """With a decode step in flight: chain the next one behind it when nothing else has to
+        happen, read it (and, not chained, free the cancelled sequences). Otherwise cancel,
+        then one solo token, or: admit, prefill one bounded chunk, decode once (module
+        docstring)."""
         events: list[Event] = []
+        if self._pending is not None:
+            if not self._advance(events):
+                self._drop_cancelled(events)
+            return events
         self._drop_cancelled(events)
         if self.solo is not None and self.waiting and self.max_batch > 1:
             self._hand_off()
@@ -278,9 +304,11 @@ class Scheduler:
         self._solo_tokens = self.backend.generate(seq.ids, params, seq.stop_ids)
         self.solo = seq
 
-    def _leaves_batch(self, seq: Sequence) -> bool:
-        left = seq.params.max_tokens - len(seq.tokens)
-        return seq.decoding and self._solo_ok(seq) and left >= SOLO_MIN_LEFT
+    def _leaves_batch(self, seq: Sequence, in_flight: int = 0) -> bool:
+        """Whether the batch's lone sequence goes solo once the `in_flight` tokens its steps
+        in flight give it are read."""
+        left = seq.params.max_tokens - len(seq.tokens) - in_flight
+        return (seq.decoding or in_flight > 0) and self._solo_ok(seq) and left >= SOLO_MIN_LEFT
 
     def _solo_step(self, events: list[Event]) -> None:
         seq = self.solo
@@ -361,11 +389,47 @@ class Scheduler:
         batch = [s for s in batch if s.table is not None]
         if not batch:
             return
-        tokens = self.backend.decode_batch(batch)
-        for seq, token in zip(batch, tokens, strict=True):
-            self.pages.commit(seq.table, seq.ids[seq.kv_len - 1 : seq.kv_len])
+        self._pending = self.backend.decode_launch(batch)
+        self._advance(events)
+
+    def _advance(self, events: list[Event]) -> bool:
+        """Chain the next decode step behind the one in flight where it may run (module
+        docstring: one step behind), then read the one in flight; whether it chained."""
+        step, chained = self._pending, None
+        seqs = self._chainable(step)
+        if seqs:
+            chained = self.backend.decode_launch(seqs, after=step)
+        self._pending = chained
+        for seq, token in zip(step.seqs, step.tokens(), strict=True):
+            if seq.table is None or seq.cancelled:
+                continue  # it left while the step ran: the row is thrown away
+            at = len(seq.table.tokens)  # the position the step fed
+            self.pages.commit(seq.table, seq.ids[at : at + 1])
             if finish := self._emit(seq, token, events):
                 self._leave(seq, finish)
+        return chained is not None
+
+    def _chainable(self, step) -> list[Sequence]:
+        """The sequences of a step chained behind `step` (in flight): those it does not end
+        by length, each with pages reserved for its next position; [] when the next step must
+        wait for the host (module docstring)."""
+        flight = {id(s) for s in step.seqs}
+        lone = len(self.running) == 1 and not self.waiting
+        if (
+            any(s.cancelled or id(s) not in flight for s in self.running)
+            or (self.waiting and self._free_slots)
+            or any(s.cancelled for s in self.waiting)
+            or (lone and self._leaves_batch(self.running[0], in_flight=1))
+        ):
+            return []
+        seqs = [s for s in step.seqs
+                if s.table is not None and len(s.tokens) + 1 < s.params.max_tokens]  # fmt: skip
+        try:
+            for seq in seqs:
+                self.pages.reserve(seq.table, seq.kv_len + 1)
+        except ContextError:  # short of pages: the next step may preempt, after the reads
+            return []
+        return seqs
 
     # -- helpers -------------------------------------------------------------------------------
     def _emit(self, seq: Sequence, token: int, events: list[Event]) -> str | None:

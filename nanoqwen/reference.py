@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .backend import DEFAULT_CONTEXT, check_fits, check_max_context, check_prompt
+from .backend import DEFAULT_CONTEXT, Ready, check_fits, check_max_context, check_prompt
 from .config import PAGE_TOKENS, ModelConfig
 from .errors import NanoqwenError
 from .kv_pages import BlockManager, KVStats, PageTable
@@ -362,7 +362,7 @@ def set_threads(threads: int | None) -> int:
 
 # --- The backend ------------------------------------------------------------------------------
 
-# Sequences in one decode_batch when not told: the per-sequence forwards make a batch no faster
+# Sequences in one decode step when not told: the per-sequence forwards make a batch no faster
 # on the CPU, so this only bounds the slots (the server's --max-batch default).
 DEFAULT_MAX_BATCH = 8
 
@@ -372,7 +372,7 @@ class ReferenceBackend:
     (nanoqwen.kv_pages): a prompt is prefilled from its first uncached token; with a
     SpeculativeConfig each generate() step verifies n-gram drafts (nanoqwen.speculative).
 
-    The batch primitives (prefill_chunk, decode_batch, release_slot; nanoqwen.batching drives
+    The batch primitives (prefill_chunk, decode_launch, release_slot; nanoqwen.batching drives
     them) are the oracle of the batched path: each sequence runs its own forward, exactly the
     forward generate() runs, and samples with its own generator (seq.sampler), so every row is
     what the sequence gets alone, token for token. They decode one token a step, with or
@@ -396,7 +396,7 @@ class ReferenceBackend:
         pages (off: every prompt is prefilled cold, e.g. for validation); progress: a bar per
         loaded layer on stderr (a 1.5B loads for tens of seconds); speculative: draft and
         verify per nanoqwen.speculative (None: one token per step). `spec_stats` holds the
-        last generation's SpecStats; max_batch: the most sequences in one decode_batch;
+        last generation's SpecStats; max_batch: the most sequences in one decode step;
         kv_pages: the KV pool's 16-token pages (default: one max_context's worth, what a
         single stream needs; a batch shares them and the scheduler preempts when they run
         out)."""
@@ -507,11 +507,13 @@ class ReferenceBackend:
         logits = self._run(seq, seq.ids[seq.kv_len : end])
         return self._sample(seq, logits) if sample else None
 
-    def decode_batch(self, seqs: list) -> list[int]:
-        """One token for each sequence: its last id fed at position kv_len, one forward each."""
+    def decode_launch(self, seqs: list, after: Ready | None = None) -> Ready:
+        """One token for each sequence, one forward each, computed now: it feeds its last id at
+        position kv_len, or with `after` the token that step sampled for it."""
         self._require_open()
-        return [self._sample(seq, self._run(seq, seq.ids[seq.kv_len : seq.kv_len + 1]))
-                for seq in seqs]  # fmt: skip
+        fed = [after.fed(s) if after is not None else s.ids[s.kv_len] for s in seqs]
+        tokens = [self._sample(s, self._run(s, [t])) for s, t in zip(seqs, fed, strict=True)]
+        return Ready(list(seqs), tokens)
 
     def release_slot(self, seq) -> None:
         """Nothing is kept per slot: the generator lives in seq.sampler."""

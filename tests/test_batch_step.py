@@ -14,12 +14,15 @@ from nanoqwen.cuda.registry import STATE_WORDS, StateWord
 from nanoqwen.engine import memory
 from nanoqwen.engine.batch import (
     BATCH_BUCKETS,
+    Launched,
     Row,
     RowLayout,
     RowStager,
     batch_buckets,
     batch_buffers,
     batch_plan,
+    chained_rows,
+    copy_runs,
     decode_rows,
     last_token,
     pages_per_row,
@@ -162,7 +165,7 @@ def test_prefill_rows_of_one_sequence():
     s.table = bm.admit(s.prompt)
     bm.reserve(s.table, 21)  # 20 ids and the first token's position: 2 pages
     s.kv_len = 16
-    rows = [Row(s, 16 + j, s.prompt[16 + j]) for j in range(4)]
+    rows = [Row(s, 16 + j, s.prompt[16 + j], 0) for j in range(4)]
     copies = st.stage(rows, 4)
     assert list(st.tokens) == [56, 57, 58, 59] and list(st.pos) == [16, 17, 18, 19]
     assert (st.params[:, StateWord.STEP] == 0).all() and (st.params[:, StateWord.TEMP] != 0).all()
@@ -240,16 +243,29 @@ class _FakeGpu:
 
 
 class _RowsByToken:
-    """BatchStep's surface for decode_batch and prefill_chunk: each row's token = its fed
-    token + 1000; `rows` records each step's (slot, position) pairs."""
+    """BatchStep's surface for decode_launch and prefill_chunk: each row's token = its fed
+    token + 1000 (a chained row's fed token: its sequence's in the step it follows); `rows`
+    records each step's (slot, position, draw) rows."""
 
     def __init__(self):
-        self.rows = []
+        self.rows, self.out, self.serial = [], {}, 0
         self.buf = {"logits": 1 << 20}
 
+    def launch(self, rows, after=None):
+        self.rows.append([(r.seq.slot, r.pos, r.draw) for r in rows])
+        fed = [r.token for r in rows]
+        if after is not None:
+            assert after.serial == self.serial  # the step launched just before
+            fed = [self.out[after.serial][i] for i in after.rows_of([r.seq for r in rows])]
+        self.serial += 1
+        self.out[self.serial] = [t + 1000 for t in fed]
+        return Launched(self, self.serial, [r.seq for r in rows])
+
+    def read(self, step):
+        return self.out[step.serial]
+
     def step(self, rows):
-        self.rows.append([(r.seq.slot, r.pos) for r in rows])
-        return [r.token + 1000 for r in rows]
+        return self.launch(rows).tokens()
 
     def forget(self, seq):
         self.rows.append(("forget", seq.slot))
@@ -264,38 +280,65 @@ def _backend(max_batch=4, max_context=256):
     return e
 
 
-def test_decode_batch_rows_by_slot_tokens_in_order():
+def test_decode_launch_rows_by_slot_tokens_in_order():
     e, bm = _backend(), BlockManager(64, prefix_caching=False)
     seqs = [_seq(bm, [10 + i] * (3 + i), tokens=[20 + i]) for i in range(3)]
     for s, slot in zip(seqs, (2, 0, 3), strict=True):
         s.slot = slot
     before = [s.kv_len for s in seqs]
-    out = e.decode_batch(seqs)
-    assert e.batch.rows == [[(0, before[1]), (2, before[0]), (3, before[2])]]  # slot order
-    assert out == [1020, 1021, 1022]  # tokens in the order given
-    assert [s.kv_len for s in seqs] == [b + 1 for b in before]
+    step = e.decode_launch(seqs)
+    assert [s.kv_len for s in seqs] == [b + 1 for b in before]  # at the launch
+    assert e.batch.rows == [[(0, before[1], 1), (2, before[0], 1), (3, before[2], 1)]]  # slots
+    assert step.tokens() == [1020, 1021, 1022]  # tokens in the order given
     e.release_slot(seqs[0])
     assert e.batch.rows[-1] == ("forget", 2)
 
 
-def test_decode_batch_refuses_bad_calls():
+def test_a_chained_step_feeds_the_tokens_of_the_step_before():
+    """decode_launch(after=): some of that step's sequences, each fed the token it samples
+    for them (a device copy from its rows), at the next position, as the next draw."""
+    e, bm = _backend(), BlockManager(64, prefix_caching=False)
+    seqs = [_seq(bm, [10 + i] * 4, tokens=[20 + i]) for i in range(3)]
+    for s, slot in zip(seqs, (2, 0, 3), strict=True):
+        s.slot = slot
+    first = e.decode_launch(seqs)
+    with pytest.raises(NanoqwenError, match="kv_len 5 must be len"):
+        e.decode_launch(seqs)  # their tokens are in flight: only a chained step may follow
+    second = e.decode_launch([seqs[2], seqs[0]], after=first)  # seqs[1] left it
+    assert e.batch.rows[-1] == [(2, 5, 2), (3, 5, 2)]  # by slot, position kv_len, draw 2
+    assert [s.kv_len for s in seqs] == [6, 5, 6]
+    assert first.tokens() == [1020, 1021, 1022] and second.tokens() == [2022, 2020]
+    with pytest.raises(NanoqwenError, match="must hold every sequence chained"):
+        e.decode_launch([seqs[1]], after=second)
+
+
+def test_chained_rows_and_their_copies():
+    bm = BlockManager(64, prefix_caching=False)
+    s = _seq(bm, [5] * 9, tokens=[6, 7])
+    assert chained_rows([s]) == [Row(s, s.kv_len, 0, 3)]
+    assert copy_runs([0, 1, 2]) == [(0, 0, 3)]
+    assert copy_runs([0, 2, 3, 5]) == [(0, 0, 1), (1, 2, 2), (3, 5, 1)]
+    assert copy_runs([]) == []
+
+
+def test_decode_launch_refuses_bad_calls():
     e, bm = _backend(max_batch=2), BlockManager(64, prefix_caching=False)
     a, b, c = (_seq(bm, [1, 2, 3]) for _ in range(3))
     a.slot, b.slot, c.slot = 0, 0, 1
     with pytest.raises(NanoqwenError, match="share a slot"):
-        e.decode_batch([a, b])
+        e.decode_launch([a, b])
     with pytest.raises(NanoqwenError, match=r"1\.\.2 sequences"):
-        e.decode_batch([a, b, c])
+        e.decode_launch([a, b, c])
     b.slot, b.kv_len = 1, 1
     with pytest.raises(NanoqwenError, match="kv_len 1 must be len"):
-        e.decode_batch([a, b])
+        e.decode_launch([a, b])
     b.kv_len = 2
     bm.release(b.table)  # no page for position 2
     with pytest.raises(NanoqwenError, match="must be reserved"):
-        e.decode_batch([a, b])
+        e.decode_launch([a, b])
     e.batch = None
     with pytest.raises(NanoqwenError, match="no batch path"):
-        e.decode_batch([a])
+        e.decode_launch([a])
     assert e.batch is None
 
 
@@ -307,7 +350,7 @@ def test_short_prefill_chunk_is_rows_of_the_batch_step():
     s.slot, s.kv_len = 1, 16
     bm.reserve(s.table, 21)
     assert e.prefill_chunk(s, 20, sample=True) == 119 + 1000
-    assert e.batch.rows == [[(1, 16), (1, 17), (1, 18), (1, 19)]] and s.kv_len == 20
+    assert e.batch.rows == [[(1, 16, 0), (1, 17, 0), (1, 18, 0), (1, 19, 0)]] and s.kv_len == 20
     assert e.chunk_logits == (1 << 20) + 3 * e.config.vocab_size * 4
     s.kv_len = 17
     assert e.prefill_chunk(s, 20, sample=False) is None and s.kv_len == 20

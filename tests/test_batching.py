@@ -20,10 +20,12 @@ import itertools
 import random
 from collections import Counter
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
+from nanoqwen.backend import Ready
 from nanoqwen.batching import Scheduler
 from nanoqwen.config import PAGE_TOKENS
 from nanoqwen.errors import ContextError, NanoqwenError
@@ -164,6 +166,25 @@ def test_cancel_frees_pages_within_one_step(model_file):
     assert backend.block_manager.pages_held == 0 and not sched.has_work
 
 
+class Step(NamedTuple):
+    """ScriptedBackend's launched decode step: read once, oldest first."""
+
+    backend: ScriptedBackend
+    ready: Ready
+
+    @property
+    def seqs(self):
+        return self.ready.seqs
+
+    def fed(self, seq):
+        return self.ready.fed(seq)
+
+    def tokens(self):
+        assert self.backend.unread[0] is self  # read in launch order, each once
+        self.backend.unread.pop(0)
+        return self.ready.tokens()
+
+
 class ScriptedBackend:
     """The batch primitives and generate() without a model, checking the contract at every
     call: pages cover the positions written (and the next one when sampling), slots are
@@ -177,14 +198,18 @@ class ScriptedBackend:
 
     def __init__(self, pages: int) -> None:
         self.block_manager = BlockManager(pages)
-        self.calls = 0
+        self.calls = self.chained = 0
+        self.unread: list[Step] = []  # launched decode steps not read yet
 
     @staticmethod
     def next_token(ids) -> int:
         return hash(tuple(ids)) % 40 + 5
 
-    def _covered(self, seq, end: int) -> None:
-        assert len(seq.table.pages) * PAGE_TOKENS >= end and len(seq.table.tokens) == seq.kv_len
+    def _covered(self, seq, end: int, in_flight: int = 0) -> None:
+        """Pages cover `end` positions; every position before kv_len is committed but those
+        the `in_flight` steps still write."""
+        assert len(seq.table.pages) * PAGE_TOKENS >= end
+        assert len(seq.table.tokens) == seq.kv_len - in_flight
 
     def prefill_chunk(self, seq, end, sample):
         self._covered(seq, end + sample)
@@ -192,16 +217,26 @@ class ScriptedBackend:
         seq.kv_len = end
         return self.next_token(seq.ids[:end]) if sample else None
 
-    def decode_batch(self, seqs):
+    def decode_launch(self, seqs, after=None):
+        """As the contract says: `after` is the step launched last and still unread, seqs
+        some of its sequences in its order, each fed the token it samples for them."""
         assert 1 <= len(seqs) <= self.max_batch and len({s.slot for s in seqs}) == len(seqs)
         self.calls += 1
+        if after is not None:
+            assert after is self.unread[-1] and len(self.unread) == 1
+            assert [s for s in after.seqs if any(s is t for t in seqs)] == seqs
+            self.chained += 1
         out = []
         for seq in seqs:
-            self._covered(seq, seq.kv_len + 1)
-            assert seq.kv_len == len(seq.ids) - 1
+            self._covered(seq, seq.kv_len + 1, in_flight=after is not None)
+            ids = seq.ids if after is None else [*seq.ids, after.fed(seq)]
+            assert seq.kv_len == len(ids) - 1
             seq.kv_len += 1
-            out.append(self.next_token(seq.ids))
-        return out
+            out.append(self.next_token(ids))
+        step = Step(self, Ready(list(seqs), out))
+        self.unread.append(step)
+        assert len(self.unread) <= 2
+        return step
 
     def release_slot(self, seq):
         assert seq.slot >= 0
@@ -264,9 +299,32 @@ def test_thousand_requests_random_cancels_leak_no_page():
     for seq in churn(sched, 1000, random.Random(), 34, left):
         alone = list(backend.alone(seq.prompt, seq.params, seq.stop_ids))
         assert seq.tokens == alone  # the tokens it gets alone, preempted or handed off or not
-    assert backend.block_manager.pages_held == 0
+    assert backend.block_manager.pages_held == 0 and not backend.unread
     assert sched.preemptions > 0 and left["cancelled"] > 100 and left["length"] > 300
+    assert backend.chained > 0  # some steps ran one step behind (the pool keeps most waiting)
     assert left["stop"] > 0
+
+
+def test_a_steady_batch_runs_one_step_behind():
+    """Once every sequence decodes, each step() chains the next step behind the one in flight
+    and reads that one: one token a sequence a step, each what it gets alone; a sequence's
+    last token by length leaves it out of the chained step, a stop id throws its row away."""
+    backend = ScriptedBackend(pages=40)
+    sched = Scheduler(backend, solo=False)
+    rnd = random.Random(5)
+    stop = frozenset({7, 8})
+    seqs = [sched.add([rnd.randrange(10, 40) for _ in range(5)], SamplingParams(max_tokens=n),
+                      stop) for n in (4, 9, 30)]  # fmt: skip
+    log: list = []
+    run(sched, log)
+    for seq in seqs:
+        assert seq.tokens == list(backend.alone(seq.prompt, seq.params, seq.stop_ids))
+        assert seq.finish_reason == ("stop" if seq.tokens[-1] in stop else "length")
+    for events in log:
+        assert len({id(e.seq) for e in events}) == len(events)  # a token a sequence at most
+    longest = max(len(s.tokens) for s in seqs)
+    assert backend.chained >= longest - 4 and len(log) <= longest + 3
+    assert backend.block_manager.pages_held == 0 and not backend.unread
 
 
 def test_reference_under_churn_leaks_no_page(model_file):
@@ -296,7 +354,7 @@ def test_a_backend_without_the_batch_step_serves_one_at_a_time():
     # The cuda engine with an int8 lm_head has max_batch 0: generate() only.
     backend = ScriptedBackend(pages=12)
     backend.max_batch = 0
-    backend.decode_batch = backend.prefill_chunk = None  # never called
+    backend.decode_launch = backend.prefill_chunk = None  # never called
     sched = Scheduler(backend)
     assert sched.max_batch == 1
     rnd = random.Random()
@@ -374,8 +432,13 @@ def test_lone_sequence_runs_solo_and_hands_off(model_file):
     while b.finish_reason is None:
         assert sched.solo is None
         sched.step()
-    sched.step()  # a alone, 60 - 39 >= SOLO_MIN_LEFT to go: solo, its 40th token by generate()
-    assert len(a.tokens) == 40 and sched.solo is a and not sched.running
+    # b's last token came by length: the step chained behind it took a alone (its 40th token),
+    # and is read without a step chained behind it, a about to go solo.
+    assert len(a.tokens) == 39 and sched.running == [a]
+    sched.step()
+    assert len(a.tokens) == 40 and sched.solo is None
+    sched.step()  # 60 - 40 >= SOLO_MIN_LEFT to go: solo, its 41st token by generate()
+    assert len(a.tokens) == 41 and sched.solo is a and not sched.running
     assert sched.solo_moves == 2
     run(sched)
     for seq, (prompt, params) in ((a, first), (b, second)):  # no stop id: all of max_tokens

@@ -28,8 +28,10 @@ def test_batch_streams_the_text_one_step_apart_and_frees_its_pages(tiny_model, w
             assert seq.finish_reason == "length" and text[seq] == (TEXT * 2)[: len(text[seq])]
             assert len(llm.tokenizer.encode(text[seq])) == n
         gaps, waits = llm.backend.take_times()
-        assert len(waits) == len(gaps) + 1 and min(waits) >= step_s
-        assert elapsed >= len(waits) * step_s
+        # One wait a step; the stand-in device runs them one after the other, and a step
+        # chained behind the one in flight starts the moment that one ends (gap 0).
+        assert len(waits) == len(gaps) + 1 and elapsed >= len(waits) * step_s
+        assert 0.0 in gaps
         assert llm.kv_pages_in_use == 0 and llm.backend.take_times() == ([], [])
 
 
@@ -56,10 +58,30 @@ def test_step_costs_wait_by_tokens_and_rows(tiny_model) -> None:
         seqs = [SimpleNamespace(kv_len=0, tokens=[]) for _ in range(3)]
         backend.prefill_chunk(seqs[0], 20, sample=True)
         backend.prefill_chunk(seqs[1], 2, sample=False)
-        backend.decode_batch(seqs)
-        backend.decode_batch(seqs[:1])
+        backend.decode_launch(seqs).tokens()
+        backend.decode_launch(seqs[:1]).tokens()
         _, waits = backend.take_times()
         # Each wait at least its cost: a sleep overshoots (on a busy box by ms), never undershoots.
         for waited, cost in zip(waits, (0.008, 0.004, 0.004, 0.001), strict=True):
             assert cost <= waited < cost + 0.5
         assert [s.kv_len for s in seqs] == [22, 3, 1]
+
+
+def test_a_chained_step_runs_behind_the_one_in_flight(tiny_model) -> None:
+    """decode_launch queues: a step launched before the last one is read starts when that one
+    ends."""
+    from types import SimpleNamespace
+
+    with PacedLLM(tiny_model, StepCosts.flat(0.02)) as llm:
+        backend = llm.backend
+        seqs = [SimpleNamespace(kv_len=4, tokens=[1]) for _ in range(2)]
+        start = time.perf_counter()
+        first = backend.decode_launch(seqs)
+        second = backend.decode_launch(seqs, after=first)
+        assert first.tokens() == [backend._token(1)] * 2  # draw 1 each
+        assert second.tokens() == [backend._token(2)] * 2  # the draw after first's
+        assert 0.04 <= time.perf_counter() - start < 0.5
+        assert second.ends == pytest.approx(first.ends + 0.02)  # no idle time between them
+        gaps, waits = backend.take_times()
+        assert gaps == [0.0] and len(waits) == 2
+        assert [s.kv_len for s in seqs] == [6, 6]

@@ -13,6 +13,9 @@ Public API (stable; the prefill launchers and the engine build on it):
     gpu.upload(dst_ptr, array)          host -> device through a pinned staging buffer (chunked)
     gpu.upload_async(dst_ptr, src, n)   queue a copy from pinned host address src (no sync)
     gpu.download(src_ptr, out_array)    device -> host (synchronous)
+    gpu.download_async(dst, src_ptr, n) queue a copy into pinned host address dst (no sync)
+    gpu.fence(event=None) -> Event      an event recorded on the stream now (re-recorded when
+                                        given); .sync() waits for the work queued before it
     gpu.memset(ptr, byte, nbytes)       stream-ordered
     gpu.launch(kernel, grid, block, *args, smem=0, pdl=False)   args: ints become uint64
                                         (device addresses); pass np.int32 etc. for scalars
@@ -324,6 +327,16 @@ class Gpu:
             check(driver.cuMemcpyDtoH(out.ctypes.data, src, out.nbytes), "cuMemcpyDtoH")
         return out
 
+    def download_async(self, dst: int, src: int, nbytes: int) -> None:
+        """Queue a copy of `nbytes` from device address `src` to pinned host address `dst` on
+        the stream; `dst` holds them once a fence recorded after it has synced."""
+        from cuda.bindings import driver
+
+        with self.guard("download_async"):
+            check(
+                driver.cuMemcpyDtoHAsync(dst, src, nbytes, self.stream.handle), "cuMemcpyDtoHAsync"
+            )
+
     def memset(self, ptr: int, byte: int, nbytes: int) -> None:
         from cuda.bindings import driver
 
@@ -398,6 +411,11 @@ class Gpu:
         from cuda.core import EventOptions
 
         return self.stream.record(options=EventOptions(timing_enabled=True))
+
+    def fence(self, event=None):
+        """An event (no timing) recorded on the stream now, or `event` re-recorded (no new
+        driver object per use); `.sync()` returns once the work queued before it is done."""
+        return self.stream.record(event)
 
     def sm_clock_mhz(self) -> int | None:
         """The SM clock now, in MHz (NVML, through cuda.core.system; thread-safe), or None

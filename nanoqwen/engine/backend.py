@@ -27,9 +27,10 @@ Life of a generation (batch 1):
               block_manager admits a sequence, prefill_chunk runs its prompt in chunks
               (forward.prefill into the sequence's table, or a chunk of at most max_batch
               ids as rows of the batch step; the first token sampled from the last row with
-              the sequence's own params), decode_batch runs one token of up to
+              the sequence's own params), decode_launch queues one token of up to
               max_batch sequences through ONE pass over the weights (batch.BatchStep: a
-              graph per bucket of rows), release_slot forgets a leaving sequence's rows. The
+              graph per bucket of rows; read later, so the next step can be queued behind
+              it first), release_slot forgets a leaving sequence's rows. The
               KV pool (kv_tokens positions) is shared by every sequence; a sequence is at
               most max_context positions long. Without speculative drafts; an int8 head
               turns the batch path off (max_batch 0: lm_head_rows reads fp16 rows).
@@ -71,7 +72,7 @@ from ..errors import ContextError, NanoqwenError
 from ..kv_pages import BlockManager, KVStats, PageTable
 from ..sampling import SamplingParams
 from ..speculative import SpecStats, SpeculativeConfig
-from .batch import BatchStep, Row, decode_rows
+from .batch import BatchPending, BatchStep, Row, chained_rows, decode_rows
 from .decode_loop import DecodeLoop, DecodeState
 from .forward import Forward
 from .kv_cache import KVCache
@@ -106,7 +107,7 @@ class CudaBackend:
         generation's SpecStats. `speculative` may be set to None between generations, which
         then run the plain loop on the same engine (dev/speculate_e2e.py); otherwise the
         speculative graphs run. kv_tokens: the KV pool's positions, shared by every sequence
-        (None: max_context); max_batch: the most sequences of one decode_batch (1..16; 0: no
+        (None: max_context); max_batch: the most sequences of one decode step (1..16; 0: no
         batch path, nothing of it allocated or compiled; an int8 head forces 0)."""
         cfg = file.config
         self.config, self.file = cfg, file
@@ -368,7 +369,8 @@ class CudaBackend:
         T = end - start
         chunk = check_prompt(ids[start:end], self.config.vocab_size)
         if self.batch is not None and T <= self.max_batch:
-            out = self.batch.step([Row(seq, start + j, int(t)) for j, t in enumerate(chunk)])
+            out = self.batch.step([Row(seq, start + j, int(t), len(seq.tokens))
+                                  for j, t in enumerate(chunk)])  # fmt: skip
             self.chunk_logits = self.batch.buf["logits"] + (T - 1) * self.config.vocab_size * 4
             seq.kv_len = end
             return out[-1] if sample else None
@@ -391,34 +393,43 @@ class CudaBackend:
         seq.kv_len = end
         return token
 
-    def decode_batch(self, seqs: Sequence) -> list[int]:
-        """One decode step of every sequence (distinct slots, kv_len == len(ids) - 1, pages
-        reserved for kv_len + 1): each feeds its last token at position kv_len and gets its
-        next token, sampled with its params as draw number len(seq.tokens); kv_len += 1.
-        Tokens in the order given. The rows run by slot order (batch.BatchStep)."""
+    def decode_launch(self, seqs: Sequence, after: BatchPending | None = None) -> BatchPending:
+        """Queue one decode step of every sequence (distinct slots, pages reserved for
+        kv_len + 1), kv_len += 1: without `after` each feeds its last token at position kv_len
+        (== len(ids) - 1), drawn as draw number len(seq.tokens); with `after` (the step
+        launched just before, unread) some of its sequences, in its order, each feeding the
+        token that step samples for it (kv_len == len(ids)), draw len(seq.tokens) + 1
+        (backend.Backend.decode_launch). No sync: the returned step's tokens() waits and gives
+        the tokens in the order given. The rows run by slot order (batch.BatchStep)."""
         self.gpu.ensure_ok()
         if self.batch is None:
             raise NanoqwenError(
-                "decode_batch: this engine has no batch path (max_batch 0, or an int8 lm_head)"
+                "decode_launch: this engine has no batch path (max_batch 0, or an int8 lm_head)"
             )
         if not 1 <= len(seqs) <= self.max_batch:
-            raise NanoqwenError(f"decode_batch: 1..{self.max_batch} sequences, got {len(seqs)}")
+            raise NanoqwenError(f"decode_launch: 1..{self.max_batch} sequences, got {len(seqs)}")
         if len({s.slot for s in seqs}) != len(seqs):
-            raise NanoqwenError("decode_batch: two sequences share a slot")
+            raise NanoqwenError("decode_launch: two sequences share a slot")
+        pending = int(after is not None)  # the token `after` samples, not in seq.tokens yet
         for s in seqs:
-            if s.kv_len != len(s.prompt) + len(s.tokens) - 1:
+            if s.kv_len != len(s.prompt) + len(s.tokens) - 1 + pending:
                 raise NanoqwenError(
-                    f"decode_batch: kv_len {s.kv_len} must be len(ids) - 1 = "
-                    f"{len(s.prompt) + len(s.tokens) - 1}"
+                    f"decode_launch: kv_len {s.kv_len} must be len(ids) "
+                    f"{'' if pending else '- 1 '}= {len(s.prompt) + len(s.tokens) - 1 + pending}"
                 )
             self._check_pages(s, s.kv_len + 1)
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
-        rows = self.batch.step(decode_rows([seqs[i] for i in order]))
-        out = [0] * len(seqs)
-        for r, i in enumerate(order):
-            out[i] = rows[r]
-            seqs[i].kv_len += 1
-        return out
+        by_slot = [seqs[i] for i in order]
+        if after is None:
+            step = self.batch.launch(decode_rows(by_slot))
+        else:
+            chained = {id(s) for s in by_slot}
+            if [s for s in after.step.seqs if id(s) in chained] != by_slot:
+                raise NanoqwenError("decode_launch: `after` must hold every sequence chained")
+            step = self.batch.launch(chained_rows(by_slot), after.step)
+        for s in seqs:
+            s.kv_len += 1
+        return BatchPending(list(seqs), order, step)
 
     def release_slot(self, seq) -> None:
         """Forget the rows `seq` held (its pages are the caller's to commit and release)."""

@@ -1,6 +1,6 @@
 """The batched decode step: B sequences, one token each, each at its own position with its own
 page table and sampling parameters, through ONE pass over the weights (continuous batching:
-the scheduler in nanoqwen/batching.py calls CudaBackend.decode_batch, which lands here, and
+the scheduler in nanoqwen/batching.py calls CudaBackend.decode_launch, which lands here, and
 CudaBackend.prefill_chunk for a chunk of at most max_batch ids: rows below).
 
 Per step, for the B rows (row r: in a decode step the r-th sequence by slot; buffers for
@@ -16,12 +16,16 @@ max_batch rows):
     lm_head_rows final RMSNorm, logits [B, V], each row's argmax key
     sample_batch each row's token by the plain sampler's rule with its own temperature /
                  top-k / top-p / seed, the draw counter = the sequence's draw number
-                 (len(seq.tokens)), so a seeded row draws what the plain loop draws at that
-                 token, whatever else is in the batch; greedy rows take the argmax key
+                 (len(seq.tokens)), so a seeded row draws the random numbers the plain loop
+                 draws at that token, whatever else is in the batch (its logits carry the
+                 bucket's fp16 rounding, which can move a draw at a CDF boundary); greedy rows
+                 take the argmax key
 
-A row is (sequence, position, token): decode_batch gives each sequence one, its last id at
-kv_len; prefill_chunk gives a chunk of at most max_batch ids of one sequence one row each, at
-consecutive positions. The rows of one step see each other's K/V as their positions allow:
+A row is (sequence, position, token, draw): a decode step gives each sequence one, its last id
+at kv_len (draw len(seq.tokens)), or, chained behind the step in flight, the token that step
+samples for it, copied on the device (chained_rows, BatchStep.launch); prefill_chunk gives a
+chunk of at most max_batch ids of one sequence one row each, at consecutive positions. The
+rows of one step see each other's K/V as their positions allow:
 gemv_rows' q/k/v launch writes every row's K/V before attention reads any (row t of a chunk
 attends to the chunk's rows before it), so a short chunk is prefilled through the step's
 graph, one pass over the weights, where forward.prefill would launch its ~9 kernels a layer
@@ -33,7 +37,9 @@ at position 0, greedy, their page table's page 0 the pool's padding page (KVCach
 in no sequence's table), their outputs ignored. Per step the host writes the rows' state into
 pinned staging words (RowStager: the layout below), queues stream-ordered copies of what
 changed (the head of tokens, positions and parameters, and the new tail of each row's page
-table; no allocation), launches the bucket's graph, syncs once and reads B tokens.
+table; no allocation), launches the bucket's graph and queues the copy of its B tokens into
+pinned host words and a fence after it; the tokens are read when the fence has passed, so the
+host can stage and launch the next step first (BatchStep.launch: the two-step bound).
 
 Staging words (int32, RowLayout; the device buffer "rows" has the same layout):
 
@@ -188,16 +194,38 @@ def last_token(seq) -> int:
 
 
 class Row(NamedTuple):
-    """One row of a step: `token` fed at `pos` into `seq`'s pages, sampled by seq's params."""
+    """One row of a step: `token` fed at `pos` into `seq`'s pages, its next token sampled by
+    seq's params as draw number `draw`."""
 
     seq: Any
     pos: int
     token: int
+    draw: int
 
 
 def decode_rows(seqs) -> list[Row]:
-    """A decode step's rows: each sequence's last id at kv_len."""
-    return [Row(s, s.kv_len, last_token(s)) for s in seqs]
+    """A decode step's rows: each sequence's last id at kv_len, draw len(seq.tokens)."""
+    return [Row(s, s.kv_len, last_token(s), len(s.tokens)) for s in seqs]
+
+
+def chained_rows(seqs) -> list[Row]:
+    """The rows of a step launched before the previous step's tokens are read: each sequence
+    feeds, at kv_len, the token that step samples for it (copied on the device: `token` here
+    is a placeholder), as draw len(seq.tokens) + 1."""
+    return [Row(s, s.kv_len, 0, len(s.tokens) + 1) for s in seqs]
+
+
+def copy_runs(fed_from: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, first source row, rows) for each run of consecutive rows r whose sources
+    fed_from[r] are consecutive too: one device copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for r, src in enumerate(fed_from):
+        if runs and runs[-1][1] + runs[-1][2] == src:
+            dst, first, n = runs[-1]
+            runs[-1] = (dst, first, n + 1)
+        else:
+            runs.append((r, src, 1))
+    return runs
 
 
 _PAD = object()  # a row's owner while it is a padding row
@@ -223,13 +251,12 @@ class RowStager:
         """Write rows 0 .. len(rows) - 1 and padding rows up to m; returns the copies (first
         word, words) to queue, the head first."""
         L, copies = self.layout, [(0, self.layout.head_words)]
-        for r, (seq, pos, token) in enumerate(rows):
+        for r, (seq, pos, token, draw) in enumerate(rows):
             self.tokens[r], self.pos[r] = token, pos
             if self._owner[r] is not seq:
                 sampling_words(seq, self.params[r])
                 self._owner[r], self._uploaded[r] = seq, 0
-            else:
-                self.params[r, StateWord.STEP] = len(seq.tokens)
+            self.params[r, StateWord.STEP] = draw
             pages, done = seq.table.pages, self._uploaded[r]
             n = len(pages)
             if n > L.pages_per_row:
@@ -256,6 +283,37 @@ class RowStager:
         for r, owner in enumerate(self._owner):
             if owner is seq:
                 self._owner[r], self._uploaded[r] = None, 0
+
+
+class Launched(NamedTuple):
+    """A batch step launched by BatchStep.launch: the sequence of each row."""
+
+    step: Any  # the BatchStep
+    serial: int
+    seqs: list
+
+    def tokens(self) -> list[int]:
+        return self.step.read(self)
+
+    def rows_of(self, seqs) -> list[int]:
+        """The row each of `seqs` held in this step."""
+        row = {id(s): r for r, s in enumerate(self.seqs)}
+        return [row[id(s)] for s in seqs]
+
+
+class BatchPending(NamedTuple):
+    """CudaBackend.decode_launch's step (backend.Pending): its sequences in the order given and
+    the launched step, whose rows run by slot: row r holds seqs[order[r]]."""
+
+    seqs: list
+    order: list[int]
+    step: Launched
+
+    def tokens(self) -> list[int]:
+        out = [0] * len(self.seqs)
+        for i, token in zip(self.order, self.step.tokens(), strict=True):
+            out[i] = token
+        return out
 
 
 class BatchStep:
@@ -296,6 +354,14 @@ class BatchStep:
         words[:] = 0
         self.stager = RowStager(words, self.layout, kv.pad_page)
         self._tokens = np.empty(max_batch + 1, np.int32)  # the host's copy of buf["out"]
+        # Two launched steps may be unread at once (launch: why): each step's tokens land in
+        # its own half of these pinned words, `done[serial % 2]` recorded after the copy.
+        out, _ = gpu.alloc_mapped(2 * max_batch * 4)
+        self._out = np.ctypeslib.as_array((ctypes.c_int32 * (2 * max_batch)).from_address(out))
+        self._out_host = out
+        self._done = [gpu.fence(), gpu.fence()]
+        self._staged = gpu.fence()  # recorded after each launch's staging copies
+        self._serial = 0  # steps launched
         self._graphs: dict[int, object] = {}
 
     def word(self, at: int) -> int:
@@ -345,13 +411,46 @@ class BatchStep:
             self.gpu.upload_async(self.word(at), self._host + 4 * at, 4 * n)
         return m
 
-    def step(self, rows: list[Row]) -> list[int]:
-        """One step of `rows` (each feeds its token at its position into its sequence's
-        pages): the token each row samples. One sync."""
+    def launch(self, rows: list[Row], after: Launched | None = None) -> Launched:
+        """Queue one step of `rows` (each feeds its token at its position into its sequence's
+        pages; no sync): its handle, whose tokens() waits for the token each row samples.
+
+        With `after` (the step launched just before, not yet read), `rows` are chained_rows
+        of some of its rows' sequences in its row order: row r feeds the token that step
+        sampled in row after.rows[r], copied from buf["out"] on the device between the two
+        graphs. The host then stages step k + 1 while step k runs: the staging words are
+        rewritten only once the `staged` fence shows the last launch's copies have left them,
+        and each step's tokens go to its own half of the pinned `out` words, so at most two
+        steps are unread at once (the third launch reuses the first's half)."""
         with self.gpu.guard("batch step"):
+            self._staged.sync()
             m = self.stage(rows)
+            self.gpu.fence(self._staged)
+            if after is not None:
+                if after.serial != self._serial:
+                    raise NanoqwenError("a chained batch step must follow the step it reads")
+                for dst, src, n in copy_runs(after.rows_of([r.seq for r in rows])):
+                    self.gpu.copy_d2d(self.word(self.layout.tokens + dst),
+                                      self.buf["out"] + 4 * src, 4 * n)  # fmt: skip
             self.graph(m).launch(self.gpu.stream)
-            return self.gpu.download(self.buf["out"], self._tokens[: len(rows)]).tolist()
+            self._serial += 1
+            half = self._serial % 2 * self.max_batch
+            self.gpu.download_async(self._out_host + 4 * half, self.buf["out"], 4 * len(rows))
+            self.gpu.fence(self._done[self._serial % 2])
+        return Launched(self, self._serial, [r.seq for r in rows])
+
+    def read(self, step: Launched) -> list[int]:
+        """A launched step's tokens, by row (waits for it)."""
+        if step.serial < self._serial - 1:
+            raise NanoqwenError("a batch step read after two later launches: its tokens are gone")
+        with self.gpu.guard("batch step"):
+            self._done[step.serial % 2].sync()
+        half = step.serial % 2 * self.max_batch
+        return self._out[half : half + len(step.seqs)].tolist()
+
+    def step(self, rows: list[Row]) -> list[int]:
+        """One step of `rows`, waited for: the token each row samples."""
+        return self.launch(rows).tokens()
 
     def sample_first(self, seq, logits: int, key: int) -> None:
         """Queue the draw of a sequence's next token from one row's logits fp32 [V] and argmax

@@ -3,14 +3,15 @@
 `PacedLLM` is the real `nanoqwen.llm.LLM` front end of a model file (its tokenizer, `prepare`,
 the scheduler of `batch()`, the detokenizer and stop strings) over `PacedBackend`, which has
 the batch primitives (nanoqwen.batching) and `generate` but no model: each call of
-`prefill_chunk`, `decode_batch` and each token of `generate` waits what `StepCosts` says
-that step costs, then hands out the next ids of a fixed piece of text (so every token decodes
-to text, none is an EOS). A server or a benchmark over it pays everything a GPU-backed one pays
-except the GPU's work. With one flat cost a step (`StepCosts.flat`), its per-token latency
-minus that cost is the host's cost that the step does not hide (dev/server_overhead.py); with
-a GPU's measured costs (a prefill by its tokens, a decode step by its rows), its latencies are
-what the scheduler and the server would give if the GPU did that work and nothing else
-(dev/sched_model.py).
+`prefill_chunk`, `decode_launch` and each token of `generate` queues a step of what
+`StepCosts` says it costs on a stand-in device that runs its steps one after the other, waits
+for it where a GPU backend waits, and hands out the next ids of a fixed piece of text (so
+every token decodes to text, none is an EOS). A server or a benchmark over it pays everything
+a GPU-backed one pays except the GPU's work. With one flat cost a step (`StepCosts.flat`), its
+per-token latency minus that cost is the host's cost that the step does not hide
+(dev/server_overhead.py); with a GPU's measured costs (a prefill by its tokens, a decode step
+by its rows), its latencies are what the scheduler and the server would give if the GPU did
+that work and nothing else (dev/sched_model.py).
 
 How it waits (`wait`) brackets how a GPU backend waits for its step:
 
@@ -31,6 +32,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..config import PAGE_TOKENS, ModelConfig
 from ..kv_pages import BlockManager, KVStats
@@ -65,6 +67,20 @@ class StepCosts:
         return self.decode_s[min(rows, len(self.decode_s)) - 1]
 
 
+class PacedStep(NamedTuple):
+    """PacedBackend's queued decode step (backend.Pending): its tokens are known at once and
+    handed out when the stand-in device has run it."""
+
+    backend: PacedBackend
+    seqs: list
+    values: list[int]
+    ends: float  # perf_counter seconds
+
+    def tokens(self) -> list[int]:
+        self.backend.wait_until(self.ends)
+        return self.values
+
+
 class PacedBackend:
     """The batch primitives and generate() over a KV pool of pages only: every step waits its
     `costs` (module docstring) and yields `text_ids` in turn from each sequence's position."""
@@ -83,31 +99,42 @@ class PacedBackend:
         # Room for every slot's whole context: the stand-in never preempts.
         self.block_manager = BlockManager(max_batch * -(-max_context // PAGE_TOKENS))
         self.spec_stats = SpecStats()
-        # Seconds from the end of each wait to the start of the next (the engine thread's own
-        # work between two steps, which a GPU step does not hide), and of each wait (a sleep
+        # The stand-in device runs its queued steps one after the other: `_free_at` is when the
+        # last one ends (perf_counter seconds). `gaps` holds, for each step queued, how long
+        # the device had sat idle before it (the engine thread's work between two steps that
+        # no queued step hid), `waits` how long each wait for a step's result took (a sleep
         # overshoots its cost by the OS's wake-up latency). `take_times` empties both.
         self.gaps: list[float] = []
         self.waits: list[float] = []
-        self._waited: float | None = None  # when the last wait ended
+        self._free_at: float | None = None
 
     def take_times(self) -> tuple[list[float], list[float]]:
-        """(gaps, waits) since the last call; the next gap starts at the next wait's end."""
-        times, self.gaps, self.waits, self._waited = (self.gaps, self.waits), [], [], None
+        """(gaps, waits) since the last call; the next gap starts at the next step's queueing."""
+        times, self.gaps, self.waits, self._free_at = (self.gaps, self.waits), [], [], None
         return times
 
-    def _wait(self, step_s: float) -> None:
+    def _queue(self, step_s: float) -> float:
+        """Queue a step of `step_s` on the stand-in device; returns when it ends."""
+        now = time.perf_counter()
+        if self._free_at is not None:
+            self.gaps.append(max(0.0, now - self._free_at))
+        self._free_at = max(now, self._free_at or now) + step_s
+        return self._free_at
+
+    def wait_until(self, until: float) -> None:
+        """Wait for the step that ends at `until` (perf_counter seconds)."""
         start = time.perf_counter()
-        if self._waited is not None:
-            self.gaps.append(start - self._waited)
         if self.wait == "sleep":
-            time.sleep(step_s)
+            time.sleep(max(0.0, until - start))
         elif self.wait == "block":
-            self._usleep(round(step_s * 1e6))
+            self._usleep(max(0, round((until - start) * 1e6)))
         else:
-            while time.perf_counter() < start + step_s:
+            while time.perf_counter() < until:
                 pass
-        self._waited = time.perf_counter()
-        self.waits.append(self._waited - start)
+        end = time.perf_counter()
+        self.waits.append(end - start)
+        if self._free_at == until:  # nothing queued behind it: the device is free when seen
+            self._free_at = end
 
     def _token(self, generated: int) -> int:
         return self.text_ids[generated % len(self.text_ids)]
@@ -116,15 +143,19 @@ class PacedBackend:
         """A chunk of at most max_batch ids costs a decode step of as many rows (the cuda
         backend runs it as rows of its batch step), a longer one its prefill cost."""
         t = end - seq.kv_len
-        self._wait(self.costs.decode(t) if t <= self.max_batch else self.costs.prefill(t))
+        self.wait_until(self._queue(self.costs.decode(t) if t <= self.max_batch
+                               else self.costs.prefill(t)))  # fmt: skip
         seq.kv_len = end
         return self._token(len(seq.tokens)) if sample else None
 
-    def decode_batch(self, seqs: list) -> list[int]:
-        self._wait(self.costs.decode(len(seqs)))
+    def decode_launch(self, seqs: list, after=None) -> PacedStep:
+        """A decode step queued behind the last one (it waits at tokens(), as the cuda
+        backend's does)."""
+        ends = self._queue(self.costs.decode(len(seqs)))
         for seq in seqs:
             seq.kv_len += 1
-        return [self._token(len(seq.tokens)) for seq in seqs]
+        draw = int(after is not None)  # `after`'s token is not in seq.tokens yet
+        return PacedStep(self, list(seqs), [self._token(len(s.tokens) + draw) for s in seqs], ends)
 
     def release_slot(self, seq) -> None:
         pass
@@ -137,10 +168,10 @@ class PacedBackend:
         table = self.block_manager.admit(prompt_ids)
         try:
             self.block_manager.reserve(table, len(prompt_ids) + params.max_tokens)
-            self._wait(self.costs.prefill(len(prompt_ids)))
+            self.wait_until(self._queue(self.costs.prefill(len(prompt_ids))))
             for i in range(params.max_tokens):
                 if i:
-                    self._wait(self.costs.decode(1))
+                    self.wait_until(self._queue(self.costs.decode(1)))
                 yield self._token(i)
         finally:
             self.block_manager.release(table)
