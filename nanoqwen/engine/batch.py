@@ -296,9 +296,13 @@ class Launched(NamedTuple):
         return self.step.read(self)
 
     def rows_of(self, seqs) -> list[int]:
-        """The row each of `seqs` held in this step."""
+        """The row each of `seqs` held in this step: some of its sequences, in its row order
+        (a step chained behind it), else NanoqwenError."""
         row = {id(s): r for r, s in enumerate(self.seqs)}
-        return [row[id(s)] for s in seqs]
+        rows = [row.get(id(s), -1) for s in seqs]
+        if -1 in rows or rows != sorted(rows):
+            raise NanoqwenError("the step before must hold every sequence chained, in its order")
+        return rows
 
 
 class BatchPending(NamedTuple):
@@ -353,7 +357,7 @@ class BatchStep:
         words = np.ctypeslib.as_array((ctypes.c_int32 * self.layout.words).from_address(host))
         words[:] = 0
         self.stager = RowStager(words, self.layout, kv.pad_page)
-        self._tokens = np.empty(max_batch + 1, np.int32)  # the host's copy of buf["out"]
+        self._first = np.empty(1, np.int32)  # the host's copy of buf["out"][max_batch]
         # Two launched steps may be unread at once (launch: why): each step's tokens land in
         # its own half of these pinned words, `done[serial % 2]` recorded after the copy.
         out, _ = gpu.alloc_mapped(2 * max_batch * 4)
@@ -422,16 +426,18 @@ class BatchStep:
         rewritten only once the `staged` fence shows the last launch's copies have left them,
         and each step's tokens go to its own half of the pinned `out` words, so at most two
         steps are unread at once (the third launch reuses the first's half)."""
+        runs = []
+        if after is not None:
+            if after.serial != self._serial:
+                raise NanoqwenError("a chained batch step must follow the step it reads")
+            runs = copy_runs(after.rows_of([r.seq for r in rows]))
         with self.gpu.guard("batch step"):
             self._staged.sync()
             m = self.stage(rows)
             self.gpu.fence(self._staged)
-            if after is not None:
-                if after.serial != self._serial:
-                    raise NanoqwenError("a chained batch step must follow the step it reads")
-                for dst, src, n in copy_runs(after.rows_of([r.seq for r in rows])):
-                    self.gpu.copy_d2d(self.word(self.layout.tokens + dst),
-                                      self.buf["out"] + 4 * src, 4 * n)  # fmt: skip
+            for dst, src, n in runs:
+                self.gpu.copy_d2d(self.word(self.layout.tokens + dst),
+                                  self.buf["out"] + 4 * src, 4 * n)  # fmt: skip
             self.graph(m).launch(self.gpu.stream)
             self._serial += 1
             half = self._serial % 2 * self.max_batch
@@ -462,8 +468,7 @@ class BatchStep:
 
     def read_first(self) -> int:
         """The token sample_first drew (synchronous)."""
-        out = self._tokens[self.layout.rows :]
-        return int(self.gpu.download(self.buf["out"] + 4 * self.layout.rows, out)[0])
+        return int(self.gpu.download(self.buf["out"] + 4 * self.layout.rows, self._first)[0])
 
     def forget(self, seq) -> None:
         self.stager.forget(seq)
