@@ -86,21 +86,36 @@ def test_down_path_and_its_workspace(name):
 # -- attn_rows' split and merges, emulated ------------------------------------------------------
 def emulate_attn_rows(q, k, v, start, splits, g: registry.Geometry):
     """attn_rows' algorithm in float64 for one kv head: q [M, G, D], k, v [start + M, D] ->
-    [M, G, D]. Mirrors the kernel's ranges (clusters, ranks, page groups), its per-page causal
-    mask and -inf guards, the CTA merge's -1e30 floor, the cluster merge and the final one."""
+    [M, G, D]. Mirrors the kernel's ranges (clusters, tile groups, ranks, page groups), its
+    per-page causal mask and -inf guards, the CTA merge's -1e30 floor, the cluster merge and
+    the final one."""
     m, grp, d = q.shape
     rows, c = m * grp, g.mattn_cluster
-    qr = q.reshape(rows, d)
     lim = start + np.minimum(np.arange(rows) // grp, m - 1)  # each row's last key
     p = -(-(start + m) // PAGE_TOKENS)
     ncl = min(splits // c, -(-p // (c * g.mattn_min_pages)))
     r_tiles = -(-rows // 16)
-    j_groups = 1
-    while 2 * j_groups * r_tiles <= g.mattn_consumers:
-        j_groups *= 2
+    groups_z = min(r_tiles, splits // c // ncl)
     kp = np.zeros((start + m + PAGE_TOKENS, d))  # page-padded keys (slots past L: finite)
     vp = np.zeros_like(kp)
     kp[: start + m], vp[: start + m] = k, v
+    out = np.full((rows, d), np.nan)
+    for z in range(groups_z):
+        tiles = list(range(z, r_tiles, groups_z))
+        sel = np.array([16 * t + r for t in tiles for r in range(16) if 16 * t + r < rows])
+        j_groups = 1
+        while 2 * j_groups * len(tiles) <= g.mattn_consumers:
+            j_groups *= 2
+        acc, lsum = _tile_group(q.reshape(rows, d)[sel], lim[sel], kp, vp, p, ncl, c, j_groups)
+        assert np.isnan(out[sel]).all()  # every row in one group
+        out[sel] = acc / lsum[:, None]
+    return out.reshape(m, grp, d)
+
+
+def _tile_group(qr, lim, kp, vp, p, ncl, c, j_groups):
+    """One tile group's rows (qr [rows, D], lim their last keys) over the kv head's pages:
+    the clusters' ranks, their page groups, and the three merges; (acc, lsum)."""
+    rows, d = qr.shape
     clusters = []
     for cl in range(ncl):
         cb, ce = cl * p // ncl, (cl + 1) * p // ncl
@@ -135,7 +150,7 @@ def emulate_attn_rows(q, k, v, start, splits, g: registry.Geometry):
     w = [np.exp(cm - mx) for cm, _, _ in clusters]
     lsum = sum(wi * cl_ for wi, (_, cl_, _) in zip(w, clusters, strict=True))
     acc = sum(wi[:, None] * ca for wi, (_, _, ca) in zip(w, clusters, strict=True))
-    return (acc / lsum[:, None]).reshape(m, grp, d)
+    return acc, lsum
 
 
 def reference(q, k, v, start):
@@ -150,7 +165,8 @@ def reference(q, k, v, start):
 @pytest.mark.parametrize(
     ("m", "grp", "start", "splits"),
     [(1, 7, 0, 32), (2, 7, 15, 32), (3, 6, 5, 64), (5, 5, 511, 16), (8, 7, 4000, 32),
-     (16, 7, 8191 - 16, 32), (16, 8, 2047, 64), (9, 2, 30, 8)],
+     (16, 7, 8191 - 16, 32), (16, 8, 2047, 64), (9, 2, 30, 8), (8, 7, 512, 32),
+     (16, 6, 600, 32), (11, 7, 100, 32)],
 )  # fmt: skip
 def test_attn_rows_split_emulation(m, grp, start, splits):
     rng = np.random.default_rng(start * 131 + m)

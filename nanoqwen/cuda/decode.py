@@ -358,16 +358,22 @@ class DecodeKernels(Launcher):
                     nbytes=self.config.vocab_size * 4)  # fmt: skip
 
 
+def rows_attention_tiles(config: ModelConfig, g: registry.Geometry) -> int:
+    """attention_rows' most m16 row tiles a kv head (kMaMaxTiles), its most tile groups."""
+    return -(-g.verify_rows * config.group_ratio // 16)
+
+
 def rows_attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
     """Bytes of attention_rows' scratch (R = verify_rows x group ratio rows a kv head, S =
-    mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster): part_ml fp32 [n_kv, C,
-    R, S, 2], part_acc fp32 [n_kv, R, S, D], counters int32 [n_kv, C]."""
+    mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster, Z =
+    rows_attention_tiles tile groups): part_ml fp32 [n_kv, C, R, S, 2], part_acc fp32 [n_kv, R,
+    S, D], counters int32 [n_kv, Z, C]."""
     c, cl = config, g.mattn_cluster
     rows, clusters = g.verify_rows * c.group_ratio, g.mattn_splits // cl
     return {
         "part_ml": c.num_kv_heads * cl * rows * clusters * 2 * 4,
         "part_acc": c.num_kv_heads * rows * clusters * c.head_dim * 4,
-        "counters": c.num_kv_heads * cl * 4,
+        "counters": c.num_kv_heads * rows_attention_tiles(c, g) * cl * 4,
     }
 
 
@@ -411,8 +417,9 @@ class VerifyKernels(Launcher):
     def attention_rows(self, q, kc, vc, pages, start, m: int, scratch: AttentionScratch,
                        out, stream=None) -> None:  # fmt: skip
         """Attention of M query rows at positions *start .. *start + M - 1 (row t over keys 0 ..
-        *start + t), split along the sequence in `attn_splits` CTAs a kv head with the
-        split-combine folded in (one launch).
+        *start + t), split along the sequence in `attn_splits` CTAs a kv head (the clusters a
+        short context leaves over take groups of the row tiles), with the split-combine folded
+        in (one launch).
 
         q fp16 [M, n_heads, D] (RoPE applied); kc, vc the layer's K/V caches (engine.kv_cache's
         device layout) with positions 0 .. *start + M - 1 written; pages int32 [max_pages];

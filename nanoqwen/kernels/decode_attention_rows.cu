@@ -16,14 +16,24 @@
 // keeps a consumer warp on whole ring stages with no cross-warp synchronization inside the
 // loop, and at the row counts here (<= 128) a warpgroup's m64 would mostly compute padding.
 //
+// Row-tile groups. Where the context needs fewer clusters than the grid has (short contexts),
+// the spare clusters take row tiles: the kv head's R tiles are dealt over T tile groups, group
+// z taking tiles z, z + T, ... (Rz of them) over the same pages, so that a CTA's warps take
+// fewer tiles in turn (7B, M = 8, context 512: 64 CTAs of 2 tiles instead of 32 of 4). A page
+// is then read by T CTAs at once, from L2 after the first. T = min(R, (clusters the grid has /
+// clusters needed) / 2): the whole grid's clusters at once (16 clusters of 8 one-SM CTAs on
+// the 7B) cost more than they save at short contexts, where each CTA's work is short beside
+// its launch (docs/EXPERIMENTS.md, Speculative decoding).
+//
 // Warps. kMattnConsumers consumer warps (a power of two) and a producer. Consumer warp
-// w < R J owns row tile w % R and page group w / R, J = the largest power of two with R J <=
-// kMattnConsumers: group j takes the CTA's pages j, j + J, ... So at small M (R = 1: J = 8)
-// eight warps split the pages, as the decode kernel's four do, and at M = 16 (R = 7, J = 1)
-// seven warps split the rows of every page. A page's stage is released by the R warps of its
-// group (the empty barriers count R arrivals). kMattnStages % kMattnConsumers == 0, so every
-// ring slot belongs to one group, and a group's full-barrier wait for round r finds the barrier
-// in phase r (it consumed round r - 1 itself): the parity test cannot alias an older phase.
+// w < Rz J owns the group's row tile w % Rz and page group w / Rz, J = the largest power of
+// two with Rz J <= kMattnConsumers: group j takes the CTA's pages j, j + J, ... So with one
+// tile (Rz = 1: J = 8) eight warps split the pages, as the decode kernel's four do, and at
+// M = 16 on long contexts (Rz = R = 7, J = 1) seven warps split the rows of every page. A
+// page's stage is released by the Rz warps of its group (the empty barriers count Rz
+// arrivals). kMattnStages % kMattnConsumers == 0, so every ring slot belongs to one group,
+// and a group's full-barrier wait for round r finds the barrier in phase r (it consumed round
+// r - 1 itself): the parity test cannot alias an older phase.
 //
 // Per page and warp (16 keys x 16 rows): S = Q K^T, Q the A operand (its fragments live in
 // registers for the whole launch), K rows the B operand (ldmatrix), 2 key tiles x kHeadDim / 16
@@ -37,15 +47,18 @@
 //
 // Splits, as attn_decode: grid (kKVHeads, S) in clusters of (1, kMattnCluster, 1); P =
 // ceil((start + M) / 16) pages are cut into ncl = min(S / C, ceil(P / (C kMattnMinPages)))
-// cluster ranges, each into C rank ranges; clusters past ncl exit at once. At context 512 that
-// is one cluster of 8 CTAs a kv head (4 pages a CTA), at 8k and beyond S / C clusters (128 CTAs
-// on every model, one an SM: the ring and the inbox take ~160 KB). Each CTA merges its warps,
+// cluster ranges, each into C rank ranges; cluster q takes range q % ncl of tile group q / ncl,
+// and clusters past ncl T exit at once. At context 512 that is one cluster of 8 CTAs a kv head
+// and tile group (4 pages a CTA; the 7B at M = 8: two groups of two tiles, 64 CTAs), at 8k and
+// beyond S / C clusters of one group (128 CTAs on every model, one an SM: the ring and the
+// inbox take ~160 KB). Each CTA merges its warps,
 // the ranks merge through distributed shared memory (every rank pushes column slice k of its
 // partial and its (m, l) into rank k's inbox with st.async, counted on rank k's mbarrier),
 // and with ncl > 1 every rank k writes its slice of the cluster's partial and bumps
-// counters[kvh][k]: the last rank-k CTA of the kv head merges the ncl partials of slice k (the
-// final merge spreads over C CTAs a kv head, not one: at M = 16 a kv head's partials are
-// ncl x 112 rows x D floats).
+// counters[kvh][z][k]: the last rank-k CTA of the kv head's tile group merges the ncl partials
+// of slice k for the group's rows (the final merge spreads over C CTAs a group, not one: at
+// M = 16 a kv head's partials are ncl x 112 rows x D floats). A CTA's merges and its inbox
+// hold the group's rows only, in local order (tile k of the group: local rows 16 k ..).
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [M, kHeads, kHeadDim]   the M tokens' queries, RoPE applied
@@ -57,7 +70,8 @@
 //   M         int   1 .. kVerifyRows        query rows (tokens)
 //   part_ml   fp32  [kKVHeads, C, kMaMaxRows, kMattnSplits / C, 2]  scratch: (m, l) a cluster
 //   part_acc  fp32  [kKVHeads, kMaMaxRows, kMattnSplits / C, kHeadDim]  scratch: sum p v
-//   counters  int32 [kKVHeads, C]  zero before the first launch; every launch leaves them zero
+//   counters  int32 [kKVHeads, kMaMaxTiles, C]  zero before the first launch; every launch
+//             leaves them zero
 //   out       fp16  [M, kHeads, kHeadDim]   row t, head h: softmax over keys 0 .. start + t
 // Block kMattnThreads, dynamic shared memory kMaSmemBytes (registry.mattn_smem_bytes).
 #include "common.cuh"
@@ -109,14 +123,17 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, int rank) {
   return r;
 }
 // st.async into rank-mapped shared memory, its bytes completing on that rank's mbarrier `bar`.
+// No "memory" clobber: the inboxes it writes are read only after the wait on their mbarrier (a
+// volatile asm that clobbers memory), so the push loop's scratch loads of the next row may be
+// issued ahead of this row's push, and a warp's rows overlap instead of running one at a time.
 __device__ __forceinline__ void st_async(uint32_t addr, float4 v, uint32_t bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], "
                "{%1, %2, %3, %4}, [%5];"
-               ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar) : "memory");
+               ::"r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar));
 }
 __device__ __forceinline__ void st_async(uint32_t addr, float2 v, uint32_t bar) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, "
-               "[%3];" ::"r"(addr), "f"(v.x), "f"(v.y), "r"(bar) : "memory");
+               "[%3];" ::"r"(addr), "f"(v.x), "f"(v.y), "r"(bar));
 }
 // fp16 row offset of packed row i (token i / G, head kvh G + i % G) in q / out.
 __device__ __forceinline__ size_t row_offset(int i, int kvh) {
@@ -137,11 +154,28 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
   __shared__ __align__(8) unsigned long long recv_bar;
   __shared__ int sm_last;
 
-  const int kvh = blockIdx.x, cl = blockIdx.y / C, rank = blockIdx.y % C;
+  const int kvh = blockIdx.x, rank = blockIdx.y % C;
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int rows = M * kMaG, R = (rows + 15) / 16;
+  // The next kernel may launch at once (it waits for this grid's end): its CTAs take the SMs
+  // this grid leaves free and start their weights while start is read and the barriers set.
+  pdl_trigger();
+  const int start = *start_p;
+  const int P = (start + M + kPageTokens - 1) / kPageTokens;
+  constexpr int kClusterPages = C * kMattnMinPages;
+  const int max_cl = min((int)gridDim.y, kMattnSplits) / C;
+  const int ncl = min(max_cl, (P + kClusterPages - 1) / kClusterPages);
+  const int T = max(1, min(R, max_cl / (2 * ncl)));  // tile groups (the file's head: why 2)
+  const int z = blockIdx.y / C / ncl, cl = blockIdx.y / C % ncl;
+  if (z >= T) return;  // uniform over the cluster
+  // The group's tiles z, z + T, ...: Rz of them, local row li = global row grow(li). Its rows
+  // are local rows 0 .. zrows - 1: the last tile's padding (past `rows`) can only be the group's
+  // last local tile.
+  const int Rz = (R - z + T - 1) / T;
+  const int zrows = 16 * Rz - ((R - 1 - z) % T == 0 ? 16 * R - rows : 0);
+  auto grow = [&](int li) { return (z + li / 16 * T) * 16 + li % 16; };
   int J = 1;  // page groups
-  while (2 * J * R <= kMattnConsumers) J *= 2;
+  while (2 * J * Rz <= kMattnConsumers) J *= 2;
   const uint32_t ring_s = smem_addr(ring);
   if (tid == 0) {
     unsigned dyn;
@@ -149,29 +183,22 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
     if (dyn < kMaSmemBytes || M < 1 || M > kVerifyRows) __trap();  // a launch the host refuses
 #pragma unroll
     for (int s = 0; s < kMattnStages; ++s) {
-      mbar_init(smem_addr(&full_bar[s]), 1);   // the producer's arrive.expect_tx
-      mbar_init(smem_addr(&empty_bar[s]), R);  // the R warps of the slot's page group
+      mbar_init(smem_addr(&full_bar[s]), 1);    // the producer's arrive.expect_tx
+      mbar_init(smem_addr(&empty_bar[s]), Rz);  // the Rz warps of the slot's page group
     }
     mbar_init(smem_addr(&recv_bar), 1);
-    mbar_arrive_expect_tx(smem_addr(&recv_bar), C * rows * (kMaCols + 2) * 4);
+    mbar_arrive_expect_tx(smem_addr(&recv_bar), C * zrows * (kMaCols + 2) * 4);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");  // inboxes armed
 
-  pdl_trigger();
-  const int start = *start_p;
-  const int P = (start + M + kPageTokens - 1) / kPageTokens;
-  constexpr int kClusterPages = C * kMattnMinPages;
-  const int max_cl = min((int)gridDim.y, kMattnSplits) / C;
-  const int ncl = min(max_cl, (P + kClusterPages - 1) / kClusterPages);
-  if (cl >= ncl) return;  // uniform over the cluster
   const int cb = cl * P / ncl, ce = (cl + 1) * P / ncl;
   const int pb = cb + rank * (ce - cb) / C, pe = cb + (rank + 1) * (ce - cb) / C;
   const int npages = pe - pb;
 
   // Consumer state: rows lo = tile * 16 + lane / 4 and hi = lo + 8 of the warp's row tile.
-  const int tile = warp % R, grp = warp / R, r = lane >> 2, c = lane & 3;
+  const int tile = z + warp % Rz * T, grp = warp / Rz, r = lane >> 2, c = lane & 3;
   const int row_lo = tile * 16 + r, row_hi = row_lo + 8;
   float m_lo = neg_inf(), m_hi = neg_inf(), l_lo = 0.f, l_hi = 0.f;
   float o[kMaDN][4];
@@ -311,16 +338,16 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
     }
   }
 
-  // ---- epilogue: merge the page groups (scratch aliases the drained ring: slot w = grp R +
-  // tile holds o[16][kMaScrRow], m[16], l[16]), push into the cluster, merge the cluster (the
-  // barriers as attn_decode's: every thread reaches every __syncthreads; the cluster waits
+  // ---- epilogue: merge the page groups (scratch aliases the drained ring: slot w = grp Rz +
+  // local tile holds o[16][kMaScrRow], m[16], l[16]), push into the cluster, merge the cluster
+  // (the barriers as attn_decode's: every thread reaches every __syncthreads; the cluster waits
   // order the pushes after the inboxes' arming and keep every rank resident until its pushes
   // have landed).
   float* scr_o = reinterpret_cast<float*>(ring);       // [kMattnConsumers][16][kMaScrRow]
   float* scr_m = scr_o + kMattnConsumers * 16 * kMaScrRow;  // [kMattnConsumers][16]
   float* scr_l = scr_m + kMattnConsumers * 16;              // [kMattnConsumers][16]
   __syncthreads();  // every page consumed
-  if (warp < R * J) {
+  if (warp < Rz * J) {
     float* lo = scr_o + (warp * 16 + r) * kMaScrRow + 2 * c;
     float* hi = lo + 8 * kMaScrRow;
 #pragma unroll
@@ -341,14 +368,15 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
   const uint32_t acc_s = smem_addr(recv_acc + rank * kMaMaxRows * kMaCols);
   const uint32_t ml_s = smem_addr(recv_ml + rank * kMaMaxRows);
   const uint32_t bar_s = smem_addr(&recv_bar);
-  for (int idx = tid; idx < rows * kD4; idx += kMattnThreads) {
-    const int i = idx / kD4, d = idx % kD4 * 4;
+  static_assert(kD4 >= C, "a row's first C threads push its (m, l), one rank each");
+  for (int idx = tid; idx < zrows * kD4; idx += kMattnThreads) {
+    const int i = idx / kD4, u = idx % kD4, d = 4 * u;  // local row i
     float mx = -1e30f;  // a finite floor: a CTA without valid keys passes (-1e30, 0, 0)
-    for (int g = 0; g < J; ++g) mx = fmaxf(mx, scr_m[g * R * 16 + i]);
+    for (int g = 0; g < J; ++g) mx = fmaxf(mx, scr_m[g * Rz * 16 + i]);
     float lsum = 0.f;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int g = 0; g < J; ++g) {
-      const int slot_row = g * R * 16 + i;  // warp g R + i / 16, its row i % 16
+      const int slot_row = g * Rz * 16 + i;  // warp g Rz + i / 16, its row i % 16
       const float cw = fast_exp2(scr_m[slot_row] - mx);
       const float4 v = *reinterpret_cast<const float4*>(scr_o + slot_row * kMaScrRow + d);
       lsum = fmaf(scr_l[slot_row], cw, lsum);
@@ -358,31 +386,30 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
     const int k = d / kMaCols;
     mattn::st_async(mattn::map_rank(acc_s + (i * kMaCols + d % kMaCols) * 4, k), a,
                     mattn::map_rank(bar_s, k));
-    if (d == 0) {
-#pragma unroll
-      for (int j = 0; j < C; ++j)
-        mattn::st_async(mattn::map_rank(ml_s + i * 8, j), make_float2(mx, lsum),
-                        mattn::map_rank(bar_s, j));
-    }
+    // Row i's (m, l) to every rank: thread u < C pushes rank u's copy (one thread pushing all
+    // C in turn would hold its warp C pushes long on every row).
+    if (u < C)
+      mattn::st_async(mattn::map_rank(ml_s + i * 8, u), make_float2(mx, lsum),
+                      mattn::map_rank(bar_s, u));
   }
 
   // ---- cluster merge: rank k merges columns [k, k + 1) * kMaCols of every row.
   mbar_wait(bar_s, 0);
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-  const size_t slice = (size_t)kvh * C + rank;  // this rank's (m, l) copy and counter
-  for (int idx = tid; idx < rows * kMaCols4; idx += kMattnThreads) {
-    const int i = idx / kMaCols4, d = rank * kMaCols + idx % kMaCols4 * 4;
-    float mx = recv_ml[i].x;
+  const size_t slice = (size_t)kvh * C + rank;  // this rank's (m, l) copies
+  for (int idx = tid; idx < zrows * kMaCols4; idx += kMattnThreads) {
+    const int li = idx / kMaCols4, i = grow(li), d = rank * kMaCols + idx % kMaCols4 * 4;
+    float mx = recv_ml[li].x;
 #pragma unroll
-    for (int k = 1; k < C; ++k) mx = fmaxf(mx, recv_ml[k * kMaMaxRows + i].x);
+    for (int k = 1; k < C; ++k) mx = fmaxf(mx, recv_ml[k * kMaMaxRows + li].x);
     float lsum = 0.f;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int k = 0; k < C; ++k) {
-      const float w = fast_exp2(recv_ml[k * kMaMaxRows + i].x - mx);
+      const float w = fast_exp2(recv_ml[k * kMaMaxRows + li].x - mx);
       const float4 v = *reinterpret_cast<const float4*>(
-          recv_acc + (k * kMaMaxRows + i) * kMaCols + d % kMaCols);
-      lsum = fmaf(recv_ml[k * kMaMaxRows + i].y, w, lsum);
+          recv_acc + (k * kMaMaxRows + li) * kMaCols + d % kMaCols);
+      lsum = fmaf(recv_ml[k * kMaMaxRows + li].y, w, lsum);
       a = make_float4(fmaf(v.x, w, a.x), fmaf(v.y, w, a.y), fmaf(v.z, w, a.z),
                       fmaf(v.w, w, a.w));
     }
@@ -402,13 +429,14 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   if (ncl == 1) return;  // uniform over the cluster
 
-  // ---- semaphore over the kv head's rank-k CTAs: the last of the ncl merges slice k.
+  // ---- semaphore over the tile group's rank-k CTAs: the last of the ncl merges slice k.
+  int* counter = counters + ((size_t)kvh * kMaMaxTiles + z) * C + rank;
   __syncthreads();
-  if (tid == 0) sm_last = atom_add_acq_rel(&counters[slice], 1) == ncl - 1;
+  if (tid == 0) sm_last = atom_add_acq_rel(counter, 1) == ncl - 1;
   __syncthreads();
   if (!sm_last) return;  // uniform
-  for (int idx = tid; idx < rows * kMaCols4; idx += kMattnThreads) {
-    const int i = idx / kMaCols4, d = rank * kMaCols + idx % kMaCols4 * 4;
+  for (int idx = tid; idx < zrows * kMaCols4; idx += kMattnThreads) {
+    const int i = grow(idx / kMaCols4), d = rank * kMaCols + idx % kMaCols4 * 4;
     const float2* ml = reinterpret_cast<const float2*>(part_ml) + (slice * kMaMaxRows + i) *
                                                                       kMaMaxCl;
     const float4* src = reinterpret_cast<const float4*>(
@@ -444,5 +472,5 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
     dst[0] = __floats2half2_rn(a.x * inv, a.y * inv);
     dst[1] = __floats2half2_rn(a.z * inv, a.w * inv);
   }
-  if (tid == 0) counters[slice] = 0;  // every rank-k CTA of this launch has counted
+  if (tid == 0) *counter = 0;  // every rank-k CTA of the group has counted
 }
