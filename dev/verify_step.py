@@ -2,7 +2,7 @@
 decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
-        [--down gemm,split,rows] [--kernels] [--no-pdl] [--seed N] [--skip-draws M,M]
+        [--down gemm,split,rows] [--kernels] [--ablate] [--no-pdl] [--seed N] [--skip-draws M,M]
         [--reference]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
@@ -30,7 +30,10 @@ same way: microseconds, the ratio to the decode step, and milliseconds per token
 were accepted. --kernels: each label's launches of the step timed alone (summed over the
 layers; harness.bench.launch_times, as `nanoqwen bench --kernels` times the decode step) at
 each M, side by side with the decode step's forward by operation (harness.bench.compare_steps):
-where the verify step's cost over the decode step goes. RESULT last.
+where the verify step's cost over the decode step goes. --ablate: each label's cost inside the
+step, the step's recorded launches replayed as one graph (10 copies) with and without that
+label's launches (what runs under another kernel costs nothing here, unlike in --kernels' sums).
+RESULT last.
 """
 
 from __future__ import annotations
@@ -226,6 +229,36 @@ def kernels(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
     return cols
 
 
+def ablate(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
+    """The decode step's forward and the verify step at each M, each label's cost inside the
+    step (the docstring's --ablate), us: {step name: {"whole": us, label: us, ...}}."""
+    e.set_decode_state(DecodeState(token=1, pos=context))
+    traces = {"decode": record([e.kernels], e.gpu, e.forward.decode_step)}
+    rng = np.random.default_rng(0)
+    launchers = [vs.v.kernels, vs.v.verify, e.prefill_kernels]
+    for m in ms:
+        vs.set_rows(rng.integers(0, e.config.vocab_size, m), context)
+        traces[f"M={m}"] = record(launchers, e.gpu, lambda m=m: vs.step(m))
+
+    def replayed(launches) -> float:
+        def body(s) -> None:
+            for ln in launches:
+                e.kernels.replay(ln, stream=s)
+
+        return time_graph(e.gpu, body, reps=10) * 1e6
+
+    out: dict = {}
+    for name, trace in traces.items():
+        whole = replayed(trace)
+        out[name] = {"whole": whole}
+        for label in dict.fromkeys(ln.label for ln in trace):
+            out[name][label] = whole - replayed([ln for ln in trace if ln.label != label])
+        print(f"{name}: whole step {whole:.1f} us; each label's cost inside it (us a step)")
+        for label, us in list(out[name].items())[1:]:
+            print(f"  {label:28s} {us:8.1f}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file", help=".nanoqwen model")
@@ -256,6 +289,9 @@ def main() -> int:
                     help="also time each kernel of the steps alone, summed over the "
                          "layers, beside the decode step's (where the verify step's cost "
                          "goes)")  # fmt: skip
+    ap.add_argument("--ablate", action="store_true",
+                    help="also each label's cost inside the step: the step replayed with and "
+                         "without that label's launches")  # fmt: skip
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     unknown = set(args.down.split(",")) - set(DOWN_PATHS)
@@ -287,7 +323,7 @@ def main() -> int:
         rng.integers(0, vocab, n)
     draws = [rng.integers(0, vocab, m) for m in ms]  # every path's check takes these tokens
     exact = exact_logits(f, context_ids, draws, args.context + 64) if args.reference else None
-    ok, tables, breakdowns = True, {}, {}
+    ok, tables, breakdowns, ablations = True, {}, {}, {}
     for down, (name, vs) in itertools.product(args.down.split(","), steps.items()):
         vs.v.down = down
         down = down + name  # the table's name: the path, and the variant if any
@@ -301,6 +337,10 @@ def main() -> int:
             run_part("kernels", results, print, lambda vs=vs: kernels(e, vs, ms, args.context))
             ok &= bool(results["kernels"])
             breakdowns[down] = results["kernels"] or {}
+        if args.ablate:
+            run_part("ablate", results, print, lambda vs=vs: ablate(e, vs, ms, args.context))
+            ok &= bool(results["ablate"])
+            ablations[down] = results["ablate"] or {}
     for down, table in tables.items():
         print(f"\nverify step, {e.config.name}, context {args.context}, down_proj {down} "
               "(us a step, graph of 20)")  # fmt: skip
@@ -312,7 +352,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": e.config.name, "context": args.context, "down": tables,
-                       "kernels": breakdowns}, f, indent=1)  # fmt: skip
+                       "kernels": breakdowns, "ablation": ablations}, f, indent=1)  # fmt: skip
     print(f"RESULT {'PASS' if ok else 'FAIL'}")
     e.close()
     return 0 if ok else 1
