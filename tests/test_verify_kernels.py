@@ -1,8 +1,8 @@
 """CPU (no GPU): the multi-row step's kernels (registry.verify_specs: attn_rows, lm_head_rows)
 compile for every preset without spills and fit their shared memory, the launcher refuses bad
-row counts, and a float64 emulation of attn_rows' work split (clusters, ranks, page groups,
-the causal mask inside the block, the three merges) matches the reference: what the GPU script
-(dev/attn_rows.py) cannot show about the index math without a GPU."""
+row counts, and a float64 emulation of attn_rows' work split (clusters, tile groups, ranks,
+page groups, the causal mask inside the block, the three merges) matches the reference: what
+the GPU script (dev/attn_rows.py) cannot show about the index math without a GPU."""
 
 import numpy as np
 import pytest

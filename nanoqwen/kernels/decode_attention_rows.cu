@@ -51,14 +51,14 @@
 // and clusters past ncl T exit at once. At context 512 that is one cluster of 8 CTAs a kv head
 // and tile group (4 pages a CTA; the 7B at M = 8: two groups of two tiles, 64 CTAs), at 8k and
 // beyond S / C clusters of one group (128 CTAs on every model, one an SM: the ring and the
-// inbox take ~160 KB). Each CTA merges its warps,
-// the ranks merge through distributed shared memory (every rank pushes column slice k of its
-// partial and its (m, l) into rank k's inbox with st.async, counted on rank k's mbarrier),
-// and with ncl > 1 every rank k writes its slice of the cluster's partial and bumps
-// counters[kvh][z][k]: the last rank-k CTA of the kv head's tile group merges the ncl partials
-// of slice k for the group's rows (the final merge spreads over C CTAs a group, not one: at
-// M = 16 a kv head's partials are ncl x 112 rows x D floats). A CTA's merges and its inbox
-// hold the group's rows only, in local order (tile k of the group: local rows 16 k ..).
+// inbox take ~160 KB). Each CTA merges its warps, the ranks merge through distributed shared
+// memory (every rank pushes column slice k of its partial and its (m, l) into rank k's inbox
+// with st.async, counted on rank k's mbarrier), and with ncl > 1 every rank k writes its slice
+// of the cluster's partial and bumps counters[kvh][z][k]: the last rank-k CTA of the kv head's
+// tile group merges the ncl partials of slice k for the group's rows (the final merge spreads
+// over C CTAs a group, not one: at M = 16 a kv head's partials are ncl x 112 rows x D floats).
+// A CTA's merges and its inbox hold the group's rows only, in local order (tile k of the
+// group: local rows 16 k ..).
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [M, kHeads, kHeadDim]   the M tokens' queries, RoPE applied
