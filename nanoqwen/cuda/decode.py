@@ -358,22 +358,17 @@ class DecodeKernels(Launcher):
                     nbytes=self.config.vocab_size * 4)  # fmt: skip
 
 
-def rows_attention_tiles(config: ModelConfig, g: registry.Geometry) -> int:
-    """attention_rows' most m16 row tiles a kv head (kMaMaxTiles), its most tile groups."""
-    return -(-g.verify_rows * config.group_ratio // 16)
-
-
 def rows_attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
     """Bytes of attention_rows' scratch (R = verify_rows x group ratio rows a kv head, S =
-    mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster, Z =
-    rows_attention_tiles tile groups): part_ml fp32 [n_kv, C, R, S, 2], part_acc fp32 [n_kv, R,
-    S, D], counters int32 [n_kv, Z, C]."""
+    mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster, Z = ceil(R / 16) tile
+    groups at most, the kernel's kMaMaxTiles): part_ml fp32 [n_kv, C, R, S, 2], part_acc fp32
+    [n_kv, R, S, D], counters int32 [n_kv, Z, C]."""
     c, cl = config, g.mattn_cluster
     rows, clusters = g.verify_rows * c.group_ratio, g.mattn_splits // cl
     return {
         "part_ml": c.num_kv_heads * cl * rows * clusters * 2 * 4,
         "part_acc": c.num_kv_heads * rows * clusters * c.head_dim * 4,
-        "counters": c.num_kv_heads * rows_attention_tiles(c, g) * cl * 4,
+        "counters": c.num_kv_heads * -(-rows // 16) * cl * 4,
     }
 
 
