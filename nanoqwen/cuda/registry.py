@@ -112,9 +112,15 @@ class Geometry:
     mr_smem: int = 224 * 1024  # host only
     mr_min_sms: int = 112  # host only
     mr_min_pairs: int = 8  # host only
-    # gemv_rows_split (down_proj split over K, gemv_rows.cu): 16-row sub-stages a stage (one a
-    # team of kMrConsumers / kMrSplitSub warps: weight bytes a consumer barrier), the fewest
-    # ring stages its K slices must leave (rows_split_slices), gemv_rows_split_sum's block.
+    # gemv_rows_split (down_proj split over K, gemv_rows.cu): consumer warps (one producer
+    # more), the (group, token tile) products a consumer warp keeps in flight (warp_stage),
+    # 16-row sub-stages a stage (one a team of kMrSplitConsumers / kMrSplitSub warps: weight
+    # bytes a consumer barrier), the fewest ring stages its K slices must leave
+    # (rows_split_slices), gemv_rows_split_sum's block. Half gemv_rows' warps, each with 4
+    # groups in flight: a team's warps then take ~4 of a sub-stage's 15 groups, and its stage
+    # reduction adds 4 warps' sums, not 8 (docs/PERFORMANCE.md, the verify step).
+    mr_split_consumers: int = 8
+    mr_split_ilp: int = 4
     mr_split_sub: int = 2
     mr_split_min_stages: int = 3  # host only
     mr_sum_threads: int = 128  # host only
@@ -376,7 +382,8 @@ _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
                 "kGvBalance", "kKParts")  # fmt: skip
 _MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages", "kKParts")
-_MR_SPLIT_TUNABLES = (*_MR_TUNABLES, "kMrSplitSub")
+_MR_SPLIT_TUNABLES = ("kMrSplitConsumers", "kMrSplitIlp", "kMrMaxStages", "kGvEarlyStages",
+                      "kKParts", "kMrSplitSub")  # fmt: skip
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads", "kKParts")  # fmt: skip
 _MATTN_TUNABLES = ("kVerifyRows", "kMattnConsumers", "kMattnSplits", "kMattnStages",
@@ -618,7 +625,7 @@ def rows_split_stages(k: int, mt: int, s: int, g: Geometry = DEFAULT_GEOMETRY) -
     gemv_rows S > 1 stages, at most mr_max_stages (the kernel traps below two)."""
     gs = -(-(k // GROUP_SIZE) // s)
     x = mt * gs * GROUP_SIZE * 2
-    red = 2 * g.mr_consumers * 16 * mt * 4
+    red = 2 * g.mr_split_consumers * 16 * mt * 4
     free = g.mr_smem - ROWS_ALIGN - x - red
     return min(g.mr_max_stages, free // (g.mr_split_sub * rows_stage_bytes(k, s)))
 
@@ -670,7 +677,7 @@ def rows_split_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tup
         s = rows_split_slices(k, mt, g)
         specs += (
             KernelSpec(f"gemv_rows_split_down_m{mt}", GEMV_ROWS, "gemv_rows_split",
-                       (g.mr_consumers + 1) * 32, g.mr_smem, targs=(k, mt, s),
+                       (g.mr_split_consumers + 1) * 32, g.mr_smem, targs=(k, mt, s),
                        tunables=_MR_SPLIT_TUNABLES),
             KernelSpec(f"gemv_rows_split_sum_m{mt}", GEMV_ROWS, "gemv_rows_split_sum",
                        g.mr_sum_threads, targs=(mt, s), tunables=("kMrSplitSub",)),

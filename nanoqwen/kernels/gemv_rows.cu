@@ -71,7 +71,8 @@
 #include "gemv_epilogue.cuh"
 
 // From the generated header (nanoqwen/cuda/registry.py, Geometry):
-//   kMrConsumers    consumer warps; one producer warp more
+//   kMrConsumers    consumer warps; one producer warp more (gemv_rows_split: kMrSplitConsumers,
+//                   each with kMrSplitIlp (group, token tile) products in flight; gemv_rows one)
 //   kMrMaxStages    the most stages in the ring (the dynamic shared memory sets how many fit)
 //   kGvEarlyStages  stages in flight before x has landed (gemv_int4.cu's reason)
 constexpr int kMrPairs = 8;                       // pairs a stage: A's 16 rows
@@ -137,53 +138,69 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(C * kWarp) : "memory");
 }
 
-// One group (slice-local j) of a stage against the lane's two A rows, g (w1: its chunk t4 of
-// the group's first, scales s1) and g + 8 (w2, s2), and MT / 8 token tiles, scaled into acc[tt]
-// (c0, c1: A row g, tokens 8 tt + 2 t4, + 1; c2, c3: A row g + 8). xl: the lane's x, xs4 +
-// (row g, unit 4 t4) of the slice's x [MT][GS groups], where xr_unit(8 tt + g, 16 j + 4 t4 + q)
-// is 16 j + 4 t4 + (q ^ sw) (its two XOR terms touch only q's bits).
-template <int K, int MT, int S>
+// NG groups (slice-local j, j + step, ...) of a stage against the lane's two A rows, g (w1: its
+// chunk t4 of the group's first, scales s1) and g + 8 (w2, s2), and MT / 8 token tiles, scaled
+// into acc[tt] in group order (c0, c1: A row g, tokens 8 tt + 2 t4, + 1; c2, c3: A row g + 8).
+// xl: the lane's x, xs4 + (row g, unit 4 t4) of the slice's x [MT][GS groups], where
+// xr_unit(8 tt + g, 16 j + 4 t4 + q) is 16 j + 4 t4 + (q ^ sw) (its two XOR terms touch only q's
+// bits). NG > 1 puts that many groups' loads, dequantization and mma chains in flight at once.
+template <int K, int MT, int S, int NG>
 __device__ __forceinline__ void group_mma(const unsigned char* w1, const unsigned char* w2,
                                           const half* s1, const half* s2, const uint4* xl,
-                                          int sw, int j, float (&acc)[MT / 8][4]) {
+                                          int sw, int j, int step, float (&acc)[MT / 8][4]) {
   using Sh = MrShape<K, MT, S>;
-  const uint4 wa = *reinterpret_cast<const uint4*>(w1 + j * kMrGroupBytes);
-  const uint4 wb = *reinterpret_cast<const uint4*>(w2 + j * kMrGroupBytes);
-  const uint4* xj = xl + 16 * j;
-  float d[MT / 8][2][4] = {};  // two chains a tile (pairs 0, 1 and 2, 3): half the latency
+  uint4 wa[NG], wb[NG];
+  half sa[NG], sb[NG];
+#pragma unroll
+  for (int n = 0; n < NG; ++n) {
+    const int jn = j + n * step;
+    wa[n] = *reinterpret_cast<const uint4*>(w1 + jn * kMrGroupBytes);
+    wb[n] = *reinterpret_cast<const uint4*>(w2 + jn * kMrGroupBytes);
+    sa[n] = s1[jn];
+    sb[n] = s2[jn];
+  }
+  float d[NG][MT / 8][2][4] = {};  // two chains a group and tile (pairs 0, 1 and 2, 3)
 #pragma unroll
   for (int q = 0; q < 4; ++q) {  // word q of the chunk: elements 8q..8q+7
-    half2 ha[4], hb[4];
-    dequant_word((&wa.x)[q], ha);
-    dequant_word((&wb.x)[q], hb);
-    const uint32_t a0[4] = {h2u(ha[0]), h2u(hb[0]), h2u(ha[1]), h2u(hb[1])};
-    const uint32_t a1[4] = {h2u(ha[2]), h2u(hb[2]), h2u(ha[3]), h2u(hb[3])};
 #pragma unroll
-    for (int tt = 0; tt < MT / 8; ++tt) {
-      const uint4 xv = xj[tt * 8 * Sh::GS * 16 + (q ^ sw)];
-      mma_16816(d[tt][0], a0, xv.x, xv.y);
-      mma_16816(d[tt][1], a1, xv.z, xv.w);
+    for (int n = 0; n < NG; ++n) {
+      half2 ha[4], hb[4];
+      dequant_word((&wa[n].x)[q], ha);
+      dequant_word((&wb[n].x)[q], hb);
+      const uint32_t a0[4] = {h2u(ha[0]), h2u(hb[0]), h2u(ha[1]), h2u(hb[1])};
+      const uint32_t a1[4] = {h2u(ha[2]), h2u(hb[2]), h2u(ha[3]), h2u(hb[3])};
+      const uint4* xj = xl + 16 * (j + n * step);
+#pragma unroll
+      for (int tt = 0; tt < MT / 8; ++tt) {
+        const uint4 xv = xj[tt * 8 * Sh::GS * 16 + (q ^ sw)];
+        mma_16816(d[n][tt][0], a0, xv.x, xv.y);
+        mma_16816(d[n][tt][1], a1, xv.z, xv.w);
+      }
     }
   }
-  const float f1 = __half2float(s1[j]), f2 = __half2float(s2[j]);
 #pragma unroll
-  for (int tt = 0; tt < MT / 8; ++tt) {
+  for (int n = 0; n < NG; ++n) {
+    const float f1 = __half2float(sa[n]), f2 = __half2float(sb[n]);
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-      acc[tt][c] = fmaf(c < 2 ? f1 : f2, d[tt][0][c] + d[tt][1][c], acc[tt][c]);
+    for (int tt = 0; tt < MT / 8; ++tt) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        acc[tt][c] = fmaf(c < 2 ? f1 : f2, d[n][tt][0][c] + d[n][tt][1][c], acc[tt][c]);
+    }
   }
 }
 
 // A consumer warp's share of a stage: groups first, first + step, ... < gs against its lane's
-// rows and every token tile, then its arrival on the stage's "empty" barrier (it has read the
-// slot) and its sums [16 rows][MT] into `sums` (its part of the stage reduction; rows 0..7 of
-// run a, then of run b). sa, sb: the scales of the lane's row g of run a and of run b. The
-// mma's A rows g and g + 8 are row g of run a and of run b, swapped in odd lanes where the runs
-// are padded (MrShape::kPad): a quarter warp's lanes (g = 2h, 2h + 1; t4) then read rows of
-// both runs at once, 64 bytes apart modulo 128, 8 distinct bank quads; rows 2h and 2h + 1 of
-// one run sit a multiple of 128 bytes apart when K / 2 is, and every weight load would be a
-// 2-way bank conflict.
-template <int K, int MT, int S>
+// rows and every token tile (ILP (group, token tile) products in flight: ILP / (MT / 8) groups
+// at a time, then 2 and 1 for what is left), then its arrival on the stage's "empty" barrier
+// (it has read the slot) and its sums [16 rows][MT] into `sums` (its part of the stage
+// reduction; rows 0..7 of run a, then of run b). sa, sb: the scales of the lane's row g of run a
+// and of run b. The mma's A rows g and g + 8 are row g of run a and of run b, swapped in odd
+// lanes where the runs are padded (MrShape::kPad): a quarter warp's lanes (g = 2h, 2h + 1; t4)
+// then read rows of both runs at once, 64 bytes apart modulo 128, 8 distinct bank quads; rows
+// 2h and 2h + 1 of one run sit a multiple of 128 bytes apart when K / 2 is, and every weight
+// load would be a 2-way bank conflict.
+template <int K, int MT, int S, int ILP>
 __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* sa,
                                            const half* sb, const uint4* xs4, int first, int step,
                                            int gs, int lane, uint32_t empty, float* sums) {
@@ -194,8 +211,20 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
   const uint4* xl = xs4 + g * Sh::GS * 16 + 4 * t4;
   const int sw = (t4 >> 1) ^ ((g & 1) << 1);
   float acc[MT / 8][4] = {};
-  for (int j = first; j < gs; j += step)
-    group_mma<K, MT, S>(w1, w2, odd ? sb : sa, odd ? sa : sb, xl, sw, j, acc);
+  const half* s1 = odd ? sb : sa;
+  const half* s2 = odd ? sa : sb;
+  constexpr int NG = ILP > MT / 8 ? ILP / (MT / 8) : 1;
+  static_assert(NG == 1 || NG == 2 || NG == 4, "groups at a time: 1, 2 or 4");
+  int j = first;
+  if constexpr (NG >= 4) {
+    for (; j + 3 * step < gs; j += 4 * step)
+      group_mma<K, MT, S, 4>(w1, w2, s1, s2, xl, sw, j, step, acc);
+  }
+  if constexpr (NG >= 2) {
+    for (; j + step < gs; j += 2 * step)
+      group_mma<K, MT, S, 2>(w1, w2, s1, s2, xl, sw, j, step, acc);
+  }
+  for (; j < gs; j += step) group_mma<K, MT, S, 1>(w1, w2, s1, s2, xl, sw, j, step, acc);
   __syncwarp();
   if (lane == 0) mbar_arrive(empty);
 #pragma unroll
@@ -456,8 +485,11 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         // thread per (row, token) adds its sum to the slices before (the same thread at every
         // slice), and the epilogue runs after the last slice.
         float* rb = red + (i & 1) * (C * 16 * MT);
-        warp_stage<K, MT, S>(st, sa, sb, xb, (warp + C - i % C) % C, C, gs, lane,
-                             smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
+        // One group at a time: 16 warps' registers (~96 a thread) hold no more, and with half
+        // the warps the RMSNorm prologue cost the step more than the stages saved
+        // (docs/EXPERIMENTS.md, Decode GEMV).
+        warp_stage<K, MT, S, 1>(st, sa, sb, xb, (warp + C - i % C) % C, C, gs, lane,
+                                smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
         consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
         if (S == 1 && tid < kMrPairs * MT) {
           const int j = tid / MT, r = tid % MT;
@@ -521,8 +553,11 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
 // (run a: rows 0..7, run b: rows 8..15, one 8-row TMA box each; then the 16 rows' scales): the
 // consumer warps split into kMrSplitSub teams, one a sub-stage, so a stage carries
 // kMrSplitSub x 15 KB (GS = 15) of weights against one consumer barrier and a reduction over
-// C / kMrSplitSub warps. MT = 32 is a template value away as long as x of a slice and the
-// ring fit (registry.rows_split_slices takes more, shorter slices when they do not).
+// C / kMrSplitSub warps. C = kMrSplitConsumers = 8 (teams of 4), each warp with up to 4 of its
+// sub-stage's ~15 groups in flight at once (2 at MT = 16): with 16 warps each took ~2 groups
+// in turn and its stage reduction added 8 warps' sums (7B, M = 16: 22.2 -> 19.9 us a launch).
+// MT = 32 is a template value away as long as x of a slice and the ring fit
+// (registry.rows_split_slices takes more, shorter slices when they do not).
 
 // x of the slice: [MT][GS groups] swizzled (xr_unit), then the stage reduction [2][C][16][MT],
 // then the ring (host twin: registry.rows_split_stages).
@@ -531,7 +566,9 @@ struct SplitShape {
   using Sh = MrShape<K, MT, S>;
   static constexpr int kStage = kMrSplitSub * Sh::kStage;  // kMrSplitSub sub-stages
   static constexpr int kRows = 16 * kMrSplitSub;           // weight rows a stage
+  static constexpr int kRed = 2 * kMrSplitConsumers * 16 * MT * 4;  // [2][C][16][MT] f32
 };
+constexpr int kMrSplitThreads = (kMrSplitConsumers + 1) * kWarp;
 
 // w_map    TMA descriptor of the weight as uint32 [N][K/8], box [8 rows][GS * 16 words]
 // x        fp16   [M, K]   activations (down_proj: the SwiGLU output), row-major
@@ -540,19 +577,20 @@ struct SplitShape {
 //                 element written, padding rows and tokens past M with junk the sum skips)
 // N, M     output features; token rows 1..MT
 // Grid (R, S): CTA (b, j) takes stages b x B / R .. (b + 1) x B / R (B = Npad / kRows) over
-// K slice j (groups j G / S .. (j + 1) G / S). Block kMrThreads, dynamic shared memory
+// K slice j (groups j G / S .. (j + 1) G / S). Block kMrSplitThreads, dynamic shared memory
 // registry's mr_smem (at least two stages: the kernel traps otherwise).
 template <int K, int MT, int S>
-__global__ void __launch_bounds__(kMrThreads, 1)
+__global__ void __launch_bounds__(kMrSplitThreads, 1)
 gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
                 const half* __restrict__ scales, float* __restrict__ part, int N, int M) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
   static_assert(S > 1, "a split over K (one slice is gemv_rows' S = 1)");
   static_assert(MT % 8 == 0, "n8 token tiles");
-  static_assert(kMrConsumers % kMrSplitSub == 0, "whole consumer teams");
+  static_assert(kMrSplitConsumers % kMrSplitSub == 0, "whole consumer teams");
+  static_assert(kMrSplitConsumers * kWarp >= 16 * MT, "a consumer thread a (row, token) sum");
   using Sh = MrShape<K, MT, S>;
   using Sp = SplitShape<K, MT, S>;
-  constexpr int C = kMrConsumers, G = Sh::G, CW = C / kMrSplitSub;
+  constexpr int C = kMrSplitConsumers, G = Sh::G, CW = C / kMrSplitSub;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
@@ -566,13 +604,13 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   const int stages =
-      min(kMrMaxStages, ((int)dyn - kMrAlign - Sh::kXBuf - Sh::kRed) / Sp::kStage);
+      min(kMrMaxStages, ((int)dyn - kMrAlign - Sh::kXBuf - Sp::kRed) / Sp::kStage);
   if (stages < 2 || gridDim.y != S) __trap();  // a launch the host must not make
   unsigned char* base = smem + ((kMrAlign - smem_addr(smem) % kMrAlign) % kMrAlign);
   uint4* xs4 = reinterpret_cast<uint4*>(base);                       // [MT][GS groups]
   float* red = reinterpret_cast<float*>(base + Sh::kXBuf);           // [2][C][16][MT]
-  unsigned char* ring = base + Sh::kXBuf + Sh::kRed;                 // kStage-aligned: 128
-  static_assert(Sh::kXBuf % kMrAlign == 0 && Sh::kRed % kMrAlign == 0, "TMA boxes: 128 B");
+  unsigned char* ring = base + Sh::kXBuf + Sp::kRed;                 // kStage-aligned: 128
+  static_assert(Sh::kXBuf % kMrAlign == 0 && Sp::kRed % kMrAlign == 0, "TMA boxes: 128 B");
 
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -652,7 +690,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
       // each (sub-stage, row, token) summed over its team in warp order and stored: a stage's
       // kRows x MT floats are contiguous in part (coalesced).
       float* rb = red + (i & 1) * (C * 16 * MT);
-      warp_stage<K, MT, S>(st, sa, sb, xs4, (w + CW - i % CW) % CW, CW, gs, lane,
+      warp_stage<K, MT, S, kMrSplitIlp>(st, sa, sb, xs4, (w + CW - i % CW) % CW, CW, gs, lane,
                            smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
       consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
       for (int e = tid; e < Sp::kRows * MT; e += C * kWarp) {
