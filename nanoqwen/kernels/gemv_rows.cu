@@ -587,7 +587,6 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
   static_assert(S > 1, "a split over K (one slice is gemv_rows' S = 1)");
   static_assert(MT % 8 == 0, "n8 token tiles");
   static_assert(kMrSplitConsumers % kMrSplitSub == 0, "whole consumer teams");
-  static_assert(kMrSplitConsumers * kWarp >= 16 * MT, "a consumer thread a (row, token) sum");
   using Sh = MrShape<K, MT, S>;
   using Sp = SplitShape<K, MT, S>;
   constexpr int C = kMrSplitConsumers, G = Sh::G, CW = C / kMrSplitSub;
@@ -691,7 +690,7 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
       // kRows x MT floats are contiguous in part (coalesced).
       float* rb = red + (i & 1) * (C * 16 * MT);
       warp_stage<K, MT, S, kMrSplitIlp>(st, sa, sb, xs4, (w + CW - i % CW) % CW, CW, gs, lane,
-                           smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
+                                        smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
       consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
       for (int e = tid; e < Sp::kRows * MT; e += C * kWarp) {
         const float* src = rb + (e / (16 * MT)) * CW * 16 * MT + e % (16 * MT);
