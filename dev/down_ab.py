@@ -4,20 +4,21 @@
         [--skip-draws M,M] [--text] [--tokens ID,ID] [--paths gemm,split,rows,gemv]
 
 dev/verify_step.py compares whole steps' logits; this script finds which layer, row and
-feature a down_proj path gets wrong. It runs the verify step (engine.verify.Verify, the
-GEMM as its down_proj) over `rows` tokens after `context` tokens of prefilled K/V, layer by
-layer; after each layer's gate/up it downloads the SwiGLU output and the fp32 residual, runs
-down_proj by each of --paths on a copy of the residual (gemv: the decode step's one-row
-kernel, row by row, the verify check's reference), and computes the same update in float64
-on the host from the file's dequantized weights. Per layer and path: the worst row's max |err|
-over that row's own max |update| (err: the path's new residual minus the float64 one; per row,
-because a token with massive activations has updates hundreds of times another row's) and
-where it is. The
-step goes on with the GEMM's result, so every path sees the same inputs.
+feature a down_proj path gets wrong. It runs the verify step (engine.verify.Verify) over
+`rows` tokens after `context` tokens of prefilled K/V, layer by layer; after each layer's
+gate/up it downloads the SwiGLU output and the fp32 residual, runs down_proj by each of
+--paths on a copy of the residual (the step's paths, engine.verify.DOWN_PATHS; gemm: the
+prefill's tensor-core GEMM, the baseline; gemv: the decode step's one-row kernel, row by row,
+the verify check's reference), and computes the same update in float64 on the host from the
+file's dequantized weights. Per layer and path: the worst row's max |err| over that row's own
+max |update| (err: the path's new residual minus the float64 one; per row, because a token
+with massive activations has updates hundreds of times another row's) and where it is. The
+step goes on with its own path's result (engine.verify.down_path), run last, so every path
+sees the same inputs and the RMSNorm hand-off continues from the step's.
 
 Tokens: random ids drawn as dev/verify_step.py draws them (the context, then each check's rows):
 --seed and --skip-draws (the row counts of the checks before the one to replay; e.g. 1,9,16,1,9
-for the split's 16-row check of `--ms 1,9,16 --down gemm,split`) give a failing check's exact
+for the split's 16-row check of `--ms 1,9,16 --down split,rows`) give a failing check's exact
 inputs. Or with --text real code (a standard-library window) for both the context and the rows;
 --tokens puts these ids in the first rows.
 RESULT FAIL if a path's error at some layer exceeds RATIO x the GEMM's there and FLOOR.
@@ -66,8 +67,8 @@ def main() -> int:
     ap.add_argument("--paths", default="gemm,split,rows,gemv", help="down_proj paths compared")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if set(paths) - {*DOWN_PATHS, "gemv"}:
-        ap.error(f"--paths {args.paths!r}: each one of {', '.join(DOWN_PATHS)}, gemv")
+    if set(paths) - {*DOWN_PATHS, "gemm", "gemv"}:
+        ap.error(f"--paths {args.paths!r}: each one of {', '.join(DOWN_PATHS)}, gemm, gemv")
     f = NanoqwenFile(args.file)
     e = CudaBackend(f, max_context=args.context + 64)
     c, m, gpu = e.config, args.rows, e.gpu
@@ -91,20 +92,22 @@ def main() -> int:
     v, b, h, inter = vs.v, vs.v.buf, c.hidden_size, c.intermediate_size
     spare = gpu.alloc(m * h * 4, "down_ab residual copy").ptr
     spare_x = gpu.alloc(m * h * 2, "down_ab residual's fp16 copy").ptr
-    k, kv, w = v.kernels, v.kv, v.weights
+    k, kv, w, link = v.kernels, v.kv, v.weights, v.link
     worst = {p: 0.0 for p in paths}
     bad = []
     print(f"{'layer':>5} " + " ".join(f"{p:>22}" for p in paths) + "   max|update|")
     with gpu.guard("down_ab"):
-        k.embed(b["tokens"], w.embed, b["x"], b["res"], m)
+        k.embed_rows(b["tokens"], w.embed, w.layers[0].input_norm, b["x"], b["res"], m, link)
         for i, L in enumerate(w.layers):
-            k.gemv_rows("qkv", m, b["x"], L.input_norm, L.qkv_w, L.qkv_s, b["q"], bias=L.qkv_b,
+            k.gemv_rows("qkv", m, b["x"], L.qkv_w, L.qkv_s, b["q"], link=link, bias=L.qkv_b,
                         pos=b["pos"], rope=v.rope, pages=kv.page_table, page_stride=0,
                         kc=kv.k[i], vc=kv.v[i])  # fmt: skip
             v.verify.attention_rows(b["q"], kv.k[i], kv.v[i], kv.page_table, vs.start, m,
                                     v.attn_scratch, b["attn"])  # fmt: skip
-            k.gemv_rows("o", m, b["attn"], 0, L.o_w, L.o_s, b["x"], res=b["res"])
-            k.gemv_rows("gate_up", m, b["x"], L.post_norm, L.gate_up_w, L.gate_up_s, b["mlp"])
+            k.gemv_rows("o", m, b["attn"], L.o_w, L.o_s, b["x"], link=link, res=b["res"],
+                        next_w=L.post_norm)  # fmt: skip
+            k.gemv_rows("gate_up", m, b["x"], L.gate_up_w, L.gate_up_s, b["mlp"], link=link)
+            next_w = w.layers[i + 1].input_norm if i + 1 < len(w.layers) else 0
             mlp = gpu.download(b["mlp"], np.empty((m, inter), np.float16))
             x = gpu.download(b["res"], np.empty((m, h), np.float32))
             ref = down_ref(f, i, mlp, x)
@@ -117,8 +120,11 @@ def main() -> int:
                     for r in range(m):
                         e.kernels.gemv("down", b["mlp"] + r * inter * 2, 0, L.down_w, L.down_s,
                                        spare_x + r * h * 2, h, spare + r * h * 4)  # fmt: skip
+                elif p == "gemm":
+                    e.prefill_kernels.gemm(b["mlp"], L.down_w, L.down_s, None, spare_x, m, h,
+                                           inter, residual=spare)  # fmt: skip
                 else:
-                    down_proj(v, m, p, b["mlp"], L, spare_x, spare, v.part, None)
+                    down_proj(v, m, p, b["mlp"], L, spare_x, spare, v.part, next_w, None)
                 got = gpu.download(spare, np.empty((m, h), np.float32)).astype(np.float64)
                 err = np.abs(got - ref)
                 rows = err.max(axis=1) / np.maximum(update, 1e-30)
@@ -139,7 +145,7 @@ def main() -> int:
                                         for cell in cells) + f"   {scale:.3g}  max|x| "
                   f"{abs(float(x[big])):.4g} (row {big[0]}), max|mlp| "
                   f"{float(np.abs(mlp).max()):.4g}")  # fmt: skip
-            down_proj(v, m, "gemm", b["mlp"], L, b["x"], b["res"], v.part, None)
+            down_proj(v, m, v.down, b["mlp"], L, b["x"], b["res"], v.part, next_w, None)
         gpu.sync("down_ab")
     print("worst: " + ", ".join(f"{p} {worst[p]:.2e}" for p in paths))
     for line in bad:

@@ -11,12 +11,17 @@ check: for each preset's four shapes, every epilogue, M in 1, 2, 3, 5, 8, 9, 16 
   M = 5 and 16: its hidden size takes K slices with RMSNorm at MT = 16; the 32B's down_proj,
   the longest K, at 1, 8, 16; NAME:M:M@KIND+KIND limits a preset's M and kinds): fresh random
   weights and inputs, outputs (and the K/V caches) poisoned with NaN before the launch, the
-  reference on the dequantized weights in float64 (RMSNorm rounded to fp16 as the kernels'
-  reference does). q/k/v: one sequence (page_stride 0) at consecutive positions 14.. across a
-  page boundary of a scattered page table, and one table per row (page_stride > 0); every
-  other cache slot must stay NaN. down_proj is checked twice: gemv_rows ("down") and the
-  split over K ("down split": gemv_rows_split + gemv_rows_split_sum; its fp32 workspace
-  poisoned with NaN, so a partial sum not written before the sum reads it shows). Tolerance
+  reference on the dequantized weights in float64 (RMSNorm's input as the kernel takes it:
+  the hand-off's fp16 x, times 1 / rms over its c). q/k/v: one sequence (page_stride 0) at
+  consecutive positions 14.. across a page boundary of a scattered page table, and one table
+  per row (page_stride > 0); every other cache slot must stay NaN. down_proj is checked
+  twice: gemv_rows ("down") and the split over K ("down split": gemv_rows_split +
+  gemv_rows_split_sum; its fp32 workspace poisoned with NaN, so a partial sum not written
+  before the sum reads it shows). The
+  RMSNorm hand-off (gemv_rows.cu): q/k/v and gate/up take x = fp16(h w c) with its rows of
+  sums of squares (hand_off) and must write each row's 1 / rms; o, down and the split must
+  write out = fp16(res w c) exactly (the plain fp16 copy at even M: no next RMSNorm) and rows
+  of sums of squares that add up to the new residual's. Tolerance
   (max |err| / rms(ref)): 5e-3 for the linear epilogues (fp32 sums of exact products; what is
   left is the fp16 output and, with RMSNorm, one fp16 rounding of x c w per element), 2e-2
   for SwiGLU (fp16 output of silu(g) u with large g), the ladder's values
@@ -52,18 +57,21 @@ from pathlib import Path
 import numpy as np
 
 from nanoqwen.config import PAGE_TOKENS, preset
-from nanoqwen.cuda.decode import DecodeKernels
+from nanoqwen.cuda.decode import DecodeKernels, NormLink
 from nanoqwen.cuda.device import Gpu
 from nanoqwen.cuda.prefill import PrefillKernels
 from nanoqwen.cuda.registry import (
     DEFAULT_GEOMETRY,
     GEMM_TILES,
+    MAX_ROWS,
+    NORM_LINK_BYTES,
+    NORM_PARTS,
     gemv_shapes,
     rows_split_workspace,
 )
 from nanoqwen.engine.kv_cache import kv_cache_from_device
 from nanoqwen.harness.bench import time_graph
-from nanoqwen.harness.validate import _Dev, _f16, _rand_int4, _rel_err, _rms, _rope_ref
+from nanoqwen.harness.validate import _Dev, _f16, _rand_int4, _rel_err, _rope_ref
 from nanoqwen.rope import rope_table
 
 MS = (1, 2, 3, 5, 8, 9, 16)
@@ -72,36 +80,86 @@ TOL = {"linear": 5e-3, "swiglu": 2e-2, "k_pair": 1e-4}  # config/nanoqwen.yaml's
 LAYERS = 28
 
 
+def hand_off(dev, link: NormLink, cfg, h: np.ndarray, normw: np.ndarray, rng):
+    """What a producer hands a normalizing kernel over (gemv_rows.cu's hand-off), set up on the
+    host for the residual h fp32 [m, K]: ss split into 7 rows of sums of squares (random
+    shares, NaN past the rows), each token row's c near its 1 / rms, x = fp16(h w c) on the
+    device. Returns x's address and the input the kernel's dot products take, float64 x rstd /
+    c (its one rounding is x's, as the reference's fp16(h rstd w)). The rstd slot the
+    normalizing launch writes is NaN-poisoned (check_rstd reads it)."""
+    m = h.shape[0]
+    sq = (h.astype(np.float64) ** 2).sum(axis=1)
+    shares = rng.dirichlet(np.ones(7), m).T  # [7, m]
+    ss = np.full((NORM_PARTS, MAX_ROWS), np.nan, np.float32)
+    ss[:7, :m] = shares * sq
+    c = 1 / np.sqrt(sq / h.shape[1] + cfg.rms_norm_eps) * rng.uniform(0.8, 1.25, m)
+    dev.gpu.memset(link.ss, 0xFF, NORM_LINK_BYTES)  # NaN: ss past its rows, both slots
+    slot = link.produce(7)
+    dev.gpu.upload(link.ss, ss)
+    dev.gpu.upload(slot, c.astype(np.float32))
+    x = _f16((h * normw.astype(np.float32)) * c.astype(np.float32)[:, None])
+    rstd = 1 / np.sqrt(sq / h.shape[1] + cfg.rms_norm_eps)
+    return dev.put(x), x.astype(np.float64) * (rstd / c.astype(np.float32))[:, None]
+
+
 def check_linear(k, dev, cfg, kind, m, rng, weights, split: bool = False) -> float:
-    """o / down (+ residual) and gate_up (RMSNorm + SwiGLU) over m rows; weights: _rand_int4's
-    (words, scales, dequantized) of the kind's shape. split: down through gemv_rows_split and
-    its sum, the workspace NaN-poisoned."""
+    """o / down (+ residual, handing the next RMSNorm's input over) and gate_up (RMSNorm of
+    the hand-off + SwiGLU) over m rows; weights: _rand_int4's (words, scales, dequantized) of
+    the kind's shape. split: down through gemv_rows_split and its sum, the workspace
+    NaN-poisoned. The hand-off's out must be fp16(res w c) exactly (and with no next RMSNorm,
+    the plain fp16 copy: every other launch), its rows of sums of squares add up to the
+    residual's, and gate_up's 1 / rms must be the reference's."""
     kdim, n, norm, _ = gemv_shapes(cfg)[kind]
     words, scales, deq = weights
-    x = _f16(rng.standard_normal((m, kdim)))
-    if kind == "down":  # the MLP's activations carry a few huge outliers
-        x[:, rng.choice(kdim, 8, replace=False)] = _f16(rng.choice([-300.0, 300.0], (m, 8)))
-    normw = _f16(1 + 0.1 * rng.standard_normal(kdim))
-    xin = _rms(x, normw, cfg.rms_norm_eps) if norm else x
+    link = NormLink(dev.gpu)
+    normw = _f16(1 + 0.1 * rng.standard_normal(kdim if norm else n))
+    if norm:
+        h = rng.standard_normal((m, kdim)).astype(np.float32)
+        xptr, xin = hand_off(dev, link, cfg, h, normw, rng)
+    else:
+        x = _f16(rng.standard_normal((m, kdim)))
+        if kind == "down":  # the MLP's activations carry a few huge outliers
+            x[:, rng.choice(kdim, 8, replace=False)] = _f16(rng.choice([-300.0, 300.0], (m, 8)))
+        xptr, xin = dev.put(x), x
     y = xin.astype(np.float64) @ deq.astype(np.float64).T  # [m, rows]
     optr, host = dev.out((m, n), np.float16)
     if kind == "gate_up":
         g, u = y[:, :n], y[:, n:]
-        ref, rptr = g / (1 + np.exp(-g)) * u, 0
-    else:  # the fp32 residual, off the fp16 grid
-        resid = rng.standard_normal((m, n)).astype(np.float32)
-        ref, rptr = resid.astype(np.float64) + y, dev.put(resid)
+        k.gemv_rows(kind, m, xptr, dev.put(words), dev.put(scales), optr, link=link)
+        err = _rel_err(dev.get(optr, host), g / (1 + np.exp(-g)) * u)
+        return max(err, check_rstd(dev, link, h, cfg))
+    # the fp32 residual, off the fp16 grid; the next RMSNorm's c and weight (or none)
+    resid = rng.standard_normal((m, n)).astype(np.float32)
+    ref, rptr = resid.astype(np.float64) + y, dev.put(resid)
+    c = rng.uniform(0.05, 2.0, m).astype(np.float32)
+    dev.gpu.upload(link.head(m), c)  # the producer's c: the last 1 / rms slot
+    next_w = dev.put(normw) if m % 2 else 0  # odd M: a hand-off; even: the last layer's copy
+    dev.gpu.memset(link.ss, 0xFF, NORM_PARTS * MAX_ROWS * 4)
     if split:
         part, _ = dev.out((rows_split_workspace(cfg, k.geometry) // 4,), np.float32)
-        k.gemv_rows_split(m, dev.put(x), dev.put(words), dev.put(scales), optr, rptr, part)
+        k.gemv_rows_split(m, xptr, dev.put(words), dev.put(scales), optr, rptr, part,
+                          link=link, next_w=next_w)  # fmt: skip
     else:
-        k.gemv_rows(kind, m, dev.put(x), dev.put(normw) if norm else 0, dev.put(words),
-                    dev.put(scales), optr, res=rptr)  # fmt: skip
+        k.gemv_rows(kind, m, xptr, dev.put(words), dev.put(scales), optr, link=link, res=rptr,
+                    next_w=next_w)  # fmt: skip
     got = dev.get(optr, host)
-    if not rptr:
-        return _rel_err(got, ref)
-    res = dev.get(rptr, np.empty((m, n), np.float32))  # the result; out its exact fp16 copy
-    return _rel_err(res, ref) if np.array_equal(_f16(res), got) else float("inf")
+    res = dev.get(rptr, np.empty((m, n), np.float32))  # the result; out its hand-off
+    want = _f16(res * normw.astype(np.float32) * c[:, None]) if next_w else _f16(res)
+    nparts = int(link.normalize()[1])
+    ss = dev.get(link.ss, np.empty((NORM_PARTS, MAX_ROWS), np.float32))
+    sq = (res.astype(np.float64) ** 2).sum(axis=1)
+    ss_ok = (np.isfinite(ss[:nparts, :m]).all()
+             and np.allclose(ss[:nparts, :m].sum(axis=0), sq, rtol=1e-5))  # fmt: skip
+    return _rel_err(res, ref) if np.array_equal(want, got) and ss_ok else float("inf")
+
+
+def check_rstd(dev, link: NormLink, h: np.ndarray, cfg) -> float:
+    """0 when the normalizing launch wrote each token row's 1 / rms of h into its slot
+    (link.rstd; fp32 sums: 1e-5), else inf."""
+    m = h.shape[0]
+    got = dev.get(link.rstd, np.empty(m, np.float32))
+    want = 1 / np.sqrt((h.astype(np.float64) ** 2).mean(axis=1) + cfg.rms_norm_eps)
+    return 0.0 if np.allclose(got, want, rtol=1e-5) else float("inf")
 
 
 def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, float, bool]:
@@ -116,10 +174,11 @@ def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, float, bool
     tables = rng.permutation(rows * npages).astype(np.int32).reshape(rows, npages)
     pos = np.arange(14, 14 + m, dtype=np.int32)
     words, scales, deq = _rand_int4(rng, n, h)
-    x = _f16(rng.standard_normal((m, h)))
+    hres = rng.standard_normal((m, h)).astype(np.float32)
     normw = _f16(1 + 0.1 * rng.standard_normal(h))
     bias = _f16(rng.standard_normal(n))
-    xin = _rms(x, normw, cfg.rms_norm_eps).astype(np.float64)
+    link = NormLink(dev.gpu)
+    x, xin = hand_off(dev, link, cfg, hres, normw, rng)
     qkv = xin @ deq.astype(np.float64).T + bias  # [m, n]: rotated in fp32, rounded after
     heads = qkv[:, : cfg.q_size + cfg.kv_size].reshape(m, hq + hkv, d)
     rot = _rope_ref(heads, rope, pos)
@@ -127,11 +186,12 @@ def check_qkv(k, dev, cfg, m, rng, page_stride: int) -> tuple[float, float, bool
     q_ptr, qh = dev.out((m, hq, d), np.float16)
     kc_ptr, kc = dev.out((total, hkv, k.geometry.k_parts, PAGE_TOKENS, d), np.float16)
     vc_ptr, vc = dev.out((total, hkv, 1, PAGE_TOKENS, d), np.float16)
-    k.gemv_rows("qkv", m, dev.put(x), dev.put(normw), dev.put(words), dev.put(scales), q_ptr,
+    k.gemv_rows("qkv", m, x, dev.put(words), dev.put(scales), q_ptr, link=link,
                 bias=dev.put(bias), pos=dev.put(pos), rope=dev.put(rope),
                 pages=dev.put(tables), page_stride=npages if page_stride else 0, kc=kc_ptr,
                 vc=vc_ptr)  # fmt: skip
     err, k_err = _rel_err(dev.get(q_ptr, qh), rot[:, :hq]), 0.0
+    err = max(err, check_rstd(dev, link, hres, cfg))
     kc, vc = kv_cache_from_device(dev.get(kc_ptr, kc)), kv_cache_from_device(dev.get(vc_ptr, vc))
     for r in range(m):
         t = tables[r if page_stride else 0]
@@ -216,6 +276,9 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
           for parts in (DEFAULT_GEOMETRY.k_parts, 1)]  # fmt: skip
     part = put(np.zeros(max(rows_split_workspace(cfg, kr.geometry) for _, kr in builds) // 4,
                         np.float32))  # fmt: skip
+    link = NormLink(gpu)  # the hand-off: sums of squares and scales of 1 (values do not matter)
+    gpu.upload(link.ss, np.ones(NORM_LINK_BYTES // 4, np.float32))
+    link.head(mmax)
     weights = {}
     for kind, (kdim, n, _, _) in shapes.items():
         rows = 2 * n if kind == "gate_up" else n
@@ -237,14 +300,16 @@ def part_time(gpu, name: str, kinds, variants: list[str]) -> list[tuple]:
                 else:
                     k.gemv(kind, x, nw, w, sc, out, n, r, stream=s)
 
-        def rows_m(s, m, kr, kind=kind, x=x, out=out, nw=nw, r=r):
-            for w, sc in weights[kind]:
-                kr.gemv_rows(kind, m, x, nw, w, sc, out, res=r, bias=bias, pos=pos, rope=rope,
-                             pages=pages, kc=kv[0], vc=kv[1], stream=s)  # fmt: skip
+        def rows_m(s, m, kr, kind=kind, x=x, out=out, r=r):
+            for w, sc in weights[kind]:  # o and down hand the next RMSNorm's input over
+                kr.gemv_rows(kind, m, x, w, sc, out, link=link, res=r, bias=bias, pos=pos,
+                             rope=rope, pages=pages, kc=kv[0], vc=kv[1],
+                             next_w=normw if r else 0, stream=s)  # fmt: skip
 
         def split_m(s, m, kr, x=x, out=out):
             for w, sc in weights["down"]:
-                kr.gemv_rows_split(m, x, w, sc, out, res, part, stream=s)
+                kr.gemv_rows_split(m, x, w, sc, out, res, part, link=link, next_w=normw,
+                                   stream=s)  # fmt: skip
 
         def gemm_m(s, m, x=x, out=out, kdim=kdim):
             for w, sc in weights["down"]:

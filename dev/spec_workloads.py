@@ -4,7 +4,7 @@ greedy outputs identical).
 
     PYTHONPATH=. python3 dev/spec_workloads.py FILE [--workloads edit,fim,chat] [--requests 8]
         [--gen-len 128] [--runs 3] [--spec-k 15] [--spec-ngram 3:5] [--spec-backoff 0,16:1,16:0]
-        [--sampled] [--backend cuda] [--down engine|gemm|split|rows] [--margins] [--json PATH]
+        [--sampled] [--backend cuda] [--down engine|split|rows] [--margins] [--json PATH]
 
 Each (backoff, workload) is `nanoqwen bench --workload W --spec-backoff CAP` with the config's
 backoff_grace set to GRACE (nanoqwen/harness/spec_bench.py; --spec-backoff takes CAP[:GRACE],
@@ -14,7 +14,7 @@ i). Validate (greedy): each prompt's speculative tokens against its plain tokens
 differing index when not). Time: decode ms/token of each mode, medians over --runs. A run that
 fails does not stop the others. RESULT last: one row a (backoff, workload) with its target and
 whether it is met; --spec-backoff 0 is speculation without the backoff, for the A/B. --down
-gemm|split|rows forces the verify step's down_proj path (engine.verify.down_path, replaced for
+split|rows forces the verify step's down_proj path (engine.verify.down_path, replaced for
 this process) to A/B the engine's rule. --margins: where a greedy reply parts from the plain
 one, the float32 reference's top-2 margin there (nanoqwen.reference on the GPU; the ladder's
 greedy rule calls a split under ladder.graph.near_tie_over_std std a near-tie).

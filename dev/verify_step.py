@@ -2,7 +2,7 @@
 decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
-        [--down gemm,split,rows] [--kernels] [--ablate] [--no-pdl] [--seed N] [--skip-draws M,M]
+        [--down split,rows] [--kernels] [--ablate] [--no-pdl] [--seed N] [--skip-draws M,M]
         [--reference]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
@@ -75,7 +75,7 @@ class VerifyStep:
         geometry = geometry or engine.kernels.geometry
         kernels = DecodeKernels(gpu, engine.config, geometry, rows=True)
         self.v = Verify(gpu, engine.config, kernels, engine.weights, engine.kv,
-                        engine.forward.rope, self.ROWS, engine.prefill_kernels)  # fmt: skip
+                        engine.forward.rope, self.ROWS)  # fmt: skip
         self.start = gpu.alloc(4, "verify start").ptr
 
     def set_rows(self, tokens: np.ndarray, start: int) -> None:
@@ -219,7 +219,7 @@ def kernels(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
     trace = record([e.kernels], e.gpu, e.forward.decode_step)
     cols = {"decode": breakdown(e, trace, lambda s: e.forward.decode_step(s), context)}
     rng = np.random.default_rng(0)
-    launchers = [vs.v.kernels, vs.v.verify, e.prefill_kernels]
+    launchers = [vs.v.kernels, vs.v.verify]
     for m in ms:
         vs.set_rows(rng.integers(0, e.config.vocab_size, m), context)
         trace = record(launchers, e.gpu, lambda m=m: vs.step(m))
@@ -235,7 +235,7 @@ def ablate(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
     e.set_decode_state(DecodeState(token=1, pos=context))
     traces = {"decode": record([e.kernels], e.gpu, e.forward.decode_step)}
     rng = np.random.default_rng(0)
-    launchers = [vs.v.kernels, vs.v.verify, e.prefill_kernels]
+    launchers = [vs.v.kernels, vs.v.verify]
     for m in ms:
         vs.set_rows(rng.integers(0, e.config.vocab_size, m), context)
         traces[f"M={m}"] = record(launchers, e.gpu, lambda m=m: vs.step(m))
@@ -269,11 +269,10 @@ def main() -> int:
                     help="row counts drawn (and dropped) after the context, before the checks' "
                          "tokens (comma list)")  # fmt: skip
     ap.add_argument("--json", default="", help="write the timing table here")
-    ap.add_argument("--down", default="gemm,split,rows",
-                    help="down_proj paths to check and time in turn: gemm (the prefill's "
-                         "tensor-core GEMM), split (gemv_rows_split + its sum: K split "
-                         "across the CTAs), rows (gemv_rows); the engine picks by "
-                         "engine.verify.down_path")  # fmt: skip
+    ap.add_argument("--down", default="split,rows",
+                    help="down_proj paths to check and time in turn: split (gemv_rows_split + "
+                         "its sum: K split across the CTAs), rows (gemv_rows); the engine "
+                         "picks by engine.verify.down_path")  # fmt: skip
     ap.add_argument("--variant", default="",
                     help="NAME=v,NAME=v: also check and time the verify step with its kernels "
                          "built on the engine's geometry with these values (C names, e.g. "

@@ -89,10 +89,17 @@ class Emulation:
         return p + (self.n if self.epi == SWIGLU else (self.n + 1) // 2)
 
     def run(self):
+        """[M, R] the sums; self.parts [CTAs][M]: kResidual's sums of squares of what each CTA
+        finished (its row of ss: each consumer thread's squares, then token row r's threads
+        r, r + MT, ... in order), here of the raw sums."""
         out = np.full((self.m, self.rows_total), np.nan)
+        self.parts = np.zeros((self.ncl, self.m))
         for cta in range(self.ncl):
             p0, p1 = cta * self.pairs // self.ncl, (cta + 1) * self.pairs // self.ncl
+            self.sq = np.zeros(C * 32)  # a consumer thread's squares (token row tid % MT)
             self.cta(out, p0, p1)
+            for r in range(self.m):
+                self.parts[cta, r] = self.sq[r :: self.mt].sum()
         return out
 
     def cta(self, out, p0, p1):
@@ -127,7 +134,7 @@ class Emulation:
                     j, r = tid // self.mt, tid % self.mt
                     if j < np_ and r < self.m:
                         self.finish(
-                            out, p + j, r, red[:, tid].sum(), red[:, P * self.mt + tid].sum()
+                            out, p + j, r, red[:, tid].sum(), red[:, P * self.mt + tid].sum(), tid
                         )
                 for tid in range(16 * self.mt if s_ > 1 else 0):  # a thread a (row, token)
                     row, r = tid // self.mt, tid % self.mt
@@ -224,19 +231,25 @@ class Emulation:
         return red
 
     def epilogue(self, out, sums, p0, npairs):
-        """Item e (token e % M of pair p0 + e / M) on consumer thread e % (C x 32)."""
-        m = self.m
+        """Item e (token e % MT of pair p0 + e / MT, rows past M skipped) on consumer thread
+        e % (C x 32): a thread keeps one token row, tid % MT."""
+        mt = self.mt
         for tid in range(C * 32):
-            for e in range(tid, npairs * m, C * 32):
-                i, r = e // m, e % m
-                self.finish(out, p0 + i, r, sums[i, 0, r], sums[i, 1, r])
+            for e in range(tid, npairs * mt, C * 32):
+                i, r = e // mt, e % mt
+                assert r == tid % mt
+                if r < self.m:
+                    self.finish(out, p0 + i, r, sums[i, 0, r], sums[i, 1, r], tid)
 
-    def finish(self, out, p, r, da, db):
-        """The epilogue of pair p, token r (its rows' sums written raw), each item once."""
-        assert np.isnan(out[r, self.row_a(p)])
+    def finish(self, out, p, r, da, db, tid):
+        """The epilogue of pair p, token r (its rows' sums written raw) on consumer thread
+        tid, each item once; kResidual's squares into the thread's."""
+        assert np.isnan(out[r, self.row_a(p)]) and r == tid % self.mt
         out[r, self.row_a(p)] = da
+        self.sq[tid] += da * da
         if self.row_b(p) < self.rows_total:
             out[r, self.row_b(p)] = db
+            self.sq[tid] += db * db
 
 
 @pytest.mark.parametrize(
@@ -261,9 +274,12 @@ def test_gemv_rows_emulated(k_groups, n, epi, m, mt, s, ncl):
     scales = rng.uniform(0.5, 1.5, (rows, k // GROUP_SIZE)).astype(np.float16)
     x = rng.standard_normal((m, k)).astype(np.float16)
     ref = x.astype(np.float64) @ dequantize_packed(words, scales).astype(np.float64).T
+    emu = Emulation(words, scales, x, n, epi, mt, s, ncl)
     with np.errstate(invalid="ignore", over="ignore"):  # stale rows and columns, discarded
-        got = Emulation(words, scales, x, n, epi, mt, s, ncl).run()
+        got = emu.run()
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+    # the RMSNorm hand-off: the CTAs' rows of sums of squares add up to each token row's
+    np.testing.assert_allclose(emu.parts.sum(axis=0), (got**2).sum(axis=1), rtol=1e-12)
 
 
 # -- gemv_rows_split + gemv_rows_split_sum ------------------------------------------------------
@@ -321,9 +337,14 @@ class SplitEmulation(Emulation):
         return part
 
     def run_sum(self, part, resid):
-        """gemv_rows_split_sum's threads over part (flat) and the residual [M, N]."""
+        """gemv_rows_split_sum's threads over part (flat) and the residual [M, N]; self.parts
+        [CTAs][M] its CTAs' rows of ss (thread u's squares of token quad u % Q, component c,
+        summed for token row 4 (u % Q) + c in thread order)."""
         n, m, q = self.n, self.m, self.mt // 4
         npad = -(-n // K_ROWS) * K_ROWS
+        threads = registry.DEFAULT_GEOMETRY.mr_sum_threads
+        ctas = -(-npad * q // threads)
+        sq = np.zeros((ctas, 4, threads))
         out = resid.astype(np.float64).copy()
         for t in range(npad * q):
             nn, r0 = t // q, 4 * (t % q)
@@ -335,6 +356,9 @@ class SplitEmulation(Emulation):
             for c in range(4):
                 if r0 + c < m:
                     out[r0 + c, nn] += acc[c]
+                    sq[t // threads, c, t % threads] = out[r0 + c, nn] ** 2
+        self.parts = np.array([[sq[b, r % 4, r // 4 :: q].sum() for r in range(m)]
+                               for b in range(ctas)])  # fmt: skip
         return out
 
 
@@ -358,3 +382,4 @@ def test_gemv_rows_split_emulated(k_groups, n, m, mt, s, ranges):
     with np.errstate(invalid="ignore", over="ignore"):  # stale rows and columns, discarded
         got = emu.run_sum(emu.run_split(ranges), resid)
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
+    np.testing.assert_allclose(emu.parts.sum(axis=0), (got**2).sum(axis=1), rtol=1e-12)

@@ -237,10 +237,13 @@ def assert_rows_specs_fit(specs, cfg) -> None:
 
 @pytest.mark.parametrize("name", ["1.5b", "7b", "14b"])
 def test_gemv_rows_specs_compile(name):
-    """The M-row GEMV (gemv_rows.cu) of the four shapes at both token buckets fits."""
+    """The M-row GEMV (gemv_rows.cu) of the four shapes at both token buckets fits, and so
+    does the multi-row steps' embedding beside it."""
     cfg = preset(name)
     specs = registry.rows_specs(cfg)
-    assert {s.targs[1] for s in specs} == set(registry.ROW_BUCKETS) and len(specs) == 8
+    gemvs = [s for s in specs if s.name == "gemv_rows"]
+    assert {s.targs[1] for s in gemvs} == set(registry.ROW_BUCKETS) and len(gemvs) == 8
+    assert [s.name for s in specs if s.name != "gemv_rows"] == ["embed_rows"]
     assert_rows_specs_fit(specs, cfg)
 
 
@@ -252,7 +255,9 @@ def test_gemv_rows_bad_rows_raise():
     k = DecodeKernels.__new__(DecodeKernels)  # no GPU: the check comes first
     for m in (0, -1, registry.MAX_ROWS + 1, 2.0):
         with pytest.raises(NanoqwenError, match="m must be 1..16"):
-            k.gemv_rows("o", m, 0, 0, 0, 0, 0)
+            k.gemv_rows("o", m, 0, 0, 0, 0, link=None)
+        with pytest.raises(NanoqwenError, match="m must be 1..16"):
+            k.embed_rows(0, 0, 0, 0, 0, m, link=None)
     with pytest.raises(ValueError, match="1..16"):
         registry.row_bucket(17)
     assert [registry.row_bucket(m) for m in (1, 8, 9, 16)] == [8, 8, 16, 16]
@@ -329,4 +334,4 @@ def test_gemv_rows_split_bad_rows_raise():
     k = DecodeKernels.__new__(DecodeKernels)  # no GPU: the check comes first
     for m in (0, registry.MAX_ROWS + 1, 2.0):
         with pytest.raises(NanoqwenError, match="m must be 1..16"):
-            k.gemv_rows_split(m, 0, 0, 0, 0, 0, 0)
+            k.gemv_rows_split(m, 0, 0, 0, 0, 0, 0, link=None)

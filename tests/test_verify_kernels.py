@@ -78,9 +78,9 @@ def test_down_path_and_its_workspace(name):
         if name == "7b":
             assert want == "split"
     plan = verify.verify_plan(cfg, 16, g)
-    assert registry.rows_split_workspace(cfg, g) in plan
+    assert registry.rows_split_workspace(cfg, g) in plan and registry.NORM_LINK_BYTES in plan
     with pytest.raises(ValueError, match="down_proj path 'nope'"):
-        verify.down_proj(None, 1, "nope", 0, None, 0, 0, 0, None)
+        verify.down_proj(None, 1, "nope", 0, None, 0, 0, 0, 0, None)
 
 
 # -- attn_rows' split and merges, emulated ------------------------------------------------------
@@ -175,3 +175,42 @@ def test_attn_rows_split_emulation(m, grp, start, splits):
     k, v = rng.standard_normal((start + m, d)), rng.standard_normal((start + m, d))
     got = emulate_attn_rows(q, k, v, start, splits, g)
     np.testing.assert_allclose(got, reference(q, k, v, start), rtol=1e-9, atol=1e-12)
+
+
+class _FakeGpu:
+    """Gpu.alloc's contract without a GPU: one address range a buffer."""
+
+    def __init__(self) -> None:
+        self.next = 1 << 20
+
+    def alloc(self, nbytes, what):
+        buf = type("Buf", (), {"ptr": self.next})()
+        self.next += nbytes
+        return buf
+
+
+def test_norm_link_follows_the_step():
+    """NormLink mirrors the device chain of a step (embed_rows, then per layer q/k/v normalizes,
+    o hands off, gate/up normalizes, down hands off): a normalizing launch reads the c that x
+    carries and the rows of sums its producer wrote, and writes its 1 / rms into the other slot,
+    which the next producer takes as its c; no launch writes a slot the one before it reads."""
+    from nanoqwen.cuda.decode import NormLink
+
+    link = NormLink(_FakeGpu())
+    with pytest.raises(NanoqwenError, match="before any producer"):
+        link.normalize()
+    slots = (link.ss + registry.NORM_PARTS * registry.MAX_ROWS * 4,
+             link.ss + (registry.NORM_PARTS + 1) * registry.MAX_ROWS * 4)  # fmt: skip
+    assert link.head(5) == slots[0]
+    read = slots[0]  # the slot the last launch read
+    for layer in range(3):
+        for producer_ctas in (132, 56):  # o (one CTA an SM), then down's sum kernel
+            ss, nparts, scale, rstd = link.normalize()
+            assert ss == link.ss and scale == read and rstd != scale and rstd in slots
+            assert int(nparts) == (5 if layer == 0 and producer_ctas == 132 else
+                                   (56 if producer_ctas == 132 else 132))  # fmt: skip
+            assert link.produce(producer_ctas) == rstd  # the producer's c: that 1 / rms
+            read = rstd
+    for bad in (0, registry.NORM_PARTS + 1):
+        with pytest.raises(NanoqwenError, match="producing CTAs"):
+            link.produce(bad)

@@ -68,6 +68,50 @@ def attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict
     }
 
 
+class NormLink:
+    """One multi-row step's side of gemv_rows.cu's RMSNorm hand-off: ss fp32 [NORM_PARTS,
+    MAX_ROWS] (the producing CTAs' sums of squares of the residual) and two scale slots fp32
+    [MAX_ROWS] in one allocation (NORM_LINK_BYTES). The step's launches go through it in
+    order, and it keeps what the device chain holds between them: the rows of ss the last
+    producer wrote, the slot with the c its x carries, and the slot with the last
+    normalizing kernel's 1 / rms (the next producer's c). A normalizing kernel reads the first
+    and writes the other slot, so no launch writes a slot the kernel before it reads."""
+
+    def __init__(self, gpu: Gpu) -> None:
+        self.buf = gpu.alloc(registry.NORM_LINK_BYTES, "rows norm hand-off")
+        self.ss = self.buf.ptr
+        slots = self.ss + registry.NORM_PARTS * registry.MAX_ROWS * 4
+        self._slots = (slots, slots + registry.MAX_ROWS * 4)
+        self._nparts = 0  # nothing handed off yet
+        self._scale = self._rstd = self._slots[0]
+
+    @property
+    def rstd(self) -> int:
+        """The slot of the last normalizing kernel's 1 / rms of each token row."""
+        return self._rstd
+
+    def head(self, m: int) -> int:
+        """embed_rows of m rows writes ss rows 0 .. m - 1 and its 1 / rms (x's c): the slot."""
+        self._nparts, self._scale = m, self._slots[0]
+        self._rstd = self._scale
+        return self._scale
+
+    def produce(self, nparts: int) -> int:
+        """A producer of `nparts` CTAs writes x scaled by the last 1 / rms: that slot (its c)."""
+        if not 1 <= nparts <= registry.NORM_PARTS:
+            raise NanoqwenError(f"norm hand-off: {nparts} producing CTAs, at most "
+                                f"{registry.NORM_PARTS} rows of sums")  # fmt: skip
+        self._nparts, self._scale = nparts, self._rstd
+        return self._scale
+
+    def normalize(self) -> tuple[int, np.int32, int, int]:
+        """A normalizing kernel's (ss, nparts, scale, rstd): it writes rstd, the other slot."""
+        if not self._nparts:
+            raise NanoqwenError("norm hand-off: a normalizing kernel before any producer")
+        self._rstd = self._slots[1] if self._scale == self._slots[0] else self._slots[0]
+        return self.ss, _I32(self._nparts), self._scale, self._rstd
+
+
 class DecodeKernels(Launcher):
     def __init__(
         self,
@@ -169,16 +213,32 @@ class DecodeKernels(Launcher):
         self._gemv_grids[key, n] = grid
         return grid
 
-    def gemv_rows(self, kind, m, x, norm_w, qweight, scales, out, *, res=0, bias=0, pos=0,
-                  rope=0, pages=0, page_stride=0, kc=0, vc=0, n=None,
+    def embed_rows(self, ids, embed, norm_w, x, res, m, link: NormLink, stream=None) -> None:
+        """The multi-row steps' embedding, the head of the RMSNorm hand-off (gemv_rows.cu):
+        ids int32 [m] (device); embed fp16 [V, H]; norm_w fp16 [H] (the first layer's input
+        RMSNorm); res fp32 [m, H] = embed[ids]; x fp16 [m, H] = rmsnorm(res) * norm_w."""
+        self._check_rows(m, "embed_rows")
+        self.launch("embed_rows", (int(m), 1, 1), ids, embed, norm_w, x, res, link.ss,
+                    link.head(int(m)), stream=stream, label="embed",
+                    nbytes=int(m) * self.config.hidden_size * 8)  # fmt: skip
+
+    def _check_rows(self, m, what: str) -> None:
+        if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
+            raise NanoqwenError(f"{what}: m must be 1..{registry.MAX_ROWS} token rows, got {m!r}")
+
+    def gemv_rows(self, kind, m, x, qweight, scales, out, *, link: NormLink, res=0, bias=0,
+                  pos=0, rope=0, pages=0, page_stride=0, kc=0, vc=0, next_w=0, n=None,
                   stream=None) -> None:  # fmt: skip
         """The INT4 GEMV over m = 1..16 token rows, every weight byte read once (gemv_rows.cu).
 
         kind     "qkv" (RMSNorm + q/k/v + bias + RoPE at pos[r] + K/V write into the pages),
-                 "o" / "down" (res[r] += W x[r], in place; out[r] its fp16 copy), "gate_up"
-                 (RMSNorm + SwiGLU)
+                 "o" / "down" (res[r] += W x[r], in place; out[r] the hand-off to the next
+                 RMSNorm, fp16(res[r] * next_w) scaled by the token's c, or with next_w = 0
+                 the plain fp16 copy), "gate_up" (RMSNorm + SwiGLU)
         m        token rows (1..registry.MAX_ROWS; compiled in buckets of 8 and 16)
-        x        fp16 [m, K] row-major; norm_w fp16 [K] (qkv, gate_up) or 0
+        x        fp16 [m, K] row-major (qkv, gate_up: the hand-off the producer before wrote)
+        link     the step's NormLink: qkv and gate_up normalize through it, o and down hand off
+        next_w   fp16 [n] the next RMSNorm's weight (o, down) or 0
         qweight  uint32 [R, K/8] ValueShuffle rows; scales fp16 [R, K/128]; R = n (gate_up: 2n)
         out      fp16 [m, n] (qkv: q fp16 [m, n_heads, D])
         res      fp32 [m, n] the residual stream (o, down; else 0)
@@ -190,10 +250,7 @@ class DecodeKernels(Launcher):
         (kernel, n); qweight's TMA descriptor (K slices: registry.rows_split) is made on first
         use and kept.
         """
-        if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
-            raise NanoqwenError(
-                f"gemv_rows: m must be 1..{registry.MAX_ROWS} token rows, got {m!r}"
-            )
+        self._check_rows(m, "gemv_rows")
         if page_stride < 0:
             raise NanoqwenError(f"gemv_rows: page_stride must be >= 0, got {page_stride}")
         _check_res(kind, res)
@@ -206,10 +263,15 @@ class DecodeKernels(Launcher):
         grid = self._rows_grids.get((key, n)) or self._rows_grid(key, n)
         rows = 2 * n if epi == registry.Epilogue.SWIGLU else n
         w_map = self._rows_map(qweight, rows, k, self.specs[key].targs[4])
-        self.launch(key, (grid, 1, 1), w_map, x, norm_w, qweight, scales, bias, out, res,
-                    _I32(n), _I32(m),
-                    pos, rope, pages, _I32(page_stride), kc, vc, stream=stream,
-                    label=f"gemv_rows {kind}",
+        # q/k/v and gate/up normalize (NORM); o and down, the residual GEMVs, hand off.
+        norm = (
+            link.normalize()
+            if self.specs[key].targs[2]
+            else (link.ss, _I32(0), link.produce(grid), 0)
+        )
+        self.launch(key, (grid, 1, 1), w_map, x, qweight, scales, bias, out, res, _I32(n),
+                    _I32(m), pos, rope, pages, _I32(page_stride), kc, vc, *norm, next_w,
+                    stream=stream, label=f"gemv_rows {kind}",
                     nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
 
     def _rows_map(self, qweight: int, rows: int, k: int, s: int):
@@ -245,7 +307,8 @@ class DecodeKernels(Launcher):
         self._rows_grids[key, n] = grid
         return grid
 
-    def gemv_rows_split(self, m, x, qweight, scales, out, res, part, *, stream=None) -> None:
+    def gemv_rows_split(self, m, x, qweight, scales, out, res, part, *, link: NormLink,
+                        next_w=0, stream=None) -> None:  # fmt: skip
         """down_proj over m = 1..16 token rows, split over K: gemv_rows_split (grid: row
         ranges x K slices, registry.rows_split_grid) writes each slice's sums into `part`,
         then gemv_rows_split_sum adds them to the residual in slice order (deterministic).
@@ -254,14 +317,12 @@ class DecodeKernels(Launcher):
         x        fp16 [m, I] row-major (the SwiGLU output)
         qweight  uint32 [H, I/8] ValueShuffle rows; scales fp16 [H, I/128]
         res      fp32 [m, H], the residual stream: res += W x, in place
-        out      fp16 [m, H], its copy after the add (what the next RMSNorm reads)
+        out      fp16 [m, H], the hand-off to the next RMSNorm (gemv_rows' o and down)
+        link, next_w  as gemv_rows' (the sum kernel hands off)
         part     fp32 workspace of registry.rows_split_workspace(config) bytes, the step's own
                  (allocated once; each launch writes what its sum then reads)
         """
-        if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
-            raise NanoqwenError(
-                f"gemv_rows_split: m must be 1..{registry.MAX_ROWS} token rows, got {m!r}"
-            )
+        self._check_rows(m, "gemv_rows_split")
         mt = registry.row_bucket(int(m))
         key, sum_key = f"gemv_rows_split_down_m{mt}", f"gemv_rows_split_sum_m{mt}"
         if key not in self.specs:
@@ -273,9 +334,9 @@ class DecodeKernels(Launcher):
                     _I32(m), stream=stream, label="gemv_rows_split down",
                     nbytes=n * k // 2 + n * (k // GROUP_SIZE) * 2)  # fmt: skip
         quads = registry.rows_split_padded(n, self.geometry) * mt // 4  # a thread each
-        threads = self.specs[sum_key].threads
-        self.launch(sum_key, (-(-quads // threads), 1, 1), part, res, out, _I32(n), _I32(m),
-                    stream=stream, label="gemv_rows_split sum",
+        ctas = -(-quads // self.specs[sum_key].threads)
+        self.launch(sum_key, (ctas, 1, 1), part, res, out, _I32(n), _I32(m), next_w,
+                    link.produce(ctas), link.ss, stream=stream, label="gemv_rows_split sum",
                     nbytes=s * n * m * 4 + m * n * 10)  # fmt: skip
 
     def _split_grid(self, mt: int) -> int:

@@ -123,7 +123,7 @@ class Geometry:
     mr_split_ilp: int = 4
     mr_split_sub: int = 2
     mr_split_min_stages: int = 3  # host only
-    mr_sum_threads: int = 128  # host only
+    mr_sum_threads: int = 128
     # decode_misc.cu: block of the token-parallel kernels, lm_head's warps a CTA and rows in
     # flight a warp (fp16 rows; int8 rows, half the bytes, so twice as many keep the same
     # bytes in flight), the sampler's block and the most candidates its thresholds sort in
@@ -277,6 +277,7 @@ def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) ->
     lines += [f"  {c_name(w.name.lower())} = {int(w)}," for w in StateWord]
     lines.append("};")
     lines.append(f"constexpr int kMaxEos = {MAX_EOS};")
+    lines.append(f"constexpr int kNormParts = {NORM_PARTS};")
     lines.append(f"constexpr int kBackoffMaxFails = {BACKOFF_MAX_FAILS};")
     lines.append(f"constexpr int kBackoffMaxShift = {BACKOFF_MAX_SHIFT};")
     lines.append("enum Epilogue : int {")
@@ -381,7 +382,7 @@ PREFILL_ATTENTION = "prefill_attention.cu"
 _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
                 "kGvBalance", "kKParts")  # fmt: skip
-_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages", "kKParts")
+_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages", "kKParts", "kVerifyRows")
 _MR_SPLIT_TUNABLES = ("kMrSplitConsumers", "kMrSplitIlp", "kMrMaxStages", "kGvEarlyStages",
                       "kKParts", "kMrSplitSub")  # fmt: skip
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
@@ -540,6 +541,11 @@ def row_bucket(m: int) -> int:
 ROWS_STAGE_PAIRS = 8
 ROWS_SLICE_GROUPS = 16
 ROWS_ALIGN = 128
+# gemv_rows.cu's RMSNorm hand-off (NormLink): rows of producer sums of squares a normalizing
+# kernel reads at most (kNormParts: a producer's CTAs; one CTA an SM for gemv_rows' residual
+# GEMVs, ~100-160 for the split's sum kernel), and the bytes of ss plus the two scale slots.
+NORM_PARTS = 256
+NORM_LINK_BYTES = (NORM_PARTS + 2) * MAX_ROWS * 4
 
 
 def rows_split(k: int, n: int, epi: Epilogue, mt: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
@@ -604,14 +610,17 @@ def rows_grid(n: int, epi: Epilogue, num_sms: int, g: Geometry = DEFAULT_GEOMETR
 
 
 def rows_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
-    """The M-row GEMV of the decode step's four shapes at each token bucket."""
-    return tuple(
+    """The M-row GEMV of the decode step's four shapes at each token bucket, and the
+    multi-row steps' embedding (the head of gemv_rows.cu's RMSNorm hand-off)."""
+    gemvs = tuple(
         KernelSpec(f"gemv_rows_{kind}_m{mt}", GEMV_ROWS, "gemv_rows", (g.mr_consumers + 1) * 32,
                    g.mr_smem, targs=(k, mt, norm, int(epi), rows_split(k, n, epi, mt, g)),
                    tunables=_MR_TUNABLES)
         for kind, (k, n, norm, epi) in gemv_shapes(config).items()
         for mt in ROW_BUCKETS
     )  # fmt: skip
+    return gemvs + (KernelSpec("embed_rows", GEMV_ROWS, "embed_rows", g.misc_threads,
+                               tunables=("kMiscThreads", "kVerifyRows")),)  # fmt: skip
 
 
 def rows_split_stage_rows(g: Geometry = DEFAULT_GEOMETRY) -> int:
@@ -680,7 +689,8 @@ def rows_split_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tup
                        (g.mr_split_consumers + 1) * 32, g.mr_smem, targs=(k, mt, s),
                        tunables=_MR_SPLIT_TUNABLES),
             KernelSpec(f"gemv_rows_split_sum_m{mt}", GEMV_ROWS, "gemv_rows_split_sum",
-                       g.mr_sum_threads, targs=(mt, s), tunables=("kMrSplitSub",)),
+                       g.mr_sum_threads, targs=(mt, s),
+                       tunables=("kMrSplitSub", "kMrSumThreads", "kVerifyRows")),
         )  # fmt: skip
     return specs
 

@@ -145,9 +145,8 @@ class CudaBackend:
         self.spec = SpecLoop(self, speculative) if speculative else None
         self.batch = None
         if self.max_batch:
-            self.batch = BatchStep(self.gpu, cfg, self.kernels, self.prefill_kernels,
-                                   self.weights, self.kv, self.forward.rope, self.max_batch,
-                                   self.max_context)  # fmt: skip
+            self.batch = BatchStep(self.gpu, cfg, self.kernels, self.weights, self.kv,
+                                   self.forward.rope, self.max_batch, self.max_context)  # fmt: skip
         self.cached_tokens = 0  # of the running (or last) generation's prompt
         self.chunk_logits = 0  # the last sampling prefill_chunk's logits row (device address)
         # generate()'s iterators not yet finished: close() ends them while their memory lives

@@ -6,7 +6,8 @@ CudaBackend.prefill_chunk for a chunk of at most max_batch ids: rows below).
 Per step, for the B rows (row r: in a decode step the r-th sequence by slot; buffers for
 max_batch rows):
 
-    embed        x[r] = embed[tokens[r]]
+    embed        x[r] = embed[tokens[r]] (embed_rows: verify.rows_forward, the verify step's
+                 pass, with this step's attention)
     per layer    gemv_rows qkv (RMSNorm, bias, RoPE at pos[r], K/V into row r's pages: page
                  tables [max_batch, pages_per_row], row r's at r * pages_per_row), attention
                  over each row's own context (attn_decode<true>: a sequence's splits follow its
@@ -71,13 +72,12 @@ import numpy as np
 from ..config import PAGE_TOKENS, ModelConfig
 from ..cuda import registry
 from ..cuda.batch import BatchKernels, batch_attention_scratch_buffers
-from ..cuda.decode import DecodeKernels, VerifyKernels
-from ..cuda.prefill import PrefillKernels
+from ..cuda.decode import DecodeKernels, NormLink, VerifyKernels
 from ..cuda.registry import MAX_ROWS, STATE_WORDS, Geometry, StateWord
 from ..errors import NanoqwenError
 from .decode_loop import DecodeState
 from .kv_cache import KVCache
-from .verify import down_path, down_proj
+from .verify import down_path, rows_forward
 from .weights import Weights
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
@@ -166,7 +166,8 @@ def batch_plan(config: ModelConfig, rows: int, max_context: int, geometry: Geome
     words are host memory."""
     scratch = batch_attention_scratch_buffers(config, geometry, rows)
     split = registry.rows_split_workspace(config, geometry)  # down_proj's split: BatchStep.part
-    return [*batch_buffers(config, rows, max_context).values(), *scratch.values(), split]
+    return [*batch_buffers(config, rows, max_context).values(), *scratch.values(), split,
+            registry.NORM_LINK_BYTES]  # fmt: skip
 
 
 def sequence_seed(seq) -> int:
@@ -330,15 +331,13 @@ class BatchStep:
         gpu,
         config: ModelConfig,
         kernels: DecodeKernels,
-        prefill_kernels: PrefillKernels,
         weights: Weights,
         kv: KVCache,
         rope: int,
         max_batch: int,
         max_context: int,
     ) -> None:
-        self.gpu, self.config, self.kernels, self.prefill_kernels = (
-            gpu, config, kernels, prefill_kernels)  # fmt: skip
+        self.gpu, self.config, self.kernels = gpu, config, kernels
         self.weights, self.kv, self.rope = weights, kv, rope
         self.buckets = batch_buckets(max_batch)
         self.max_batch = max_batch
@@ -351,6 +350,7 @@ class BatchStep:
         gpu.memset(self.buf["keys"], 0, sizes["keys"])  # lm_head_rows takes an atomic max
         split = registry.rows_split_workspace(config, kernels.geometry)
         self.part = gpu.alloc(split, "batch down_proj split").ptr  # every bucket's graph
+        self.link = NormLink(gpu)  # the RMSNorm hand-off's buffers, every bucket's graph
         self.attn_scratch = self.batch.scratch(max_batch)
         host, _ = gpu.alloc_mapped(self.layout.words * 4)  # pinned: async copies' source
         self._host = host
@@ -376,23 +376,15 @@ class BatchStep:
     def forward(self, m: int, stream=None) -> None:
         """Enqueue the step over the first m rows of the device copy (tokens, pos, params,
         tables): logits into buf["logits"], the tokens into buf["out"]."""
-        b, k, w, kv, L = self.buf, self.kernels, self.weights, self.kv, self.layout
+        b, kv, L = self.buf, self.kv, self.layout
         tokens, pos, tables = self.word(L.tokens), self.word(L.pos), self.word(L.tables)
         stride = L.pages_per_row
-        k.embed(tokens, w.embed, b["x"], b["res"], m, stream=stream)
-        for i, ly in enumerate(w.layers):
-            k.gemv_rows("qkv", m, b["x"], ly.input_norm, ly.qkv_w, ly.qkv_s, b["q"],
-                        bias=ly.qkv_b, pos=pos, rope=self.rope, pages=tables,
-                        page_stride=stride, kc=kv.k[i], vc=kv.v[i], stream=stream)  # fmt: skip
+
+        def attend(i: int, stream) -> None:
             self.batch.attention(b["q"], kv.k[i], kv.v[i], tables, stride, pos, m,
                                  self.attn_scratch, b["attn"], stream=stream)  # fmt: skip
-            k.gemv_rows("o", m, b["attn"], 0, ly.o_w, ly.o_s, b["x"], res=b["res"],
-                        stream=stream)  # fmt: skip
-            k.gemv_rows("gate_up", m, b["x"], ly.post_norm, ly.gate_up_w, ly.gate_up_s,
-                        b["mlp"], stream=stream)  # fmt: skip
-            down_proj(self, m, self.down[m], b["mlp"], ly, b["x"], b["res"], self.part, stream)
-        self.verify.lm_head_rows(b["x"], w.final_norm, w.lm_head, b["logits"], b["keys"], m,
-                                 stream=stream)  # fmt: skip
+
+        rows_forward(self, m, tokens, pos, tables, stride, self.down[m], attend, stream)
         self.batch.sample(b["logits"], b["keys"], self.word(L.params), b["out"], m,
                           stream=stream)  # fmt: skip
 

@@ -14,9 +14,8 @@
 // ~12 us against gemv_int4's ~3 (docs/EXPERIMENTS.md, Decode GEMV); streaming whole rows keeps
 // gemv_int4's cost model (fixed cost + bytes at 4.5 TB/s) as long as the consumers keep up.
 //
-// x of all M tokens stays in shared memory for the whole K when it fits (S = 1: MT x K fp16,
-// RMSNorm-ed once per token after the PDL wait): 57 KB at K = 3584 and MT = 8, 115 KB at
-// MT = 16. So one CTA an SM (kMrConsumers + 1 warps: the SM keeps gemv_int4's warp count),
+// x of all M tokens stays in shared memory for the whole K when it fits (S = 1: MT x K fp16):
+// 57 KB at K = 3584 and MT = 8, 115 KB at MT = 16. So one CTA an SM (kMrConsumers + 1 warps: the SM keeps gemv_int4's warp count),
 // the ring beside x. Every CTA reads all of x from L2 (M x 7 KB a CTA at the 7B's hidden
 // size), under the first stage.
 //
@@ -27,8 +26,7 @@
 // into the other half of a double buffer while the stages of slice s run, the stages hold 8 rows x
 // the slice a run (one 2-D TMA box each: 8 rows of GS x 64 contiguous bytes, up to 1 KB), and each
 // (pair, token) sum is added slice after slice in shared memory by the one thread that owns it
-// (deterministic, no other CTA involved). RMSNorm with S > 1: the tokens' sums of squares are read
-// from global x (under slice 0's copies), each slice is normalized as it lands.
+// (deterministic, no other CTA involved).
 // The alternatives weighed, 7B down_proj (K = 18944, N = 3584) at M = 8:
 //  - K split over the CTAs of a cluster, x of a rank's slice resident, sums added through
 //    DSMEM: one 224 KB CTA an SM and clusters placed inside a GPC (an H200's 132 SMs are GPCs
@@ -62,10 +60,26 @@
 // them dequantization, 8 mma, 6 LDS.128 of weights and x). What sets the launch's pace (its
 // consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
 //
+// The RMSNorm hand-off (NORM: q/k/v and gate/up). RMSNorm needs each token row's sum of squares
+// over all K before any element of it can be scaled. Done in the normalizing kernel, every CTA
+// summed and rescaled all of x in shared memory between x's landing and its first stage, with no
+// weight byte consumed: 1.6 us of a 7B gate/up launch at M = 8, more at 16. Instead the kernel
+// that writes the residual h hands the next RMSNorm its input ready: x = fp16(h w c), w the
+// RMSNorm's weight and c a scale of each token row that keeps h w in fp16's range (the last
+// RMSNorm's 1 / rms, which one layer's update barely moves: the exact 1 / rms is what the
+// reference's fp16(h rstd w) takes), and each of its CTAs writes its rows' sums of squares of h
+// into a row of ss. The normalizing kernel loads its rows of ss under x's copies, adds them in
+// part order (deterministic), and its dot products take the exact factor in fp32: rstd W (h w)
+// = (rstd / c) W x. x is used as it lands; CTA 0 writes rstd, the next producer's c. The
+// producers: kResidual here (o; down where gemv_rows takes it), gemv_rows_split_sum (down), and
+// embed_rows before the first layer (c = the exact rstd: its x is the reference's). The last
+// down_proj hands nothing over (next_w null): lm_head_rows normalizes the plain copy itself.
+// The host side (the order of the slots, the rows of ss): cuda/decode.py's NormLink.
+//
 // Epilogues (gemv_epilogue.cuh), per token row r: kRope + bias, RoPE at pos[r], K/V into the
 // pages at pos[r] (page table pages + r * page_stride), q to out[r, :]; kResidual res[r, n] +=
-// dot (the fp32 residual, in place) and out[r, n] its fp16 copy; kSwiGLU out[r, n] =
-// silu(dot_gate) * dot_up.
+// dot (the fp32 residual, in place) and out[r, n] the hand-off (residual_handoff); kSwiGLU
+// out[r, n] = silu(dot_gate) * dot_up.
 #include "common.cuh"
 #include "kv_cache.cuh"
 #include "gemv_epilogue.cuh"
@@ -82,8 +96,9 @@ constexpr int kMrSliceGroups = 16;                // a slice's most groups: a TM
 constexpr int kMrThreads = (kMrConsumers + 1) * kWarp;
 constexpr int kMrAlign = 128;  // TMA boxes land 128-byte aligned: the ring's base is rounded up
 static_assert(kMrConsumers * kWarp >= 16 * 16, "one consumer thread per (row, token) sum");
-static_assert(kMrConsumers >= 16, "NORM: a warp per token's sum of squares");
-static_assert(kMrSliceGroups * 16 <= kMrConsumers * kWarp, "NORM: a slice's unit a thread");
+static_assert(kMrConsumers * kWarp % 16 == 0, "a thread keeps one token row: MT | C x 32");
+static_assert(kMrConsumers >= kVerifyRows, "NORM: a warp a token row's sum of squares");
+static_assert(kNormParts % kWarp == 0, "NORM: a warp's loads of the parts");
 
 // The shape of gemv_rows<K, MT, S> (the host's twin: registry.rows_stage_bytes, rows_stages).
 template <int K, int MT, int S>
@@ -115,6 +130,41 @@ struct MrShape {
 };
 
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+
+// A pair's epilogue inputs (gemv_epilogue.cuh's EpiIn) and, for kResidual's hand-off, the next
+// RMSNorm's weight at its rows a and b.
+struct RowsEpiIn : EpiIn {
+  float wa, wb;
+};
+
+// kResidual's epilogue of pair p for one token row, with the RMSNorm hand-off: res += the sums
+// (the fp32 residual, in place) and out = fp16(res w c), w the next RMSNorm's weight at the row
+// (in.wa, in.wb; 1 without one, and c = 1: out is then the plain fp16 copy) and c the row's
+// scale; sq gathers the squares of the new residual.
+__device__ __forceinline__ void residual_handoff(int p, float da, float db, const RowsEpiIn& in,
+                                                 float c, half* out, float* res, int N,
+                                                 int half_n, float& sq) {
+  const float a = in.a + da;
+  res[p] = a;
+  out[p] = __float2half_rn(a * in.wa * c);
+  sq += a * a;
+  if (p + half_n < N) {
+    const float b = in.b + db;
+    res[p + half_n] = b;
+    out[p + half_n] = __float2half_rn(b * in.wb * c);
+    sq += b * b;
+  }
+}
+
+// The sum over a warp's lanes l, l + R, l + 2R, ... (every lane gets its class's; R a power of
+// two dividing 32): a butterfly over the offsets R .. 16, the same order at every launch.
+template <int R>
+__device__ __forceinline__ float row_sum(float v) {
+  static_assert(R >= 1 && R <= kWarp && kWarp % R == 0, "lane classes of a warp");
+#pragma unroll
+  for (int o = R; o < kWarp; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
 // x of token row r in shared memory: 16-byte unit u (chunk u % 16 of group u / 16) sits at
 // u ^ bit3(u) ^ 2 (r & 1). A quarter warp (tokens 2h, 2h + 1; t4 = 0..3) loads chunk 4 t4 + q
@@ -238,8 +288,8 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 
 // w_map    TMA descriptor of qweight as uint32 [R][K/8] (row-major), box [8 rows][GS * 16
 //          words], no swizzle (S > 1 only; S = 1 ignores it)
-// x        fp16   [M, K]         activations, row-major, 16-byte aligned
-// norm_w   fp16   [K]            RMSNorm weight (NORM only; else ignored)
+// x        fp16   [M, K]         activations, row-major, 16-byte aligned (NORM: the hand-off,
+//                                x = fp16(h w c) of the residual h; see "The RMSNorm hand-off")
 // qweight  uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
 // scales   fp16   [R, K/128]
 // bias     fp16   [N]            kRope only (q | k | v biases)
@@ -251,6 +301,15 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 // kRope only: pos int32 [M] (device; each row's position), rope float2 [max_pos, kHeadDim/2]
 //   (cos, sin), pages int32 page tables (row r's at pages + r * page_stride; page_stride 0:
 //   one sequence), kc/vc this layer's caches (kv_cache.cuh). Other epilogues ignore them.
+// The hand-off (NORM and kResidual; the others ignore them):
+//   ss     fp32 [kNormParts][kVerifyRows]  sums of squares of the residual, a row a producing
+//                                CTA: NORM reads rows 0 .. nparts - 1, kResidual writes row
+//                                blockIdx.x
+//   scale  fp32 [M]              c of each token row: NORM, the one x carries; kResidual, the one
+//                                its out takes (ignored when next_w is null)
+//   rstd   fp32 [M]              NORM: CTA 0 writes each token row's 1 / rms (the next
+//                                producer's c)
+//   next_w fp16 [N]              kResidual: the next RMSNorm's weight; null: out = fp16(res)
 // Grid: at most one CTA per pair (registry.rows_grid: one an SM, fewer where a CTA would
 // get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic
 // shared memory: the ring, x [MT][GS groups] (swizzled; two of them at S > 1), the stage
@@ -259,10 +318,12 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 template <int K, int MT, bool NORM, int EPI, int S>
 __global__ void __launch_bounds__(kMrThreads, 1)
 gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
-          const half* __restrict__ norm_w, const unsigned char* __restrict__ qweight,
-          const half* __restrict__ scales, const half* __restrict__ bias, half* out, float* res,
-          int N, int M, const int* __restrict__ pos, const float2* __restrict__ rope,
-          const int* __restrict__ pages, int page_stride, half* kc, half* vc) {
+          const unsigned char* __restrict__ qweight, const half* __restrict__ scales,
+          const half* __restrict__ bias, half* out, float* res, int N, int M,
+          const int* __restrict__ pos, const float2* __restrict__ rope,
+          const int* __restrict__ pages, int page_stride, half* kc, half* vc, float* ss,
+          int nparts, const float* __restrict__ scale, float* __restrict__ rstd,
+          const half* __restrict__ next_w) {
   static_assert(K % kGroupSize == 0, "K must be a multiple of the INT4 group (128)");
   static_assert(MT == 8 || MT == 16, "token buckets of one or two n8 tiles");
   static_assert(EPI != kRope || (kHeadDim / 2) % kMrPairs == 0, "a stage within one head");
@@ -271,7 +332,8 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
-  __shared__ float rstd_s[MT];                       // NORM: 1 / rms of each token
+  __shared__ float norm_f[MT];  // NORM: rstd / c of each token row, the factor of its sums
+  __shared__ float sq_s[EPI == kResidual ? C : 1][MT];  // kResidual: warps' squares by row
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
@@ -303,17 +365,35 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   // epilogue of pair p reads.
   auto out_row = [&](int r) { return out + (size_t)r * (EPI == kRope ? kQSize : N); };
   auto res_row = [&](int r) { return res + (size_t)r * N; };
-  auto epi_load = [&](int p, int r) {
-    return epi_inputs<EPI>(p, res_row(r), N, half_n, bias, pos + r, rope,
-                           pages + (size_t)r * page_stride);
+  // kResidual: the next RMSNorm's weight at pair p's rows (1 without one).
+  auto load_w = [&](RowsEpiIn& in, int p) {
+    in.wa = next_w ? __half2float(next_w[p]) : 1.f;
+    in.wb = next_w && p + half_n < N ? __half2float(next_w[p + half_n]) : 1.f;
   };
-  auto finish = [&](int p, int r, float da, float db, const EpiIn& in) {
-    epi_finish<EPI>(p, da, db, in, out_row(r), res_row(r), N, half_n, kc, vc);
+  auto epi_load = [&](int p, int r) {
+    RowsEpiIn in{};
+    static_cast<EpiIn&>(in) = epi_inputs<EPI>(p, res_row(r), N, half_n, bias, pos + r, rope,
+                                              pages + (size_t)r * page_stride);
+    if (EPI == kResidual && S == 1) load_w(in, p);  // S > 1: at the epilogue (registers)
+    return in;
+  };
+  // kResidual: a consumer thread finishes token row tid % MT only (every mapping below), so it
+  // keeps that row's c and the squares of the new residual it writes.
+  float hc = 1.f, sq = 0.f;
+  auto finish = [&](int p, int r, float da, float db, const RowsEpiIn& in) {
+    if (NORM) {
+      da *= norm_f[r];
+      db *= norm_f[r];
+    }
+    if (EPI == kResidual)
+      residual_handoff(p, da, db, in, hc, out_row(r), res_row(r), N, half_n, sq);
+    else
+      epi_finish<EPI>(p, da, db, in, out_row(r), res_row(r), N, half_n, kc, vc);
   };
   // A consumer thread's next epilogue inputs, loaded early (gemv_epilogue.cuh: why): at S = 1
   // those of (pair j, token r) of its next stage (thread tid = j MT + r < 8 MT), a stage ahead;
   // at S > 1 its first item's, before the stages.
-  EpiIn epi_next{};
+  RowsEpiIn epi_next{};
 
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -405,37 +485,38 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         cp_async16(xb + r * GS * 16 + xr_unit(r, u), x + (size_t)r * K + g0 * kGroupSize + u * 8);
       }
     };
-    // NORM: warp r's token r, 1 / rms over K from src [M][K / 8] 16-byte units (any order).
-    auto token_rstd = [&](const uint4* src) {
-      if (warp < M) {
-        float ss = 0.f;
-        for (int u = lane; u < K / 8; u += kWarp) add_squares(ss, src[(size_t)warp * (K / 8) + u]);
-        ss = warp_sum(ss);
-        if (lane == 0) rstd_s[warp] = rsqrtf(ss / K + kRmsEps);
-      }
-    };
-    constexpr int kNV = (GS * 16 + C * kWarp - 1) / (C * kWarp);  // x units a thread (NORM)
-    uint4 nw[kNV];  // NORM: this thread's norm weights of the next slice to normalize
-    auto load_nw = [&](int s) {
-      const int g0 = slice0(s), gs = slice0(s + 1) - g0;
-#pragma unroll
-      for (int k = 0; k < kNV; ++k) {
-        const int u = tid + k * C * kWarp;
-        if (u < gs * 16) nw[k] = reinterpret_cast<const uint4*>(norm_w + g0 * kGroupSize)[u];
-      }
-    };
-    if (NORM) load_nw(0);  // constant: before the wait
     pdl_wait();
     if (S == 1 && tid < kMrPairs * MT && tid / MT < stage_len(p0) && tid % MT < M)
       epi_next = epi_load(p0 + tid / MT, tid % MT);
-    else if (S > 1 && tid < npairs * M)
-      epi_next = epi_load(p0 + tid / M, tid % M);
+    else if (S > 1 && EPI != kResidual && tid < npairs * MT && tid % MT < M)
+      epi_next = epi_load(p0 + tid / MT, tid % MT);
+    if (EPI == kResidual && S == 1 && next_w && tid % MT < M) hc = scale[tid % MT];
     stage_x(0);
-    if (NORM && S > 1) token_rstd(reinterpret_cast<const uint4*>(x));  // under the copies
+    // NORM: warp r's token row r, the producers' sums of squares loaded under x's copies and
+    // added once x is in (lane-strided in part order, then the warp's butterfly: the same sum
+    // at every launch); 1 / rms and the factor its sums take (first read after stage 0).
+    float part[kNormParts / kWarp] = {}, xc = 1.f;
+    if (NORM && warp < M) {
+#pragma unroll
+      for (int k = 0; k < kNormParts / kWarp; ++k) {
+        const int i = lane + k * kWarp;
+        if (i < nparts) part[k] = ss[i * kVerifyRows + warp];
+      }
+      xc = scale[warp];
+    }
     cp_async_wait_all();
     consumer_sync<C>();
     if (tid == 0) mbar_arrive(smem_addr(&x_bar));
-    if (NORM && S == 1) token_rstd(xs4);
+    if (NORM && warp < M) {
+      float t = 0.f;
+#pragma unroll
+      for (int k = 0; k < kNormParts / kWarp; ++k) t += part[k];
+      const float rs = rsqrtf(warp_sum(t) / K + kRmsEps);
+      if (lane == 0) {
+        norm_f[warp] = rs / xc;
+        if (blockIdx.x == 0) rstd[warp] = rs;
+      }
+    }
 
     // ---- the slices, each over the stages of this CTA's pairs: warp takes groups
     // (warp - i) mod C, + C, ... of stage i (i counts on across slices).
@@ -448,25 +529,8 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         cp_async_wait_all();
         consumer_sync<C>();
       }
-      if (NORM) {
-        if (s == 0) consumer_sync<C>();  // rstd_s
-#pragma unroll
-        for (int k = 0; k < kNV; ++k) {
-          const int u = tid + k * C * kWarp;
-          if (u < gs * 16) {
-            for (int r = 0; r < M; ++r) {
-              uint4& xv = xb[r * GS * 16 + xr_unit(r, u)];
-              xv = rmsnorm_vec(xv, nw[k], rstd_s[r]);
-            }
-          }
-        }
-        consumer_sync<C>();
-      }
       // The other buffer held slice s - 1, whose last stage ended on a consumer barrier.
-      if (s + 1 < S) {
-        if (NORM) load_nw(s + 1);
-        stage_x(s + 1);
-      }
+      if (s + 1 < S) stage_x(s + 1);
       for (int p = p0; p < p1; ++i) {
         const int np = stage_len(p);
         mbar_wait(smem_addr(&full_bar[slot]), phase);
@@ -485,9 +549,8 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         // thread per (row, token) adds its sum to the slices before (the same thread at every
         // slice), and the epilogue runs after the last slice.
         float* rb = red + (i & 1) * (C * 16 * MT);
-        // One group at a time: 16 warps' registers (~96 a thread) hold no more, and with half
-        // the warps the RMSNorm prologue cost the step more than the stages saved
-        // (docs/EXPERIMENTS.md, Decode GEMV).
+        // One group at a time: 16 warps' registers (~96 a thread) hold no more; 8 warps with
+        // 4 groups in flight measured the same in the step (docs/EXPERIMENTS.md, Decode GEMV).
         warp_stage<K, MT, S, 1>(st, sa, sb, xb, (warp + C - i % C) % C, C, gs, lane,
                                 smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
         consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
@@ -520,16 +583,41 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
     }
   }
-  if constexpr (S == 1) return;
-  __syncthreads();
+  if (warp == C) return;  // the producer
 
   // ---- S > 1: the epilogue after the last slice, on the consumer threads (they waited for the
-  // previous kernel): (pair, token) items. A thread's first item has its inputs loaded before
-  // the stages.
-  for (int e = tid; warp < C && e < npairs * M; e += C * kWarp) {
-    const int i = e / M, r = e % M;
-    const EpiIn in = e == tid ? epi_next : epi_load(p0 + i, r);
-    finish(p0 + i, r, sums[(i * 2) * MT + r], sums[(i * 2 + 1) * MT + r], in);
+  // previous kernel): (pair, token) items, token row e % MT = tid % MT (C x 32 is a multiple of
+  // MT). A thread's first item has its inputs loaded before the stages, but kResidual's: held
+  // over the stages with its c and sums of squares, they spill at MT = 16 (the 1.5B's down).
+  if constexpr (S > 1) {
+    if (EPI == kResidual && next_w && tid % MT < M) hc = scale[tid % MT];
+    consumer_sync<C>();
+    for (int e = tid; e < npairs * MT; e += C * kWarp) {
+      const int i = e / MT, r = e % MT;
+      RowsEpiIn in = e == tid && EPI != kResidual ? epi_next : epi_load(p0 + i, r);
+      if (EPI == kResidual) load_w(in, p0 + i);
+      if (r < M) finish(p0 + i, r, sums[(i * 2) * MT + r], sums[(i * 2 + 1) * MT + r], in);
+    }
+  }
+  // kResidual: the CTA's sums of squares by token row, its row of ss: each warp's lanes of one
+  // token row (lane % MT) added by a butterfly, then the warps' sums in warp order (a fixed
+  // order; one dependent load a step would make this tail ~1 us). At S = 1 only the W warps
+  // that finished pairs (threads j MT + r) hold squares: they alone meet, the others are done.
+  if constexpr (EPI == kResidual) {
+    constexpr int W = S == 1 ? kMrPairs * MT / kWarp : C;
+    if (warp >= W) return;
+    sq = row_sum<MT>(sq);
+    if (lane < MT) sq_s[warp][lane] = sq;
+    asm volatile("bar.sync 2, %0;" ::"n"(W * kWarp) : "memory");
+    if (tid < M) {
+      float w[W];
+#pragma unroll
+      for (int i = 0; i < W; ++i) w[i] = sq_s[i][tid];
+      float v = 0.f;
+#pragma unroll
+      for (int i = 0; i < W; ++i) v += w[i];
+      ss[blockIdx.x * kVerifyRows + tid] = v;
+    }
   }
 }
 
@@ -707,43 +795,129 @@ gemv_rows_split(const __grid_constant__ TensorMap w_map, const half* __restrict_
   }
 }
 
-// part  fp32 [S][Npad][MT] gemv_rows_split's sums (Npad = ceil(N / kRows) x kRows)
-// res   fp32 [M, N]        the residual stream, read and written in place:
-//                          res[r, n] += part[0, n, r] + part[1, n, r] + ... + part[S-1, n, r]
-// out   fp16 [M, N]        out[r, n] = fp16(res[r, n]), the copy the next RMSNorm reads
+// part   fp32 [S][Npad][MT] gemv_rows_split's sums (Npad = ceil(N / kRows) x kRows)
+// res    fp32 [M, N]        the residual stream, read and written in place:
+//                           res[r, n] += part[0, n, r] + part[1, n, r] + ... + part[S-1, n, r]
+// out    fp16 [M, N]        out[r, n] = fp16(res[r, n] next_w[n] scale[r]), the hand-off the
+//                           next RMSNorm reads (next_w null: fp16(res[r, n]))
+// next_w fp16 [N], scale fp32 [M], ss fp32 [kNormParts][kVerifyRows]: gemv_rows' kResidual's
+//                           (the CTA's sums of squares by token row into row blockIdx.x)
 // Thread t: feature n = t / (MT / 4), tokens 4 (t % (MT / 4)) .. + 3 (one float4 a slice;
-// a warp's loads are contiguous). Grid: ceil(Npad x MT / 4 / block) CTAs, any block.
+// a warp's loads are contiguous). Grid: ceil(Npad x MT / 4 / kMrSumThreads) CTAs.
 template <int MT, int S>
-__global__ void gemv_rows_split_sum(const float* __restrict__ part, float* res,
-                                    half* __restrict__ out, int N, int M) {
+__global__ void __launch_bounds__(kMrSumThreads)
+gemv_rows_split_sum(const float* __restrict__ part, float* res, half* __restrict__ out, int N,
+                    int M, const half* __restrict__ next_w, const float* __restrict__ scale,
+                    float* __restrict__ ss) {
   static_assert(MT % 4 == 0, "token quads");
   constexpr int Q = MT / 4;
+  static_assert(kMrSumThreads % kWarp == 0, "whole warps: a thread's token quad, lane % Q");
   constexpr int kRows = 16 * kMrSplitSub;
+  constexpr int W = kMrSumThreads / kWarp;
+  __shared__ float sq[W][MT];  // the warps' squares by token row
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   const int n = t / Q, r0 = 4 * (t % Q);
   const size_t npad = (size_t)(N + kRows - 1) / kRows * kRows;
   pdl_trigger();  // the next kernel's prologue (its weights) may start
-  if (n >= N || r0 >= M) return;
-  pdl_wait();
-  const float4* p = reinterpret_cast<const float4*>(part) + t;
-  float4 v[S];
-#pragma unroll
-  for (int s = 0; s < S; ++s) v[s] = p[s * npad * Q];  // all loads in flight, then the sum
+  pdl_wait();     // every thread: ss is written below
   float acc[4] = {};
+  if (n < N && r0 < M) {
+    // Every load first (the residual, the hand-off's weight and scales, the slices), then the
+    // stores: loads after a store to res would wait for it (res may alias them).
+    float h[4] = {}, c4[4] = {1.f, 1.f, 1.f, 1.f};
 #pragma unroll
-  for (int s = 0; s < S; ++s) {  // slice order: the same sum at every launch
-    acc[0] += v[s].x;
-    acc[1] += v[s].y;
-    acc[2] += v[s].z;
-    acc[3] += v[s].w;
-  }
+    for (int c = 0; c < 4; ++c) {
+      if (r0 + c < M) {
+        h[c] = res[(size_t)(r0 + c) * N + n];
+        if (next_w) c4[c] = scale[r0 + c];
+      }
+    }
+    const float w = next_w ? __half2float(next_w[n]) : 1.f;
+    const float4* p = reinterpret_cast<const float4*>(part) + t;
+    float4 v[S];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    if (r0 + c < M) {
-      const size_t i = (size_t)(r0 + c) * N + n;
-      const float v = res[i] + acc[c];
-      res[i] = v;
-      out[i] = __float2half_rn(v);
+    for (int s = 0; s < S; ++s) v[s] = p[s * npad * Q];  // all loads in flight, then the sum
+#pragma unroll
+    for (int s = 0; s < S; ++s) {  // slice order: the same sum at every launch
+      acc[0] += v[s].x;
+      acc[1] += v[s].y;
+      acc[2] += v[s].z;
+      acc[3] += v[s].w;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (r0 + c < M) {
+        const size_t i = (size_t)(r0 + c) * N + n;
+        h[c] += acc[c];
+        res[i] = h[c];
+        out[i] = __float2half_rn(h[c] * w * c4[c]);
+      }
+      acc[c] = h[c] * h[c];  // 0 past M
     }
   }
+  // The CTA's sums of squares by token row: a warp's lanes of one quad (lane % Q) by a
+  // butterfly, then the warps in order (gemv_rows' kResidual tail: why).
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    acc[c] = row_sum<Q>(acc[c]);
+    if (lane < Q) sq[warp][4 * lane + c] = acc[c];
+  }
+  __syncthreads();
+  if ((int)threadIdx.x < M) {
+    float w[W];
+#pragma unroll
+    for (int i = 0; i < W; ++i) w[i] = sq[i][threadIdx.x];
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < W; ++i) v += w[i];
+    ss[blockIdx.x * kVerifyRows + threadIdx.x] = v;
+  }
+}
+
+// ---- The head of the hand-off: the multi-row steps' embedding ----
+//
+// ids int32 [M]; embed fp16 [V, kHidden]; norm_w fp16 [kHidden], the first layer's input
+// RMSNorm. res fp32 [M, kHidden] = embed[ids] (the residual stream); x fp16 [M, kHidden] =
+// fp16(res norm_w rstd), the hand-off normalized in full (c = rstd, one rounding as the
+// reference's); ss row t: token t's sum of squares in column t, zeros elsewhere (the first
+// kernel reads rows 0 .. M - 1); scale [M] = rstd. Grid M (a CTA a token row), block
+// kMiscThreads: the row stays in registers between its sum of squares and its scaling.
+extern "C" __global__ void __launch_bounds__(kMiscThreads)
+embed_rows(const int* __restrict__ ids, const uint4* __restrict__ embed,
+           const uint4* __restrict__ norm_w, uint4* __restrict__ x, float4* __restrict__ res,
+           float* __restrict__ ss, float* __restrict__ scale) {
+  static_assert(kHidden % 8 == 0, "rows are copied as 16-byte vectors");
+  constexpr int kVecs = kHidden / 8, kPer = (kVecs + kMiscThreads - 1) / kMiscThreads;
+  __shared__ float scratch[kMiscThreads / kWarp];
+  pdl_wait();
+  pdl_trigger();
+  const int t = blockIdx.x;
+  const size_t id = (size_t)ids[t];
+  uint4 e[kPer];
+  float sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int v = threadIdx.x + k * kMiscThreads;
+    if (v < kVecs) {
+      e[k] = embed[id * kVecs + v];
+      const half2* h = reinterpret_cast<const half2*>(&e[k]);
+      const float2 f0 = __half22float2(h[0]), f1 = __half22float2(h[1]);
+      const float2 f2 = __half22float2(h[2]), f3 = __half22float2(h[3]);
+      const size_t i = (size_t)t * kVecs + v;
+      res[2 * i] = make_float4(f0.x, f0.y, f1.x, f1.y);
+      res[2 * i + 1] = make_float4(f2.x, f2.y, f3.x, f3.y);
+      add_squares(sum, e[k]);
+    }
+  }
+  sum = block_sum<kMiscThreads / kWarp>(sum, scratch);
+  const float rs = rsqrtf(sum / kHidden + kRmsEps);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int v = threadIdx.x + k * kMiscThreads;
+    if (v < kVecs) x[(size_t)t * kVecs + v] = rmsnorm_vec(e[k], norm_w[v], rs);
+  }
+  if (threadIdx.x < kVerifyRows)
+    ss[t * kVerifyRows + threadIdx.x] = (int)threadIdx.x == t ? sum : 0.f;
+  if (threadIdx.x == 0) scale[t] = rs;
 }
