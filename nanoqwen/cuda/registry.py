@@ -324,7 +324,7 @@ class GemmTile:
 # tile at M = 576: its rate against the 256-token tile's in the same run, x 0.98 plain, x 0.91
 # SwiGLU). The 192-token tile is there for the lengths just past a multiple of 256: a 530-token
 # prompt pads to 576 rows instead of 768. The 16-token tile (M = 1..16: prompts of a few new
-# tokens; dev/verify_step.py's --down gemm) keeps 16 stages (64 KB of weights) in flight an
+# tokens; dev/down_ab.py's gemm baseline) keeps 16 stages (64 KB of weights) in flight an
 # SM for its pass over the weights. The picker's model has no memory-bound term, so its rates are
 # set from what it must reproduce, the 7B's shapes at M = 16 on the H200 against the 64-token
 # tile (dev/prefill_check.py --timing-m 8,16): down 25.6 against 29.6 us gives 395 x 16/64 x

@@ -6,8 +6,8 @@ CudaBackend.prefill_chunk for a chunk of at most max_batch ids: rows below).
 Per step, for the B rows (row r: in a decode step the r-th sequence by slot; buffers for
 max_batch rows):
 
-    embed        x[r] = embed[tokens[r]] (embed_rows: verify.rows_forward, the verify step's
-                 pass, with this step's attention)
+    embed        x[r] = embed[tokens[r]] (embed_rows; the pass is verify.rows_forward, the
+                 verify step's, with this step's attention)
     per layer    gemv_rows qkv (RMSNorm, bias, RoPE at pos[r], K/V into row r's pages: page
                  tables [max_batch, pages_per_row], row r's at r * pages_per_row), attention
                  over each row's own context (attn_decode<true>: a sequence's splits follow its
@@ -144,9 +144,10 @@ def pages_per_row(max_context: int) -> int:
 
 def batch_buffers(config: ModelConfig, rows: int, max_context: int) -> dict[str, int]:
     """Bytes of BatchStep's own buffers for `rows` rows: the staging words' device copy (int32
-    RowLayout.words), res fp32 [rows, H] (the residual stream), x fp16 [rows, H] (its copy), q
-    and attn fp16 [rows, q], mlp fp16 [rows, I], logits fp32 [rows, V], keys u64 [rows + 1] (the
-    last: spare), out int32 [rows + 1] (the last: prefill_chunk's token)."""
+    RowLayout.words), res fp32 [rows, H] (the residual stream), x fp16 [rows, H] (the next
+    RMSNorm's input: verify_buffers' x), q and attn fp16 [rows, q], mlp fp16 [rows, I], logits
+    fp32 [rows, V], keys u64 [rows + 1] (the last: spare), out int32 [rows + 1] (the last:
+    prefill_chunk's token)."""
     c = config
     return {
         "rows": RowLayout(rows, pages_per_row(max_context)).words * 4,

@@ -26,7 +26,8 @@ from .weights import Weights, check_speculation_head
 
 def verify_buffers(config: ModelConfig, rows: int) -> dict[str, int]:
     """Bytes of Verify's own buffers for `rows` rows: tokens and pos int32 [rows], res fp32
-    [rows, H] (the residual stream), x fp16 [rows, H] (its copy), q and attn fp16 [rows, q], mlp
+    [rows, H] (the residual stream), x fp16 [rows, H] (the next RMSNorm's input: the hand-off,
+    gemv_rows.cu; the plain copy after the last layer), q and attn fp16 [rows, q], mlp
     fp16 [rows, I], logits fp32 [rows, V], keys u64 [rows] (attention_rows' scratch:
     rows_attention_scratch_buffers)."""
     c = config
