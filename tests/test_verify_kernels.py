@@ -9,7 +9,7 @@ import pytest
 
 from nanoqwen.config import PAGE_TOKENS, PRESETS, preset
 from nanoqwen.cuda import registry
-from nanoqwen.cuda.decode import VerifyKernels
+from nanoqwen.cuda.decode import check_rows
 from nanoqwen.errors import NanoqwenError
 
 SMEM_PER_BLOCK = 227 * 1024  # sm_90's opt-in maximum of dynamic + static shared memory
@@ -54,11 +54,10 @@ def test_mattn_smem_7b():
 
 @pytest.mark.parametrize("m", [0, -1, 17])
 def test_bad_row_counts_raise(m):
-    vk = VerifyKernels.__new__(VerifyKernels)  # the check alone: no Gpu, no launch
-    vk.geometry = registry.DEFAULT_GEOMETRY
+    """The multi-row kernels' one row check (attention_rows, lm_head_rows, the GEMVs)."""
     with pytest.raises(NanoqwenError, match="1..16"):
-        vk._check_rows(m)
-    assert vk._check_rows(16) == 16 and vk._check_rows(1) == 1
+        check_rows(m, "attention_rows")
+    assert check_rows(16, "x") == 16 and check_rows(1, "x") == 1
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -26,6 +26,14 @@ _I32 = np.int32
 _MAX_KEPT_MAPS = 4096  # gemv_rows' weight descriptors kept (four a layer of the largest model)
 
 
+def check_rows(m, what: str) -> int:
+    """m as an int when it is 1..registry.MAX_ROWS token rows, what the multi-row kernels take
+    (gemv_rows' largest bucket); else NanoqwenError naming `what`."""
+    if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
+        raise NanoqwenError(f"{what}: m must be 1..{registry.MAX_ROWS} token rows, got {m!r}")
+    return int(m)
+
+
 def _check_res(kind: str, res: int) -> None:
     """The fp32 residual goes with the residual GEMVs (o, down) and with no other."""
     if bool(res) != (kind in ("o", "down")):
@@ -217,14 +225,10 @@ class DecodeKernels(Launcher):
         """The multi-row steps' embedding, the head of the RMSNorm hand-off (gemv_rows.cu):
         ids int32 [m] (device); embed fp16 [V, H]; norm_w fp16 [H] (the first layer's input
         RMSNorm); res fp32 [m, H] = embed[ids]; x fp16 [m, H] = rmsnorm(res) * norm_w."""
-        self._check_rows(m, "embed_rows")
-        self.launch("embed_rows", (int(m), 1, 1), ids, embed, norm_w, x, res, link.ss,
-                    link.head(int(m)), stream=stream, label="embed",
-                    nbytes=int(m) * self.config.hidden_size * 8)  # fmt: skip
-
-    def _check_rows(self, m, what: str) -> None:
-        if not isinstance(m, (int, np.integer)) or not 1 <= m <= registry.MAX_ROWS:
-            raise NanoqwenError(f"{what}: m must be 1..{registry.MAX_ROWS} token rows, got {m!r}")
+        m = check_rows(m, "embed_rows")
+        self.launch("embed_rows", (m, 1, 1), ids, embed, norm_w, x, res, link.ss, link.head(m),
+                    stream=stream, label="embed",
+                    nbytes=m * self.config.hidden_size * 8)  # fmt: skip
 
     def gemv_rows(self, kind, m, x, qweight, scales, out, *, link: NormLink, res=0, bias=0,
                   pos=0, rope=0, pages=0, page_stride=0, kc=0, vc=0, next_w=0, n=None,
@@ -250,7 +254,7 @@ class DecodeKernels(Launcher):
         (kernel, n); qweight's TMA descriptor (K slices: registry.rows_split) is made on first
         use and kept.
         """
-        self._check_rows(m, "gemv_rows")
+        check_rows(m, "gemv_rows")
         if page_stride < 0:
             raise NanoqwenError(f"gemv_rows: page_stride must be >= 0, got {page_stride}")
         _check_res(kind, res)
@@ -322,7 +326,7 @@ class DecodeKernels(Launcher):
         part     fp32 workspace of registry.rows_split_workspace(config) bytes, the step's own
                  (allocated once; each launch writes what its sum then reads)
         """
-        self._check_rows(m, "gemv_rows_split")
+        check_rows(m, "gemv_rows_split")
         mt = registry.row_bucket(int(m))
         key, sum_key = f"gemv_rows_split_down_m{mt}", f"gemv_rows_split_sum_m{mt}"
         if key not in self.specs:
@@ -463,13 +467,6 @@ class VerifyKernels(Launcher):
         self.attn_splits = max(cl, per_head // cl * cl)
         self._maps: dict[tuple[int, int], object] = {}
 
-    def _check_rows(self, m: int) -> int:
-        if not 1 <= m <= self.geometry.verify_rows:
-            raise NanoqwenError(
-                f"M={m} rows: the multi-row kernels take 1..{self.geometry.verify_rows}"
-            )
-        return m
-
     def attention_rows(self, q, kc, vc, pages, start, m: int, scratch: AttentionScratch,
                        out, stream=None) -> None:  # fmt: skip
         """Attention of M query rows at positions *start .. *start + M - 1 (row t over keys 0 ..
@@ -484,8 +481,8 @@ class VerifyKernels(Launcher):
         """
         c = self.config
         self.launch("attention_rows", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages,
-                    start, _I32(self._check_rows(m)), scratch.part_ml.ptr, scratch.part_acc.ptr,
-                    scratch.counters.ptr, out, stream=stream,
+                    start, _I32(check_rows(m, "attention_rows")), scratch.part_ml.ptr,
+                    scratch.part_acc.ptr, scratch.counters.ptr, out, stream=stream,
                     per_token=registry.kv_token_bytes(c, self.geometry))  # fmt: skip
 
     def attention_scratch(self) -> AttentionScratch:
@@ -510,5 +507,5 @@ class VerifyKernels(Launcher):
             self._maps[w, v] = w_map
         ctas = min(-(-v // g.lmr_block_rows), self.gpu.num_sms)
         self.launch("lm_head_rows", (ctas, 1, 1), w_map, x, norm_w, logits, keys,
-                    _I32(self._check_rows(m)), _I32(v), stream=stream,
+                    _I32(check_rows(m, "lm_head_rows")), _I32(v), stream=stream,
                     nbytes=v * self.config.hidden_size * 2)  # fmt: skip

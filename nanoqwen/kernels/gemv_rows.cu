@@ -15,9 +15,9 @@
 // gemv_int4's cost model (fixed cost + bytes at 4.5 TB/s) as long as the consumers keep up.
 //
 // x of all M tokens stays in shared memory for the whole K when it fits (S = 1: MT x K fp16):
-// 57 KB at K = 3584 and MT = 8, 115 KB at MT = 16. So one CTA an SM (kMrConsumers + 1 warps: the SM keeps gemv_int4's warp count),
-// the ring beside x. Every CTA reads all of x from L2 (M x 7 KB a CTA at the 7B's hidden
-// size), under the first stage.
+// 57 KB at K = 3584 and MT = 8, 115 KB at MT = 16. So one CTA an SM (kMrConsumers + 1 warps:
+// the SM keeps gemv_int4's warp count), the ring beside x. Every CTA reads all of x from L2
+// (M x 7 KB a CTA at the 7B's hidden size), under the first stage.
 //
 // When it does not (registry.rows_split: down_proj, K = 8960..27648; the 14B/32B hidden 5120 at
 // MT = 16; the steps take down_proj through gemv_rows_split below instead, a split of K across the
@@ -62,9 +62,9 @@
 //
 // The RMSNorm hand-off (NORM: q/k/v and gate/up). RMSNorm needs each token row's sum of squares
 // over all K before any element of it can be scaled. Done in the normalizing kernel, every CTA
-// summed and rescaled all of x in shared memory between x's landing and its first stage, with no
-// weight byte consumed: 1.6 us of a 7B gate/up launch at M = 8, more at 16. Instead the kernel
-// that writes the residual h hands the next RMSNorm its input ready: x = fp16(h w c), w the
+// would sum and rescale all of x in shared memory between x's landing and its first stage, no
+// weight byte consumed meanwhile (1.6 us of a 7B gate/up launch at M = 8). So the kernel that
+// writes the residual h hands the next RMSNorm its input ready: x = fp16(h w c), w the
 // RMSNorm's weight and c a scale of each token row that keeps h w in fp16's range (the last
 // RMSNorm's 1 / rms, which one layer's update barely moves: the exact 1 / rms is what the
 // reference's fp16(h rstd w) takes), and each of its CTAs writes its rows' sums of squares of h
