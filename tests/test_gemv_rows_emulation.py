@@ -1,6 +1,6 @@
 """gemv_rows.cu's index math emulated in numpy (no GPU): the producer's copies (bulk copies,
 TMA boxes, the scales' cp.async) into a stage's bytes, the swizzled x, each lane's A / B
-fragments of mma.m16n8k16, the scales' offsets, the groups' rotation over the warps, the stage
+fragments of mma.m16n8k16, the scales' offsets, the groups each warp takes, the stage
 reduction, the epilogue of each stage's pairs at one slice, the K slices a CTA takes in turn (x
 double-buffered, sums added slice after slice) and the epilogue's items after them, on small
 awkward shapes; the result must be the dequantized weights' product. The same for down_proj's
@@ -22,7 +22,7 @@ from nanoqwen.config import GROUP_SIZE
 from nanoqwen.cuda import registry
 from nanoqwen.quant import dequantize_packed
 
-C, P, HEAD_DIM = 16, registry.ROWS_STAGE_PAIRS, 64  # consumer warps, pairs a stage
+C, P, HEAD_DIM = registry.DEFAULT_GEOMETRY.mr_consumers, registry.ROWS_STAGE_PAIRS, 64
 ROPE, RESIDUAL, SWIGLU = (registry.Epilogue.ROPE, registry.Epilogue.RESIDUAL,
                           registry.Epilogue.SWIGLU)  # fmt: skip
 
@@ -105,7 +105,7 @@ class Emulation:
     def cta(self, out, p0, p1):
         """One CTA: slice after slice, x of the slice staged into buffer s % 2, then the
         slice's stages over the CTA's pairs (i counts on across slices). One slice: each stage's
-        pairs finished after its reduction (thread j MT + r: pair j, token r); else the
+        pairs finished after its reduction (thread kRt0 + j MT + r: pair j, token r); else the
         [npairs][2][MT] sums, then the epilogue."""
         sh, s_ = self.sh, self.s
         xbufs = [self.rng.integers(0, 255, (self.mt * sh["GS"] * 16, 16)).astype(np.uint8)
@@ -130,12 +130,11 @@ class Emulation:
                 st = self.stage(p, np_, g0, gs)
                 red = np.stack([self.warp_sums(st, xh, p, i, warp, g0, gs) for warp in range(C)])
                 red = red.reshape(C, -1)
-                for tid in range(P * self.mt if s_ == 1 else 0):  # warps in order
-                    j, r = tid // self.mt, tid % self.mt
+                for rt in range(P * self.mt if s_ == 1 else 0):  # the last warps, in order
+                    j, r = rt // self.mt, rt % self.mt
                     if j < np_ and r < self.m:
-                        self.finish(
-                            out, p + j, r, red[:, tid].sum(), red[:, P * self.mt + tid].sum(), tid
-                        )
+                        da, db = red[:, rt].sum(), red[:, P * self.mt + rt].sum()
+                        self.finish(out, p + j, r, da, db, C * 32 - P * self.mt + rt)
                 for tid in range(16 * self.mt if s_ > 1 else 0):  # a thread a (row, token)
                     row, r = tid // self.mt, tid % self.mt
                     v = red[:, tid].sum()
@@ -189,8 +188,8 @@ class Emulation:
         sh, mt = self.sh, self.mt
         sc = st[sh["kSc"] :].view(np.float16).astype(np.float64)
         acc = np.zeros((8, 4, mt // 8, 4))  # lane (g, t4): [tt][c]
-        c = self.warps
-        for j in range((warp + c - i % c) % c, gs, c):
+        c = self.warps  # S = 1: the same groups every stage; S > 1 rotated by the stage
+        for j in range(warp if self.s == 1 else (warp + c - i % c) % c, gs, c):
             for g in range(8):
                 if self.s == 1:
                     sa = (self.row_a(p) * sh["G"]) % 8 + g * sh["G"]
@@ -293,7 +292,7 @@ class SplitEmulation(Emulation):
     p + 8 .. p + 15 (Emulation.stage with those rows), its groups split over one team's
     C / kMrSplitSub warps."""
 
-    warps = C // SUB
+    warps = registry.DEFAULT_GEOMETRY.mr_split_consumers // SUB  # a team's (kMrSplitConsumers)
 
     def row_a(self, p):
         return p
@@ -324,12 +323,12 @@ class SplitEmulation(Emulation):
                     for team in range(SUB):
                         p = (b0 + i) * K_ROWS + team * 16
                         st = self.stage(p, 8, g0, gs)
-                        reds += [self.warp_sums(st, xh, p, i, w, g0, gs) for w in range(C // SUB)]
+                        reds += [self.warp_sums(st, xh, p, i, w, g0, gs) for w in range(self.warps)]
                     rb = np.stack(reds).reshape(-1)  # [C][16][MT]
                     for e in range(K_ROWS * mt):
-                        src = (e // (16 * mt)) * (C // SUB) * 16 * mt + e % (16 * mt)
+                        src = (e // (16 * mt)) * self.warps * 16 * mt + e % (16 * mt)
                         v = 0.0
-                        for ww in range(C // SUB):
+                        for ww in range(self.warps):
                             v += rb[src + ww * 16 * mt]
                         at = dst + i * K_ROWS * mt + e
                         assert np.isnan(part[at])  # each sum stored once

@@ -106,8 +106,11 @@ class Geometry:
     # dynamic shared memory a CTA asks for, the fewest SMs its K slices plan for
     # (rows_split: a CTA's pairs, and so its sums, grow as SMs go), and the fewest pairs a CTA
     # takes (rows_grid: a whole stage's; below it a CTA's 8-row TMA boxes read its
-    # neighbour's rows, and every CTA's read of x from L2 outweighs its weights more).
+    # neighbour's rows, and every CTA's read of x from L2 outweighs its weights more); the
+    # groups of x a consumer lane keeps in registers at MT = 8 (16 registers each: a warp takes
+    # the same groups of every stage at S = 1; two spill under the 96 registers a thread).
     mr_consumers: int = 16
+    mr_x_regs: int = 1
     mr_max_stages: int = 8
     mr_smem: int = 224 * 1024  # host only
     mr_min_sms: int = 112  # host only
@@ -382,7 +385,8 @@ PREFILL_ATTENTION = "prefill_attention.cu"
 _GV_TUNABLES = ("kGvConsumers", "kGvCtasPerSm", "kGvWideMinK", "kGvStageTarget",
                 "kGvMaxStages", "kGvEarlyStages", "kGvFoldMaxK", "kGvXRegItems",
                 "kGvBalance", "kKParts")  # fmt: skip
-_MR_TUNABLES = ("kMrConsumers", "kMrMaxStages", "kGvEarlyStages", "kKParts", "kVerifyRows")
+_MR_TUNABLES = ("kMrConsumers", "kMrXRegs", "kMrMaxStages", "kGvEarlyStages", "kKParts",
+                "kVerifyRows")  # fmt: skip
 _MR_SPLIT_TUNABLES = ("kMrSplitConsumers", "kMrSplitIlp", "kMrMaxStages", "kGvEarlyStages",
                       "kKParts", "kMrSplitSub")  # fmt: skip
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",

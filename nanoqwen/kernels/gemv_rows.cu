@@ -50,12 +50,13 @@
 // of x for B (K order inside a group is free as long as A and B agree: gemv_int4.cu's
 // mapping); word q of the chunk feeds two mma (pairs 0, 1 and 2, 3). Each group's fresh D is
 // scaled by its rows' scales into fp32 accumulators. The consumer warps split a stage's
-// groups (warp w takes groups w, w + C, ... rotated by the stage so that uneven counts even
-// out), then reduce the stage's 16 rows x MT tokens over the warps in a fixed warp order
-// through a double-buffered shared array: one consumer barrier a stage. With whole rows a stage
-// (S = 1) its pairs are then complete, and the reducing threads apply the epilogue at once,
-// under the next stage, instead of all of it after the last one, a tail that grows with M
-// (docs/PERFORMANCE.md, the verify step).
+// groups (warp w takes groups w, w + C, ...: at S = 1 the same in every stage, so that a lane
+// keeps x of its first in registers at MT = 8 and the warps with one group fewer, the last
+// ones, reduce; at S > 1 rotated by the stage), then reduce the stage's 16 rows x MT tokens over
+// the warps in a fixed warp order through a double-buffered shared array: one consumer barrier
+// a stage. With whole rows a stage (S = 1) its pairs are then complete, and the reducing
+// threads apply the epilogue at once, under the next stage, instead of all of it after the last
+// one, a tail that grows with M (docs/PERFORMANCE.md, the verify step).
 // Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
 // them dequantization, 8 mma, 6 LDS.128 of weights and x). What sets the launch's pace (its
 // consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
@@ -188,17 +189,28 @@ __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(C * kWarp) : "memory");
 }
 
+// The lane's x: its B fragment of group j, token tile tt, word q (tokens 8 tt + g, chunk t4)
+// is unit xr_unit(8 tt + g, 16 j + 4 t4 + q) of the slice's x [MT][GS groups], which is
+// lane_x(...)[16 j + tt x 8 GS 16 + (q ^ lane_sw(lane))] (xr_unit's two XOR terms touch only
+// q's bits).
+template <int GS>
+__device__ __forceinline__ const uint4* lane_x(const uint4* xs4, int lane) {
+  return xs4 + (lane / 4) * GS * 16 + 4 * (lane % 4);
+}
+__device__ __forceinline__ int lane_sw(int lane) {
+  return ((lane % 4) >> 1) ^ ((lane / 4 & 1) << 1);
+}
+
 // NG groups (slice-local j, j + step, ...) of a stage against the lane's two A rows, g (w1: its
 // chunk t4 of the group's first, scales s1) and g + 8 (w2, s2), and MT / 8 token tiles, scaled
 // into acc[tt] in group order (c0, c1: A row g, tokens 8 tt + 2 t4, + 1; c2, c3: A row g + 8).
-// xl: the lane's x, xs4 + (row g, unit 4 t4) of the slice's x [MT][GS groups], where
-// xr_unit(8 tt + g, 16 j + 4 t4 + q) is 16 j + 4 t4 + (q ^ sw) (its two XOR terms touch only q's
-// bits). NG > 1 puts that many groups' loads, dequantization and mma chains in flight at once.
-template <int K, int MT, int S, int NG>
+// xv_of(j, tt, q): the lane's x of group j, token tile tt, word q (lane_x: from shared memory,
+// or registers that hold it). NG > 1 puts that many groups' loads, dequantization and mma
+// chains in flight at once.
+template <int MT, int NG, typename XV>
 __device__ __forceinline__ void group_mma(const unsigned char* w1, const unsigned char* w2,
-                                          const half* s1, const half* s2, const uint4* xl,
-                                          int sw, int j, int step, float (&acc)[MT / 8][4]) {
-  using Sh = MrShape<K, MT, S>;
+                                          const half* s1, const half* s2, XV xv_of, int j,
+                                          int step, float (&acc)[MT / 8][4]) {
   uint4 wa[NG], wb[NG];
   half sa[NG], sb[NG];
 #pragma unroll
@@ -219,10 +231,9 @@ __device__ __forceinline__ void group_mma(const unsigned char* w1, const unsigne
       dequant_word((&wb[n].x)[q], hb);
       const uint32_t a0[4] = {h2u(ha[0]), h2u(hb[0]), h2u(ha[1]), h2u(hb[1])};
       const uint32_t a1[4] = {h2u(ha[2]), h2u(hb[2]), h2u(ha[3]), h2u(hb[3])};
-      const uint4* xj = xl + 16 * (j + n * step);
 #pragma unroll
       for (int tt = 0; tt < MT / 8; ++tt) {
-        const uint4 xv = xj[tt * 8 * Sh::GS * 16 + (q ^ sw)];
+        const uint4 xv = xv_of(j + n * step, tt, q);
         mma_16816(d[n][tt][0], a0, xv.x, xv.y);
         mma_16816(d[n][tt][1], a1, xv.z, xv.w);
       }
@@ -241,8 +252,9 @@ __device__ __forceinline__ void group_mma(const unsigned char* w1, const unsigne
 }
 
 // A consumer warp's share of a stage: groups first, first + step, ... < gs against its lane's
-// rows and every token tile (ILP (group, token tile) products in flight: ILP / (MT / 8) groups
-// at a time, then 2 and 1 for what is left), then its arrival on the stage's "empty" barrier
+// rows and every token tile (the first XR with x from registers, xr[n] that of group first + n
+// step; then ILP (group, token tile) products in flight: ILP / (MT / 8) groups at a time, then
+// 2 and 1 for what is left), then its arrival on the stage's "empty" barrier
 // (it has read the slot) and its sums [16 rows][MT] into `sums` (its part of the stage
 // reduction; rows 0..7 of run a, then of run b). sa, sb: the scales of the lane's row g of run a
 // and of run b. The mma's A rows g and g + 8 are row g of run a and of run b, swapped in odd
@@ -250,31 +262,41 @@ __device__ __forceinline__ void group_mma(const unsigned char* w1, const unsigne
 // then read rows of both runs at once, 64 bytes apart modulo 128, 8 distinct bank quads; rows
 // 2h and 2h + 1 of one run sit a multiple of 128 bytes apart when K / 2 is, and every weight
 // load would be a 2-way bank conflict.
-template <int K, int MT, int S, int ILP>
+template <int K, int MT, int S, int ILP, int XR = 0>
 __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* sa,
                                            const half* sb, const uint4* xs4, int first, int step,
-                                           int gs, int lane, uint32_t empty, float* sums) {
+                                           int gs, int lane, uint32_t empty, float* sums,
+                                           const uint4 (*xr)[MT / 8][4] = nullptr) {
   using Sh = MrShape<K, MT, S>;
   const int g = lane / 4, t4 = lane % 4, odd = Sh::kPad ? g & 1 : 0;
   const unsigned char* w1 = st + odd * Sh::kRunB + g * Sh::kRow + t4 * 16;
   const unsigned char* w2 = st + (odd ^ 1) * Sh::kRunB + g * Sh::kRow + t4 * 16;
-  const uint4* xl = xs4 + g * Sh::GS * 16 + 4 * t4;
-  const int sw = (t4 >> 1) ^ ((g & 1) << 1);
+  const uint4* xl = lane_x<Sh::GS>(xs4, lane);
+  const int sw = lane_sw(lane);
+  auto x_smem = [xl, sw](int j, int tt, int q) {
+    return xl[16 * j + tt * 8 * Sh::GS * 16 + (q ^ sw)];
+  };
   float acc[MT / 8][4] = {};
   const half* s1 = odd ? sb : sa;
   const half* s2 = odd ? sa : sb;
   constexpr int NG = ILP > MT / 8 ? ILP / (MT / 8) : 1;
   static_assert(NG == 1 || NG == 2 || NG == 4, "groups at a time: 1, 2 or 4");
   int j = first;
+#pragma unroll
+  for (int n = 0; n < XR; ++n, j += step) {
+    if (j < gs)
+      group_mma<MT, 1>(w1, w2, s1, s2, [xr, n](int, int tt, int q) { return xr[n][tt][q]; }, j,
+                       step, acc);
+  }
   if constexpr (NG >= 4) {
     for (; j + 3 * step < gs; j += 4 * step)
-      group_mma<K, MT, S, 4>(w1, w2, s1, s2, xl, sw, j, step, acc);
+      group_mma<MT, 4>(w1, w2, s1, s2, x_smem, j, step, acc);
   }
   if constexpr (NG >= 2) {
     for (; j + step < gs; j += 2 * step)
-      group_mma<K, MT, S, 2>(w1, w2, s1, s2, xl, sw, j, step, acc);
+      group_mma<MT, 2>(w1, w2, s1, s2, x_smem, j, step, acc);
   }
-  for (; j < gs; j += step) group_mma<K, MT, S, 1>(w1, w2, s1, s2, xl, sw, j, step, acc);
+  for (; j < gs; j += step) group_mma<MT, 1>(w1, w2, s1, s2, x_smem, j, step, acc);
   __syncwarp();
   if (lane == 0) mbar_arrive(empty);
 #pragma unroll
@@ -336,6 +358,12 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   __shared__ float sq_s[EPI == kResidual ? C : 1][MT];  // kResidual: warps' squares by row
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  // The stage reduction's threads, rt = tid - kRt0 in 0 .. 16 MT: at S = 1 thread j MT + r
+  // finishes (pair j, token r), the last kMrPairs MT / 32 consumer warps (where a stage's groups
+  // do not split evenly over the warps, they take one fewer); at S > 1 thread row MT + r adds
+  // its (row, token) sum, the first warps. Token row rt % MT = tid % MT (kRt0 % MT = 0).
+  constexpr int kRt0 = S == 1 ? (C * kWarp - kMrPairs * MT) : 0;
+  const int rt = tid - kRt0;
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
   const int half_n = (N + 1) / 2;  // kResidual: row b(p) = p + half_n
   const int p0 = (int)((long long)blockIdx.x * pairs / gridDim.x);
@@ -486,8 +514,8 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
     };
     pdl_wait();
-    if (S == 1 && tid < kMrPairs * MT && tid / MT < stage_len(p0) && tid % MT < M)
-      epi_next = epi_load(p0 + tid / MT, tid % MT);
+    if (S == 1 && rt >= 0 && rt / MT < stage_len(p0) && tid % MT < M)
+      epi_next = epi_load(p0 + rt / MT, tid % MT);
     else if (S > 1 && EPI != kResidual && tid < npairs * MT && tid % MT < M)
       epi_next = epi_load(p0 + tid / MT, tid % MT);
     if (EPI == kResidual && S == 1 && next_w && tid % MT < M) hc = scale[tid % MT];
@@ -518,8 +546,24 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
     }
 
-    // ---- the slices, each over the stages of this CTA's pairs: warp takes groups
-    // (warp - i) mod C, + C, ... of stage i (i counts on across slices).
+    // ---- the slices, each over the stages of this CTA's pairs. S = 1: warp takes groups warp,
+    // warp + C, ... of every stage, and at MT = 8 keeps x of the first kMrXRegs of them in
+    // registers (16 a group: its lane's B fragments; MT = 16's 32 a group do not fit beside
+    // the rest), so that its stages read only weights from shared memory. S > 1: groups
+    // (warp - i) mod C, + C, ... of stage i (i counts on across slices), rotated so that
+    // uneven counts even out over the slices' stages, x from shared memory.
+    constexpr int XR = S == 1 && MT == 8 ? kMrXRegs : 0;
+    uint4 xr[XR > 0 ? XR : 1][MT / 8][4];
+    if constexpr (XR > 0) {
+      const uint4* xl = lane_x<GS>(xs4, lane);
+      const int sw = lane_sw(lane);
+#pragma unroll
+      for (int n = 0; n < XR; ++n) {
+        const int j = min(warp + n * C, G - 1);  // past G: never used
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xr[n][0][q] = xl[16 * j + (q ^ sw)];
+      }
+    }
     const int g = lane / 4;
     int slot = 0, phase = 0, i = 0;
     for (int s = 0; s < S; ++s) {
@@ -551,16 +595,17 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         float* rb = red + (i & 1) * (C * 16 * MT);
         // One group at a time: 16 warps' registers (~96 a thread) hold no more; 8 warps with
         // 4 groups in flight measured the same in the step (docs/EXPERIMENTS.md, Decode GEMV).
-        warp_stage<K, MT, S, 1>(st, sa, sb, xb, (warp + C - i % C) % C, C, gs, lane,
-                                smem_addr(&empty_bar[slot]), rb + warp * 16 * MT);
+        warp_stage<K, MT, S, 1, XR>(st, sa, sb, xb, S == 1 ? warp : (warp + C - i % C) % C, C,
+                                    gs, lane, smem_addr(&empty_bar[slot]), rb + warp * 16 * MT,
+                                    xr);
         consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
-        if (S == 1 && tid < kMrPairs * MT) {
-          const int j = tid / MT, r = tid % MT;
+        if (S == 1 && rt >= 0) {
+          const int j = rt / MT, r = rt % MT;
           float da = 0.f, db = 0.f;
 #pragma unroll
           for (int w = 0; w < C; ++w) {
-            da += rb[w * 16 * MT + tid];
-            db += rb[w * 16 * MT + kMrPairs * MT + tid];
+            da += rb[w * 16 * MT + rt];
+            db += rb[w * 16 * MT + kMrPairs * MT + rt];
           }
           if (j < np && r < M) finish(p + j, r, da, db, epi_next);
           const int pn = p + np;
@@ -602,21 +647,22 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   // kResidual: the CTA's sums of squares by token row, its row of ss: each warp's lanes of one
   // token row (lane % MT) added by a butterfly, then the warps' sums in warp order (a fixed
   // order; one dependent load a step would make this tail ~1 us). At S = 1 only the W warps
-  // that finished pairs (threads j MT + r) hold squares: they alone meet, the others are done.
+  // that finished pairs (threads rt = j MT + r) hold squares: they alone meet, the others are
+  // done.
   if constexpr (EPI == kResidual) {
     constexpr int W = S == 1 ? kMrPairs * MT / kWarp : C;
-    if (warp >= W) return;
+    if (rt < 0) return;
     sq = row_sum<MT>(sq);
-    if (lane < MT) sq_s[warp][lane] = sq;
+    if (lane < MT) sq_s[rt / kWarp][lane] = sq;
     asm volatile("bar.sync 2, %0;" ::"n"(W * kWarp) : "memory");
-    if (tid < M) {
+    if (rt < M) {
       float w[W];
 #pragma unroll
-      for (int i = 0; i < W; ++i) w[i] = sq_s[i][tid];
+      for (int i = 0; i < W; ++i) w[i] = sq_s[i][rt];
       float v = 0.f;
 #pragma unroll
       for (int i = 0; i < W; ++i) v += w[i];
-      ss[blockIdx.x * kVerifyRows + tid] = v;
+      ss[blockIdx.x * kVerifyRows + rt] = v;
     }
   }
 }
