@@ -29,10 +29,10 @@ M as a launch argument (gemv_rows compiled in buckets of 8 and 16 rows, its grid
 M), so a captured verify step has one M; making them read M from a device word would change
 three kernels for the sake of the no-draft step, which the decode step serves better. Every M
 up to 8 reads the weights once in the same bucket, so verifying 1 + K rows when d < K costs
-the padding rows' attention and logits mostly (7B, context 512: M = 2 1779 us, 4 1782, 8 1824,
-16 2180 against the decode step's 1459, `dev/verify_step.py`, docs/PERFORMANCE.md); a switch
-over d would capture the layers K times. The verify step costs 1.20-1.25x the decode step at
-M <= 8 and 1.49x at 16 on that record, so a step without a draft (most steps on text that
+the padding rows' attention and logits mostly (7B, context 512: M = 2 1736 us, 4 1748, 8 1793,
+16 2175 against the decode step's 1448, `dev/verify_step.py`, docs/PERFORMANCE.md); a switch
+over d would capture the layers K times. The verify step costs 1.18-1.24x the decode step at
+M <= 8 and 1.50x at 16 on that record, so a step without a draft (most steps on text that
 does not repeat) must not pay it: the if-else runs the decode step there, the tuned M = 1
 path. That branch ends on the same accept kernels with d = 0, which are the plain sampler
 (greedy: row 0's argmax, lowest id on ties; sampled: sample_finish's draw) plus the history

@@ -58,7 +58,8 @@
 // threads apply the epilogue at once, under the next stage, instead of all of it after the last
 // one, a tail that grows with M (docs/PERFORMANCE.md, the verify step).
 // Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
-// them dequantization, 8 mma, 6 LDS.128 of weights and x). What sets the launch's pace (its
+// them dequantization, 8 mma, 6 LDS.128 of weights and x; 2, the weights', where x is in
+// registers). What sets the launch's pace (its
 // consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
 //
 // The RMSNorm hand-off (NORM: q/k/v and gate/up). RMSNorm needs each token row's sum of squares
