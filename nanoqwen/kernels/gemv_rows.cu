@@ -430,7 +430,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       mbar_init(smem_addr(&full_bar[s]), S == 1 ? 1 : 1 + kWarp);
       mbar_init(smem_addr(&empty_bar[s]), C);
     }
-    mbar_init(smem_addr(&x_bar), 1);
+    mbar_init(smem_addr(&x_bar), S == 1 ? C : 1);  // S = 1: each consumer warp's own groups
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -520,7 +520,19 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     else if (S > 1 && EPI != kResidual && tid < npairs * MT && tid % MT < M)
       epi_next = epi_load(p0 + tid / MT, tid % MT);
     if (EPI == kResidual && S == 1 && next_w && tid % MT < M) hc = scale[tid % MT];
-    stage_x(0);
+    // S = 1: a warp reads only its own groups of x (warp, warp + C, ...), so it copies them
+    // itself and starts on them as they land, with no wait for the rest of x; S > 1: every
+    // thread copies a part of the slice, and the consumers meet before its first stage.
+    if constexpr (S == 1) {
+      for (int j = warp; j < G; j += C) {
+        for (int v = lane; v < M * 16; v += kWarp) {
+          const int r = v / 16, u = 16 * j + v % 16;
+          cp_async16(xs4 + r * GS * 16 + xr_unit(r, u), x + (size_t)r * K + u * 8);
+        }
+      }
+    } else {
+      stage_x(0);
+    }
     // NORM: warp r's token row r, the producers' sums of squares loaded under x's copies and
     // added once x is in (lane-strided in part order, then the warp's butterfly: the same sum
     // at every launch); 1 / rms and the factor its sums take (first read after stage 0).
@@ -534,8 +546,13 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       xc = scale[warp];
     }
     cp_async_wait_all();
-    consumer_sync<C>();
-    if (tid == 0) mbar_arrive(smem_addr(&x_bar));
+    if constexpr (S == 1) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&x_bar));
+    } else {
+      consumer_sync<C>();
+      if (tid == 0) mbar_arrive(smem_addr(&x_bar));
+    }
     if (NORM && warp < M) {
       float t = 0.f;
 #pragma unroll
