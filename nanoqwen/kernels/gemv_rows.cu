@@ -50,17 +50,18 @@
 // of x for B (K order inside a group is free as long as A and B agree: gemv_int4.cu's
 // mapping); word q of the chunk feeds two mma (pairs 0, 1 and 2, 3). Each group's fresh D is
 // scaled by its rows' scales into fp32 accumulators. The consumer warps split a stage's
-// groups (warp w takes groups w, w + C, ...: at S = 1 the same in every stage, so that a lane
-// keeps x of its first in registers at MT = 8 and the warps with one group fewer, the last
-// ones, reduce; at S > 1 rotated by the stage), then reduce the stage's 16 rows x MT tokens over
-// the warps in a fixed warp order through a double-buffered shared array: one consumer barrier
-// a stage. With whole rows a stage (S = 1) its pairs are then complete, and the reducing
-// threads apply the epilogue at once, under the next stage, instead of all of it after the last
-// one, a tail that grows with M (docs/PERFORMANCE.md, the verify step).
+// groups (warp w takes groups w, w + C, ...: at S = 1 the same in every stage, so that each
+// warp copies its own groups of x and starts as they land, a lane keeps x of its first group
+// in registers at MT = 8, and the warps with one group fewer, the last ones, reduce; at S > 1
+// rotated by the stage), then the stage's 16 rows x MT tokens are reduced over the warps in a
+// fixed warp order through a double-buffered shared array: one consumer barrier a stage. With
+// whole rows a stage (S = 1) its pairs are then complete, and the reducing threads apply the
+// epilogue at once, under the next stage, instead of all of it after the last one, a tail that
+// grows with M (docs/PERFORMANCE.md, the verify step).
 // Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
 // them dequantization, 8 mma, 6 LDS.128 of weights and x; 2, the weights', where x is in
-// registers). What sets the launch's pace (its
-// consumers, not the weight stream): docs/PERFORMANCE.md, the verify step.
+// registers). What sets the launch's pace (its consumers, not the weight stream):
+// docs/PERFORMANCE.md, the verify step.
 //
 // The RMSNorm hand-off (NORM: q/k/v and gate/up). RMSNorm needs each token row's sum of squares
 // over all K before any element of it can be scaled. Done in the normalizing kernel, every CTA
