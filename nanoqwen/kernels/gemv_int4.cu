@@ -36,9 +36,10 @@
 // The consumer warps wait (PDL) for x, stage it (RMSNorm-ed if NORM; folded for offset_word
 // when K <= kGvFoldMaxK) in shared memory and keep their lanes' x chunks in registers (a warp
 // takes the same octets of every pair), then take every stage: C / P warps per pair (C the
-// form's consumer warps), each its own octets, and release it on "empty". The diagonal lanes store their fp32
-// sums per pair unreduced; the epilogue adds them in a fixed order (deterministic), with its
-// global inputs (residual, bias, RoPE, K/V page) loaded right after the wait.
+// form's consumer warps), each its own octets, and release it on "empty". The diagonal lanes
+// store their fp32 sums per pair unreduced; the epilogue adds them in a fixed order
+// (deterministic), with its global inputs (residual, bias, RoPE, K/V page) loaded right after
+// the wait.
 //
 // One launch per GEMV, four a layer: a dependency between launches (PDL launch +
 // griddepcontrol.wait) costs less than a grid barrier inside one persistent kernel, and neither
