@@ -3,7 +3,7 @@ decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
         [--down split,rows] [--kernels] [--ablate] [--no-pdl] [--seed N] [--skip-draws M,M]
-        [--reference]
+        [--reference] [--variant NAME=v,NAME=v ...]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
 tokens at the consecutive positions start .. start + M - 1 of one sequence (the token of the
@@ -273,10 +273,10 @@ def main() -> int:
                     help="down_proj paths to check and time in turn: split (gemv_rows_split + "
                          "its sum: K split across the CTAs), rows (gemv_rows); the engine "
                          "picks by engine.verify.down_path")  # fmt: skip
-    ap.add_argument("--variant", default="",
-                    help="NAME=v,NAME=v: also check and time the verify step with its kernels "
-                         "built on the engine's geometry with these values (C names, e.g. "
-                         "kMrMaxStages=4), beside the shipped one")  # fmt: skip
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=v,NAME=v (repeatable): also check and time the verify step with "
+                         "its kernels built on the engine's geometry with these values (C "
+                         "names, e.g. kMrMaxStages=4), beside the shipped one")  # fmt: skip
     ap.add_argument("--no-pdl", action="store_true",
                     help="launch every kernel (the verify step's, the decode step's, the "
                          "prefill's) without programmatic dependent launch: a check that "
@@ -296,10 +296,12 @@ def main() -> int:
     unknown = set(args.down.split(",")) - set(DOWN_PATHS)
     if unknown:
         ap.error(f"--down {args.down!r}: {sorted(unknown)} not among {', '.join(DOWN_PATHS)}")
-    try:
-        variant = args.variant and DEFAULT_GEOMETRY.override_text(args.variant)
-    except ValueError as exc:
-        ap.error(f"--variant {args.variant!r}: {exc}")
+    variants = {}
+    for text in args.variant:
+        try:
+            variants[text] = DEFAULT_GEOMETRY.override_text(text)
+        except ValueError as exc:
+            ap.error(f"--variant {text!r}: {exc}")
     seed = args.seed if args.seed is not None else int(np.random.SeedSequence().entropy % 2**31)
     print(f"seed {seed}")
     rng = np.random.default_rng(seed)
@@ -308,8 +310,8 @@ def main() -> int:
     f = NanoqwenFile(args.file)
     e = CudaBackend(f, max_context=args.context + 64)
     steps = {"": VerifyStep(e)}
-    if variant:
-        steps[f" {args.variant}"] = VerifyStep(e, variant)
+    for text, geometry in variants.items():
+        steps[f" {text}"] = VerifyStep(e, geometry)
     if args.no_pdl:
         launchers = [e.kernels, e.prefill_kernels]
         launchers += [x for vs in steps.values() for x in (vs.v.kernels, vs.v.verify)]
