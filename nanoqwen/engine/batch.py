@@ -6,8 +6,8 @@ CudaBackend.prefill_chunk for a chunk of at most max_batch ids: rows below).
 Per step, for the B rows (row r: in a decode step the r-th sequence by slot; buffers for
 max_batch rows):
 
-    embed        x[r] = embed[tokens[r]] (embed_rows; the pass is verify.rows_forward, the
-                 verify step's, with this step's attention)
+    embed        res[r] = embed[tokens[r]], x[r] its first RMSNorm's input (embed_rows; the
+                 pass is verify.rows_forward, the verify step's, with this step's attention)
     per layer    gemv_rows qkv (RMSNorm, bias, RoPE at pos[r], K/V into row r's pages: page
                  tables [max_batch, pages_per_row], row r's at r * pages_per_row), attention
                  over each row's own context (attn_decode<true>: a sequence's splits follow its
