@@ -8,15 +8,17 @@ Validation (fresh random inputs every run, the seed printed; outputs poisoned wi
   first V - 37 rows: a partial last block): logits against xn @ W^T in float32, xn the
   reference's fp16 RMSNorm; every key's id must be torch's argmax, or a stated near-tie (its
   reference logit within LOGIT_TOL of the max); rows past M must stay NaN.
-- attention_rows on the 7B (28/4, D 128), 1.5B (12/2), 32B (40/8) and 0.5B (14/2, D 64) head
-  shapes at M = 1, 2, 3, 5, 8, 16 and start = 0, 5, 511, 4000, 8191 - M, over a paged cache of
-  random K/V with a shuffled page table: against softmax(q k^T / sqrt(D), causal inside the
-  block) v in float32; rows past M must stay NaN.
+- attention_rows, both forms (clusters of mattn_cluster and of mattn_long_cluster), on the 7B
+  (28/4, D 128), 1.5B (12/2), 32B (40/8) and 0.5B (14/2, D 64) head shapes at M = 1, 2, 3, 5,
+  8, 16 and start = 0, 5, 511, 4000, 8191 - M, over a paged cache of random K/V with a shuffled
+  page table: against softmax(q k^T / sqrt(D), causal inside the block) v in float32; rows
+  past M must stay NaN.
 
 Timing (the 7B shapes, CUDA graphs, medians of 5 graph launches; harness.bench.time_graph):
-attention at context 512, 8192, 32768 (keys 0 .. ctx - 1; M = 1 is today's attn_decode), 28
-launches a graph over 28 layers' own caches; lm_head at M = 1 (today's lm_head_argmax), 2, 4,
-8, 16. Printed: microseconds a launch, the ratio to M = 1, and the bytes' rate.
+attention at context 512, 8192, 32768 (keys 0 .. ctx - 1; M = 1 is today's attn_decode, M > 1
+both forms, `*` the one the verify step takes there), 28 launches a graph over 28 layers' own
+caches; lm_head at M = 1 (today's lm_head_argmax), 2, 4, 8, 16. Printed: microseconds a
+launch, the ratio to M = 1, and the bytes' rate.
 
 Each part runs on its own: a failure prints its traceback and the next part runs. RESULT last.
 """
@@ -105,9 +107,12 @@ def check_attention(gpu, gen, log) -> bool:
     for name in ATTN_MODELS:
         cfg = preset(name)
         vk = VerifyKernels(gpu, cfg)
-        r = vk.resources[vk.specs["attention_rows"].expression]
-        log(f"{name}: attn_rows {r.registers} regs, {r.spill_bytes} B spilled, splits "
-            f"{vk.attn_splits} a kv head")  # fmt: skip
+        for key in ("attention_rows", "attention_rows_long"):
+            r = vk.resources[vk.specs[key].expression]
+            log(f"{name}: {vk.specs[key].expression} {r.registers} regs, {r.spill_bytes} B "
+                f"spilled")  # fmt: skip
+        log(f"{name}: splits {vk.attn_splits} a kv head, the long form from {vk.long_pages} "
+            f"pages")  # fmt: skip
         kv = PagedKV(cfg, ATTN_CTX, gen=gen)
         k_all, v_all = kv.logical(kv.k[0], ATTN_CTX), kv.logical(kv.v[0], ATTN_CTX)
         scratch = vk.attention_scratch()
@@ -115,28 +120,30 @@ def check_attention(gpu, gen, log) -> bool:
         out = torch.empty(vr, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.float16)
         start_d = torch.zeros(1, dtype=torch.int32, device="cuda")
         worst = 0.0
-        for m in ATTN_MS:
-            for start in (*ATTN_STARTS, ATTN_CTX - 1 - m):
-                q = (2 * torch.randn(m, cfg.num_heads, cfg.head_dim, generator=gen,
-                                     device="cuda")).half()  # fmt: skip
-                out.fill_(float("nan"))
-                start_d.fill_(start)
-                vk.attention_rows(q.data_ptr(), kv.k[0].data_ptr(), kv.v[0].data_ptr(),
-                                  kv.table.data_ptr(), start_d.data_ptr(), m, scratch,
-                                  out.data_ptr())  # fmt: skip
-                wait_or_die(gpu, f"attn_rows {name} M={m} start={start}")
-                ref = attention_reference(q.float(), k_all[: start + m], v_all[: start + m],
-                                          start)  # fmt: skip
-                got = out[:m].float()
-                err = (got - ref).abs().max().item() if got.isfinite().all() else float("inf")
-                guard = bool(out[m:].isnan().all())
-                worst = max(worst, err)
-                if err > ATTN_ABS_TOL or not guard:
-                    ok = False
-                    log(f"  * {name} M={m} start={start}: max|err| {err:.2e} "
-                        f"(tol {ATTN_ABS_TOL}), rows past M untouched: {guard}")  # fmt: skip
-        log(f"  {name}: {len(ATTN_MS) * (len(ATTN_STARTS) + 1)} cases, worst max|err| "
-            f"{worst:.2e} (tol {ATTN_ABS_TOL})")  # fmt: skip
+        cases = [(m, start, long) for m in ATTN_MS for start in (*ATTN_STARTS, ATTN_CTX - 1 - m)
+                 for long in (False, True)]  # fmt: skip
+        for m, start, long in cases:
+            q = (2 * torch.randn(m, cfg.num_heads, cfg.head_dim, generator=gen,
+                                 device="cuda")).half()  # fmt: skip
+            out.fill_(float("nan"))
+            start_d.fill_(start)
+            vk.attention_rows(q.data_ptr(), kv.k[0].data_ptr(), kv.v[0].data_ptr(),
+                              kv.table.data_ptr(), start_d.data_ptr(), m, scratch,
+                              out.data_ptr(), long=long)  # fmt: skip
+            form = "long" if long else "short"
+            wait_or_die(gpu, f"attn_rows {name} {form} M={m} start={start}")
+            ref = attention_reference(q.float(), k_all[: start + m], v_all[: start + m],
+                                      start)  # fmt: skip
+            got = out[:m].float()
+            err = (got - ref).abs().max().item() if got.isfinite().all() else float("inf")
+            guard = bool(out[m:].isnan().all())
+            worst = max(worst, err)
+            if err > ATTN_ABS_TOL or not guard:
+                ok = False
+                log(f"  * {name} {form} M={m} start={start}: max|err| {err:.2e} "
+                    f"(tol {ATTN_ABS_TOL}), rows past M untouched: {guard}")  # fmt: skip
+        log(f"  {name}: {len(cases)} cases (both forms), worst max|err| {worst:.2e} "
+            f"(tol {ATTN_ABS_TOL})")  # fmt: skip
         scratch.free()
         del kv
     return ok
@@ -217,10 +224,10 @@ def time_attention(gpu, gen, log) -> list[tuple]:
     ptr = (q.data_ptr(), kv.table.data_ptr(), pos.data_ptr(), out.data_ptr())
     for ctx in TIME_CTX:
         base = None
-        for m in TIME_MS:
+        for m, form in [(1, "")] + [(m, f) for m in TIME_MS[1:] for f in ("short", "long")]:
             pos.fill_(ctx - m)  # M = 1: attn_decode's pos; else attn_rows' start
 
-            def body(s, m=m):
+            def body(s, m=m, long=form == "long"):
                 for i in range(layers):
                     k, v = kv.k[i].data_ptr(), kv.v[i].data_ptr()
                     if m == 1:
@@ -228,14 +235,16 @@ def time_attention(gpu, gen, log) -> list[tuple]:
                                      sd.part_acc.ptr, sd.counters.ptr, ptr[3],
                                      stream=s)  # fmt: skip
                     else:
-                        vk.attention_rows(ptr[0], k, v, ptr[1], ptr[2], m, sv, ptr[3], stream=s)
+                        vk.attention_rows(ptr[0], k, v, ptr[1], ptr[2], m, sv, ptr[3],
+                                          long=long, stream=s)  # fmt: skip
 
             us = 1e6 * time_graph(gpu, body, 4) / layers
             base = base or us
             tb_s = ctx * kv_token_bytes(cfg) / us / 1e6
-            rows.append(("attention", ctx, m, us, us / base, tb_s))
-            log(f"attention ctx {ctx:6d} M {m:2d}: {us:8.2f} us  x{us / base:5.2f}  "
-                f"{tb_s:5.2f} TB/s")  # fmt: skip
+            step = "*" if form and (form == "long") == vk.long_form(ctx - m, m) else " "
+            rows.append(("attention", ctx, m, form, us, us / base, tb_s))
+            log(f"attention ctx {ctx:6d} M {m:2d} {form:5s}{step}: {us:8.2f} us  "
+                f"x{us / base:5.2f}  {tb_s:5.2f} TB/s")  # fmt: skip
     sd.free()
     sv.free()
     return rows
@@ -256,7 +265,7 @@ def time_lm_head(gpu, dk, vk, cfg, lm: LmHead, log) -> list[tuple]:
 
         us = 1e6 * time_graph(gpu, body, 5)
         base = base or us
-        rows.append(("lm_head", cfg.hidden_size, m, us, us / base, nbytes / us / 1e6))
+        rows.append(("lm_head", cfg.hidden_size, m, "", us, us / base, nbytes / us / 1e6))
         log(f"lm_head M {m:2d}: {us:8.2f} us  x{us / base:5.2f}  {nbytes / us / 1e6:5.2f} TB/s")
     return rows
 
@@ -300,10 +309,11 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
         run_part("attention timing", results, log, lambda: time_attention(gpu, gen, log))
         table += results["attention timing"] or []
     if table:
-        log(f"\n{'kernel':10s} {'ctx/H':>6s} {'M':>3s} {'us':>9s} {'x M=1':>6s} {'TB/s':>6s}"
-            "   (7B shapes; M = 1: attn_decode / lm_head_argmax)")  # fmt: skip
-        for kind, ctx, m, us, ratio, tb in table:
-            log(f"{kind:10s} {ctx:6d} {m:3d} {us:9.2f} {ratio:6.2f} {tb:6.2f}")
+        log(f"\n{'kernel':10s} {'ctx/H':>6s} {'M':>3s} {'form':5s} {'us':>9s} {'x M=1':>6s} "
+            f"{'TB/s':>6s}   (7B shapes; M = 1: attn_decode / lm_head_argmax; attention: "
+            "both forms of attn_rows)")  # fmt: skip
+        for kind, ctx, m, form, us, ratio, tb in table:
+            log(f"{kind:10s} {ctx:6d} {m:3d} {form:5s} {us:9.2f} {ratio:6.2f} {tb:6.2f}")
     verdict = {k: results.get(k) for k in ("lm_head", "attention") if k in parts}
     words = [f"{k} {'PASS' if v else 'FAIL'}" for k, v in verdict.items()]
     log("RESULT " + (", ".join(words) or "timing only"))

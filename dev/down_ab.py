@@ -103,7 +103,7 @@ def main() -> int:
                         pos=b["pos"], rope=v.rope, pages=kv.page_table, page_stride=0,
                         kc=kv.k[i], vc=kv.v[i])  # fmt: skip
             v.verify.attention_rows(b["q"], kv.k[i], kv.v[i], kv.page_table, vs.start, m,
-                                    v.attn_scratch, b["attn"])  # fmt: skip
+                                    v.attn_scratch, b["attn"], long=vs.long)  # fmt: skip
             k.gemv_rows("o", m, b["attn"], L.o_w, L.o_s, b["x"], link=link, res=b["res"],
                         next_w=L.post_norm)  # fmt: skip
             k.gemv_rows("gate_up", m, b["x"], L.gate_up_w, L.gate_up_s, b["mlp"], link=link)

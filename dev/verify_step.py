@@ -3,7 +3,7 @@ decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
         [--down split,rows] [--kernels] [--ablate] [--no-pdl] [--seed N] [--skip-draws M,M]
-        [--reference] [--variant NAME=v,NAME=v ...]
+        [--reference] [--attention auto,short,long] [--variant NAME=v,NAME=v ...]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
 tokens at the consecutive positions start .. start + M - 1 of one sequence (the token of the
@@ -16,8 +16,10 @@ of the same tokens (forward.decode_step, one row at a time): each row's top-1 mu
 decode step's unless the decode step's top-2 margin is under TIE (a near-tie, counted), and
 max |dlogit| / std(logits) is printed. The two paths round differently (the decode GEMV's
 offset form, attention's split merges), so the logits differ in the fp16 noise, not more.
-Every down_proj path is checked on the same tokens (drawn once per M after the context, past
---skip-draws rows: an A/B of the paths, and --seed with --skip-draws replays a check).
+Every down_proj path and attention form (--attention: auto is the engine's choice at the
+context, short and long force one of attention_rows' two forms) is checked on the same tokens
+(drawn once per M after the context, past --skip-draws rows: an A/B of the paths, and --seed
+with --skip-draws replays a check).
 --reference: also the float32 reference's logits for the same tokens (nanoqwen.reference on
 the GPU, teacher-forced over the context and the rows), each row's max |dlogit| / std from it
 for the verify step and for the decode step, and a row that parts from the decode step still
@@ -46,7 +48,7 @@ import sys
 import numpy as np
 
 from nanoqwen.cuda.decode import DecodeKernels
-from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, Geometry
+from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, MATTN_NEVER_LONG, Geometry
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
 from nanoqwen.engine.verify import DOWN_PATHS, Verify
@@ -77,10 +79,15 @@ class VerifyStep:
         self.v = Verify(gpu, engine.config, kernels, engine.weights, engine.kv,
                         engine.forward.rope, self.ROWS)  # fmt: skip
         self.start = gpu.alloc(4, "verify start").ptr
+        self.attention = "auto"  # attention_rows' form: auto (the engine's), short or long
+        self.long = False
 
     def set_rows(self, tokens: np.ndarray, start: int) -> None:
-        """The step's input: tokens at positions start .. start + len(tokens) - 1 (synchronous)."""
+        """The step's input: tokens at positions start .. start + len(tokens) - 1, and the
+        attention form the step takes there (synchronous)."""
         m, gpu, b = len(tokens), self.e.gpu, self.v.buf
+        auto = self.v.verify.long_form(start, m)
+        self.long = {"auto": auto, "short": False, "long": True}[self.attention]
         gpu.upload(b["tokens"], tokens.astype(np.int32))
         gpu.upload(b["pos"], np.arange(start, start + m, dtype=np.int32))
         gpu.upload(self.start, np.array([start], np.int32))
@@ -89,7 +96,7 @@ class VerifyStep:
 
     def step(self, m: int, stream=None) -> None:
         """The verify step over the first m rows (engine/verify.py)."""
-        self.v.step(m, self.start, stream)
+        self.v.step(m, self.start, self.long, stream)
 
     def logits(self, m: int) -> np.ndarray:
         out = np.empty((m, self.e.config.vocab_size), np.float32)
@@ -273,6 +280,10 @@ def main() -> int:
                     help="down_proj paths to check and time in turn: split (gemv_rows_split + "
                          "its sum: K split across the CTAs), rows (gemv_rows); the engine "
                          "picks by engine.verify.down_path")  # fmt: skip
+    ap.add_argument("--attention", default="auto",
+                    help="attention_rows' forms to check and time in turn (comma list): auto "
+                         "(the engine's choice at the context: VerifyKernels.long_form), short "
+                         "(clusters of mattn_cluster), long (of mattn_long_cluster)")  # fmt: skip
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=v,NAME=v (repeatable): also check and time the verify step with "
                          "its kernels built on the engine's geometry with these values (C "
@@ -296,6 +307,9 @@ def main() -> int:
     unknown = set(args.down.split(",")) - set(DOWN_PATHS)
     if unknown:
         ap.error(f"--down {args.down!r}: {sorted(unknown)} not among {', '.join(DOWN_PATHS)}")
+    forms = args.attention.split(",")
+    if set(forms) - {"auto", "short", "long"}:
+        ap.error(f"--attention {args.attention!r}: a comma list of auto, short, long")
     variants = {}
     for text in args.variant:
         try:
@@ -312,6 +326,10 @@ def main() -> int:
     steps = {"": VerifyStep(e)}
     for text, geometry in variants.items():
         steps[f" {text}"] = VerifyStep(e, geometry)
+    for name, vs in steps.items():
+        pages = vs.v.verify.long_pages
+        print(f"attention_rows{name}: the long form from {pages} pages"
+              f"{' (never)' if pages == MATTN_NEVER_LONG else ''}")  # fmt: skip
     if args.no_pdl:
         launchers = [e.kernels, e.prefill_kernels]
         launchers += [x for vs in steps.values() for x in (vs.v.kernels, vs.v.verify)]
@@ -325,9 +343,10 @@ def main() -> int:
     draws = [rng.integers(0, vocab, m) for m in ms]  # every path's check takes these tokens
     exact = exact_logits(f, context_ids, draws, args.context + 64) if args.reference else None
     ok, tables, breakdowns, ablations = True, {}, {}, {}
-    for down, (name, vs) in itertools.product(args.down.split(","), steps.items()):
-        vs.v.down = down
-        down = down + name  # the table's name: the path, and the variant if any
+    for down, form, (name, vs) in itertools.product(args.down.split(","), forms, steps.items()):
+        vs.v.down, vs.attention = down, form
+        # the table's name: the path, the attention form unless auto, and the variant if any
+        down = down + ("" if form == "auto" else f" attention {form}") + name
         results: dict = {}
         print(f"== down_proj: {down}")
         run_part("check", results, print, lambda vs=vs: check(e, vs, draws, args.context, exact))

@@ -1,5 +1,5 @@
 """The host side of the cuda backend's speculative loop (nanoqwen/engine/speculate.py), on the
-CPU: positions and page reservation, the memory plan, the graph body's branches and its
+CPU: positions and page reservation, the memory plan, the graph body's cases and its
 greedy / sampled ends (with fakes), and an emulation of the device loop's K/V writes that
 checks the reservation bound and the prefix-cache commit rule."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from nanoqwen.config import preset
-from nanoqwen.cuda.registry import StateWord
+from nanoqwen.cuda.registry import StateWord, StepCase
 from nanoqwen.engine import speculate as sp
 from nanoqwen.engine.memory import plan_memory
 from nanoqwen.speculative import Backoff, SpeculativeConfig, cut, draft, step_limit
@@ -68,9 +68,9 @@ class FakeBuilder:
         self.log.append((self.name, "create_condition", default_value))
         return f"cond@{self.name}"
 
-    def if_else(self, cond):
-        self.log.append((self.name, "if_else", cond))
-        return FakeBuilder(self.log, "then"), FakeBuilder(self.log, "else")
+    def switch(self, cond, count):
+        self.log.append((self.name, "switch", cond, count))
+        return tuple(FakeBuilder(self.log, f"case{c}") for c in range(count))
 
     def begin_building(self):
         self.log.append((self.name, "begin"))
@@ -98,6 +98,7 @@ def fake_spec_loop(log: list) -> sp.SpecLoop:
     s.kernels = Recorder(log, "spec")
     s.verify = Recorder(log, "verify")
     s.verify.buf = {"tokens": 0x10, "pos": 0x20, "keys": 0x30, "logits": 0x40}
+    s.verify.verify = type("VerifyKernels", (), {"long_pages": 193})()
 
     class Loop:
         state = 0x4000
@@ -115,13 +116,16 @@ def fake_spec_loop(log: list) -> sp.SpecLoop:
 BRANCHES = [
     ("loop", "create_condition"),
     ("loop", "spec.draft"),
-    ("loop", "if_else"),
-    ("then", "begin"),
-    ("then", "verify.step"),
-    ("then", "end"),
-    ("else", "begin"),
-    ("else", "forward.decode_step"),
-    ("else", "end"),
+    ("loop", "switch"),
+    ("case0", "begin"),
+    ("case0", "forward.decode_step"),
+    ("case0", "end"),
+    ("case1", "begin"),
+    ("case1", "verify.step"),
+    ("case1", "end"),
+    ("case2", "begin"),
+    ("case2", "verify.step"),
+    ("case2", "end"),
 ]
 
 
@@ -132,14 +136,22 @@ def body_log(greedy: bool) -> tuple[list, list, dict]:
     return log, [(b, what) for b, what, *_ in log], {what: rest for _, what, *rest in log}
 
 
-def test_body_drafts_then_branches_then_accepts():
+def test_body_drafts_then_switches_then_accepts():
+    """draft_ngram sets the case (registry.StepCase: its values index the switch's bodies):
+    the decode step, the verify step with attention_rows' short form, with its long form."""
     log, calls, by = body_log(greedy=True)
     assert calls == [*BRANCHES, ("loop", "spec.accept")]
-    assert log[0][2] == 0  # the branch condition defaults to the decode step
-    draft_args = by["spec.draft"][0]
-    assert draft_args[-1] == "cond@loop"  # draft_ngram sets the branch condition
+    assert log[0][2] == StepCase.CASE_DECODE == 0  # the case defaults to the decode step
+    assert log[2][2:] == ("cond@loop", len(StepCase)) == ("cond@loop", 3)
+    draft_args, draft_kw = by["spec.draft"]
+    assert draft_args[-1] == "cond@loop"  # draft_ngram sets the case
+    assert draft_kw == {"long_pages": 193}  # VerifyKernels' threshold
     assert draft_args[:6] == (0x1000, 0x4000, 0x10, 0x20, 0x2000, 0x3000)  # stats: skipped
-    assert by["verify.step"][0] == (1 + SPEC.k, 0x4000 + 4 * int(StateWord.POS))
+    steps = [(b, rest) for b, what, *rest in log if what == "verify.step"]
+    pos = 0x4000 + 4 * int(StateWord.POS)
+    assert steps == [(f"case{int(StepCase.CASE_VERIFY)}", [(1 + SPEC.k, pos), {"long": False}]),
+                     (f"case{int(StepCase.CASE_VERIFY_LONG)}",
+                      [(1 + SPEC.k, pos), {"long": True}])]  # fmt: skip
     assert by["forward.decode_step"][1] == {"key": 0x30}  # row 0's key, accept reads it
     accept_args = by["spec.accept"][0]
     assert accept_args[0] == 0x30 and accept_args[-1] == "while-cond"

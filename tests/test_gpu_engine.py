@@ -297,8 +297,10 @@ def test_memory_plan_is_the_load(tiny_model):
             e.close()
 
 
-@pytest.fixture(scope="module")
-def spec_tiny(tiny_model):
+@pytest.fixture(scope="module", params=["auto", "long"])
+def spec_tiny(request, tiny_model):
+    """The speculative engine; "long": every verify step takes attention_rows' long form (the
+    tiny model's contexts never reach it on their own), set before the graph is captured."""
     from nanoqwen.engine import CudaBackend
     from nanoqwen.fileformat import NanoqwenFile
     from nanoqwen.speculative import SpeculativeConfig
@@ -306,6 +308,8 @@ def spec_tiny(tiny_model):
     f = NanoqwenFile(tiny_model)
     e = CudaBackend(f, max_context=1024, prefix_caching=False,
                     speculative=SpeculativeConfig(k=4))  # fmt: skip
+    if request.param == "long":
+        e.spec.verify.verify.long_pages = 1
     yield e
     e.close()
     f.close()

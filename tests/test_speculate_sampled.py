@@ -534,9 +534,12 @@ def test_draft_and_accept_launch():
     key, grid, args, _ = calls[0]
     assert key == "draft_ngram" and grid == (1, 1, 1)
     assert args[:6] == (0x1000, 0x20, 0x30, 0x40, 0x50, 0x60)
-    assert [int(a) for a in args[6:]] == [3, 3, 5, 64, 0]  # K, n_min, n_max, capacity, branch
+    # K, n_min, n_max, capacity, the pages of attention_rows' long form (none asked), the case
+    assert [int(a) for a in args[6:]] == [3, 3, 5, 64, registry.MATTN_NEVER_LONG, 0]
+    sk.draft(0x1000, 0x20, 0x30, 0x40, 0x50, 0x60, 0, long_pages=193)
+    assert int(calls[1][2][10]) == 193 and calls[1][2][10].dtype == np.int32
     sk.accept(0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0)
-    key, _, args, _ = calls[1]
+    key, _, args, _ = calls[2]
     assert key == "accept_greedy" and [int(a) for a in args[8:]] == [0, 3, 5, 2]  # cond K cap grace
 
 

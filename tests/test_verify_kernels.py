@@ -44,12 +44,42 @@ def test_lm_head_rows_ring(name):
 
 
 def test_mattn_smem_7b():
-    """Ring 8 pages x 12 KB (K's hi and lo, V), inbox 8 ranks x 112 rows x 16 columns fp32,
-    (m, l) 8 x 112; with the plain fp16 K cache 16 pages x 8 KB."""
-    inbox = 8 * 112 * 16 * 4 + 8 * 112 * 8
-    assert registry.mattn_smem_bytes(preset("7b")) == 8 * 12288 + inbox
-    plain = registry.k_cache_geometry("fp16")
-    assert registry.mattn_smem_bytes(preset("7b"), plain) == 16 * 8192 + inbox
+    """Ring 8 pages x 12 KB (K's hi and lo, V), inbox C ranks x 112 rows x 128 / C columns
+    fp32, (m, l) C x 112; with the plain fp16 K cache 16 pages x 8 KB. Either form takes one
+    CTA an SM (dev/cluster_occupancy.cu: why the long form exists)."""
+    cfg, plain = preset("7b"), registry.k_cache_geometry("fp16")
+    for c in (8, 2):
+        inbox = c * 112 * (128 // c) * 4 + c * 112 * 8
+        assert registry.mattn_smem_bytes(cfg, c) == 8 * 12288 + inbox
+        assert registry.mattn_smem_bytes(cfg, c, plain) == 16 * 8192 + inbox
+        assert registry.mattn_smem_bytes(cfg, c) > SMEM_PER_BLOCK // 2
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_mattn_long_pages(name):
+    """The long form from the first page count where the short form's working clusters (n_kv x
+    ncl, one tile group) pass what the GPU holds at once: the H200's 15 clusters of 8 one-SM
+    CTAs put the 7B's switch at 193 pages (3072 tokens); a GPU that holds every cluster never
+    switches. The tile groups of shorter contexts use at most half the grid's clusters."""
+    cfg, g = preset(name), registry.DEFAULT_GEOMETRY
+    c, mp, n_kv = g.mattn_cluster, g.mattn_min_pages, cfg.num_kv_heads
+    per_head = min(g.mattn_splits, g.attn_ctas // n_kv)
+    splits = max(c, per_head // c * c)  # VerifyKernels.attn_splits
+
+    def working(pages: int) -> int:
+        return n_kv * min(splits // c, -(-pages // (c * mp)))
+
+    assert registry.mattn_long_pages(cfg, splits, n_kv * splits // c) == registry.MATTN_NEVER_LONG
+    for fits in (15, 30, n_kv, n_kv * splits // c - 1):
+        first = registry.mattn_long_pages(cfg, splits, fits)
+        if first == registry.MATTN_NEVER_LONG:
+            assert working(1 << 20) <= fits
+            continue
+        assert working(first - 1) <= fits < working(first)
+    assert n_kv * (splits // c) // 2 <= 8 <= 15  # tile groups' clusters: one wave on the H200
+    if name == "7b":
+        assert splits == 32 and registry.mattn_long_pages(cfg, splits, 15) == 193
+    assert registry.mattn_long_pages(cfg, splits, 0) == 1  # no cluster of 8 fits: always long
 
 
 @pytest.mark.parametrize("m", [0, -1, 17])
@@ -83,13 +113,13 @@ def test_down_path_and_its_workspace(name):
 
 
 # -- attn_rows' split and merges, emulated ------------------------------------------------------
-def emulate_attn_rows(q, k, v, start, splits, g: registry.Geometry):
-    """attn_rows' algorithm in float64 for one kv head: q [M, G, D], k, v [start + M, D] ->
-    [M, G, D]. Mirrors the kernel's ranges (clusters, tile groups, ranks, page groups), its
-    per-page causal mask and -inf guards, the CTA merge's -1e30 floor, the cluster merge and
-    the final one."""
+def emulate_attn_rows(q, k, v, start, splits, c: int, g: registry.Geometry):
+    """attn_rows<c>'s algorithm in float64 for one kv head: q [M, G, D], k, v [start + M, D] ->
+    [M, G, D]. Mirrors the kernel's ranges (clusters of c, tile groups, ranks, page groups),
+    its per-page causal mask and -inf guards, the CTA merge's -1e30 floor, the cluster merge
+    and the final one."""
     m, grp, d = q.shape
-    rows, c = m * grp, g.mattn_cluster
+    rows = m * grp
     lim = start + np.minimum(np.arange(rows) // grp, m - 1)  # each row's last key
     p = -(-(start + m) // PAGE_TOKENS)
     ncl = min(splits // c, -(-p // (c * g.mattn_min_pages)))
@@ -161,18 +191,21 @@ def reference(q, k, v, start):
     return np.einsum("mgl,ld->mgd", p / p.sum(-1, keepdims=True), v)
 
 
+@pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize(
     ("m", "grp", "start", "splits"),
     [(1, 7, 0, 32), (2, 7, 15, 32), (3, 6, 5, 64), (5, 5, 511, 16), (8, 7, 4000, 32),
      (16, 7, 8191 - 16, 32), (16, 8, 2047, 64), (9, 2, 30, 8), (8, 7, 512, 32),
      (16, 6, 600, 32), (11, 7, 100, 32), (8, 7, 1500, 64)],
 )  # fmt: skip
-def test_attn_rows_split_emulation(m, grp, start, splits):
+def test_attn_rows_split_emulation(m, grp, start, splits, long):
+    """Both forms: clusters of mattn_cluster and of mattn_long_cluster."""
     rng = np.random.default_rng(start * 131 + m)
     d, g = 16, registry.DEFAULT_GEOMETRY
+    c = g.mattn_long_cluster if long else g.mattn_cluster
     q = 2 * rng.standard_normal((m, grp, d))
     k, v = rng.standard_normal((start + m, d)), rng.standard_normal((start + m, d))
-    got = emulate_attn_rows(q, k, v, start, splits, g)
+    got = emulate_attn_rows(q, k, v, start, splits, c, g)
     np.testing.assert_allclose(got, reference(q, k, v, start), rtol=1e-9, atol=1e-12)
 
 

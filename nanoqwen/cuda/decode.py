@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import GROUP_SIZE, ModelConfig
+from ..config import GROUP_SIZE, PAGE_TOKENS, ModelConfig
 from ..errors import NanoqwenError
 from . import registry
 from .device import Gpu
@@ -424,17 +424,21 @@ class DecodeKernels(Launcher):
 
 
 def rows_attention_scratch_buffers(config: ModelConfig, g: registry.Geometry) -> dict[str, int]:
-    """Bytes of attention_rows' scratch (R = verify_rows x group ratio rows a kv head, S =
-    mattn_splits / mattn_cluster clusters a kv head, C = mattn_cluster, Z = ceil(R / 16) tile
-    groups at most, the kernel's kMaMaxTiles): part_ml fp32 [n_kv, C, R, S, 2], part_acc fp32
-    [n_kv, R, S, D], counters int32 [n_kv, Z, C]."""
-    c, cl = config, g.mattn_cluster
-    rows, clusters = g.verify_rows * c.group_ratio, g.mattn_splits // cl
-    return {
-        "part_ml": c.num_kv_heads * cl * rows * clusters * 2 * 4,
-        "part_acc": c.num_kv_heads * rows * clusters * c.head_dim * 4,
-        "counters": c.num_kv_heads * -(-rows // 16) * cl * 4,
-    }
+    """Bytes of attention_rows' scratch, one for both forms (each launch leaves the counters
+    zero; the larger of the two layouts: R = verify_rows x group ratio rows a kv head, C the
+    form's cluster, S = mattn_splits / C clusters a kv head, Z = ceil(R / 16) tile groups at
+    most, the kernel's kMaMaxTiles): part_ml fp32 [n_kv, C, R, S, 2], part_acc fp32 [n_kv, R,
+    S, D], counters int32 [n_kv, Z, C]."""
+    c, rows = config, g.verify_rows * config.group_ratio
+    forms = [
+        {
+            "part_ml": c.num_kv_heads * cl * rows * (g.mattn_splits // cl) * 2 * 4,
+            "part_acc": c.num_kv_heads * rows * (g.mattn_splits // cl) * c.head_dim * 4,
+            "counters": c.num_kv_heads * -(-rows // 16) * cl * 4,
+        }
+        for cl in (g.mattn_cluster, g.mattn_long_cluster)
+    ]
+    return {name: max(f[name] for f in forms) for name in forms[0]}
 
 
 class VerifyKernels(Launcher):
@@ -461,18 +465,33 @@ class VerifyKernels(Launcher):
                 f"lm_head_rows at M={g.verify_rows}: {g.lmr_smem} bytes of shared memory hold "
                 f"{stages} stage(s) beside x, at least 2 are needed (registry.lmr_stages)"
             )
-        # Attention splits as DecodeKernels': whole clusters, about attn_ctas CTAs in all.
-        cl = g.mattn_cluster
+        # Attention splits as DecodeKernels': whole clusters of either form, about attn_ctas
+        # CTAs in all; the long form from the pages where the short form's clusters stop
+        # fitting the GPU at once (registry.mattn_long_pages).
+        cl = max(g.mattn_cluster, g.mattn_long_cluster)
+        if cl % min(g.mattn_cluster, g.mattn_long_cluster):
+            raise NanoqwenError("attention_rows' cluster sizes must divide one another")
         per_head = min(g.mattn_splits, g.attn_ctas // config.num_kv_heads)
         self.attn_splits = max(cl, per_head // cl * cl)
+        spec = self.specs["attention_rows"]
+        fits = gpu.max_active_clusters(self.kernels["attention_rows"],
+                                       (config.num_kv_heads, self.attn_splits, 1), spec.threads,
+                                       spec.smem)  # fmt: skip
+        self.long_pages = registry.mattn_long_pages(config, self.attn_splits, fits, g)
         self._maps: dict[tuple[int, int], object] = {}
 
+    def long_form(self, start: int, m: int) -> bool:
+        """Whether the verify step of m rows from position `start` takes attention_rows' long
+        form (its pages, ceil((start + m) / 16), from long_pages on); draft_ngram decides the
+        same on the device."""
+        return -(-(start + m) // PAGE_TOKENS) >= self.long_pages
+
     def attention_rows(self, q, kc, vc, pages, start, m: int, scratch: AttentionScratch,
-                       out, stream=None) -> None:  # fmt: skip
+                       out, long: bool = False, stream=None) -> None:  # fmt: skip
         """Attention of M query rows at positions *start .. *start + M - 1 (row t over keys 0 ..
         *start + t), split along the sequence in `attn_splits` CTAs a kv head (the clusters a
         short context leaves over take groups of the row tiles), with the split-combine folded
-        in (one launch).
+        in (one launch); long: the long form's clusters (long_form), else the short form's.
 
         q fp16 [M, n_heads, D] (RoPE applied); kc, vc the layer's K/V caches (engine.kv_cache's
         device layout) with positions 0 .. *start + M - 1 written; pages int32 [max_pages];
@@ -480,9 +499,11 @@ class VerifyKernels(Launcher):
         from attention_scratch(); out fp16 [M, n_heads, D].
         """
         c = self.config
-        self.launch("attention_rows", (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages,
+        key = "attention_rows_long" if long else "attention_rows"
+        self.launch(key, (c.num_kv_heads, self.attn_splits, 1), q, kc, vc, pages,
                     start, _I32(check_rows(m, "attention_rows")), scratch.part_ml.ptr,
                     scratch.part_acc.ptr, scratch.counters.ptr, out, stream=stream,
+                    label="attention_rows",
                     per_token=registry.kv_token_bytes(c, self.geometry))  # fmt: skip
 
     def attention_scratch(self) -> AttentionScratch:

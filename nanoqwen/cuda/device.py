@@ -260,6 +260,23 @@ class Gpu:
             result = driver.cuFuncSetAttribute(handle, attr, value)
         check(result, f"cuFuncSetAttribute({what}={value})")
 
+    def max_active_clusters(self, kernel, grid: tuple, block: int, smem: int) -> int:
+        """Clusters of `kernel` (its compile-time cluster shape) the GPU holds at once with
+        `block` threads and `smem` bytes of dynamic shared memory a CTA: a cluster's CTAs share
+        a GPC, so at one CTA an SM the GPCs' sizes bound it, not the SM count; a grid of more
+        working clusters runs in waves (cuOccupancyMaxActiveClusters)."""
+        from cuda.bindings import driver
+
+        handle = kernel.handle
+        func = handle if isinstance(handle, driver.CUfunction) else driver.CUfunction(int(handle))
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+        config.sharedMemBytes = smem
+        with self.guard("cuOccupancyMaxActiveClusters"):
+            return int(check(driver.cuOccupancyMaxActiveClusters(func, config),
+                             "cuOccupancyMaxActiveClusters"))  # fmt: skip
+
     def live_bytes(self) -> int:
         """Bytes of this Gpu's allocations that are not freed (as rounded by alloc)."""
         return sum(a.nbytes for a in self._arrays if a._buffer is not None)

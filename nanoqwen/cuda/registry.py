@@ -46,6 +46,15 @@ class StateWord(IntEnum):
     EOS0 = 13  # NUM_EOS stop ids follow, at most MAX_EOS
 
 
+class StepCase(IntEnum):
+    """The speculative loop body's cases (engine/speculate.py's switch node): draft_ngram sets
+    the step's case from its drafts and the verify step's pages (VerifyKernels.long_pages)."""
+
+    CASE_DECODE = 0  # no drafts: the decode step
+    CASE_VERIFY = 1  # the verify step, attention_rows' short form
+    CASE_VERIFY_LONG = 2  # the verify step, attention_rows' long form
+
+
 MAX_EOS = 8
 STATE_WORDS = StateWord.EOS0 + MAX_EOS
 # Speculation's backoff (speculative.Backoff): SPEC_FAILS saturates at BACKOFF_MAX_FAILS, a skip
@@ -155,15 +164,18 @@ class Geometry:
     # The multi-row step (speculative decoding: the current token and its drafts; its most rows
     # are MAX_ROWS, kVerifyRows in the header): decode_attention_rows.cu's consumer warps (one
     # producer more; a power of two), most splits along the sequence, ring pages (8 of K (hi,
-    # lo) and V leave room for the cluster inbox; 16 of plain fp16 K and V), CTAs a
-    # cluster merges, fewest pages a cluster rank owns and the final merge's independent loads
-    # a thread; lm_head_rows.cu's consumer warps
-    # (one producer more), vocab rows a block (TMA box rows), columns a k-tile (TMA box
-    # columns: 128 bytes), ring stages at most, and the shared memory it asks for.
+    # lo) and V leave room for the cluster inbox; 16 of plain fp16 K and V), CTAs a cluster
+    # merges in the short form and in the long one (the kernel's template argument: the step
+    # takes the long form where the short one's clusters would not fit the GPU at once,
+    # mattn_long_pages), fewest pages a cluster rank owns and the final merge's independent
+    # loads a thread; lm_head_rows.cu's consumer warps (one producer more), vocab rows a block
+    # (TMA box rows), columns a k-tile (TMA box columns: 128 bytes), ring stages at most, and
+    # the shared memory it asks for.
     mattn_consumers: int = 8
     mattn_splits: int = 64
     mattn_stages: int = 8
     mattn_cluster: int = 8
+    mattn_long_cluster: int = 2
     mattn_min_pages: int = 8
     mattn_merge_loads: int = 8
     lmr_consumers: int = 4
@@ -279,6 +291,9 @@ def header(config: ModelConfig | None, geometry: Geometry = DEFAULT_GEOMETRY) ->
     lines.append("enum StateWord : int {")
     lines += [f"  {c_name(w.name.lower())} = {int(w)}," for w in StateWord]
     lines.append("};")
+    lines.append("enum StepCase : int {")
+    lines += [f"  {c_name(c.name.lower())} = {int(c)}," for c in StepCase]
+    lines.append("};")
     lines.append(f"constexpr int kMaxEos = {MAX_EOS};")
     lines.append(f"constexpr int kNormParts = {NORM_PARTS};")
     lines.append(f"constexpr int kBackoffMaxFails = {BACKOFF_MAX_FAILS};")
@@ -392,7 +407,8 @@ _MR_SPLIT_TUNABLES = ("kMrSplitConsumers", "kMrSplitIlp", "kMrMaxStages", "kGvEa
 _ATTN_TUNABLES = ("kAttnConsumers", "kAttnSplits", "kAttnStages", "kAttnCluster",
                   "kAttnMinPages", "kAttnMergeLoads", "kKParts")  # fmt: skip
 _MATTN_TUNABLES = ("kVerifyRows", "kMattnConsumers", "kMattnSplits", "kMattnStages",
-                   "kMattnCluster", "kMattnMinPages", "kMattnMergeLoads", "kKParts")  # fmt: skip
+                   "kMattnCluster", "kMattnLongCluster", "kMattnMinPages", "kMattnMergeLoads",
+                   "kKParts")  # fmt: skip
 _LMR_TUNABLES = ("kVerifyRows", "kLmrConsumers", "kLmrBlockRows", "kLmrKTile",
                  "kLmrMaxStages")  # fmt: skip
 
@@ -494,16 +510,33 @@ def attn_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
     return g.attn_stages * (g.k_parts + 1) * PAGE_TOKENS * config.head_dim * 2
 
 
-def mattn_smem_bytes(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> int:
-    """decode_attention_rows.cu's kMaSmemBytes: the ring (mattn_stages pages of K and V), then
-    the cluster inbox: a column slice of every rank's rows (fp32) and their (m, l)."""
+def mattn_smem_bytes(config: ModelConfig, cluster: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
+    """decode_attention_rows.cu's MaCluster<cluster>::kSmemBytes: the ring (mattn_stages pages
+    of K and V), then the cluster inbox: a column slice of every rank's rows (fp32) and their
+    (m, l)."""
     rows = g.verify_rows * config.group_ratio
     ring = g.mattn_stages * (g.k_parts + 1) * PAGE_TOKENS * config.head_dim * 2
-    return (
-        ring
-        + g.mattn_cluster * rows * (config.head_dim // g.mattn_cluster) * 4
-        + (g.mattn_cluster * rows * 8)
-    )
+    return ring + cluster * rows * (config.head_dim // cluster) * 4 + cluster * rows * 8
+
+
+# mattn_long_pages when the short form always fits: no verify step reaches it (MAX_HISTORY
+# tokens take MAX_HISTORY / 16 pages).
+MATTN_NEVER_LONG = 1 << 30
+
+
+def mattn_long_pages(config: ModelConfig, splits: int, fits: int,
+                     g: Geometry = DEFAULT_GEOMETRY) -> int:  # fmt: skip
+    """The fewest pages (ceil((start + M) / 16)) at which the verify step takes attention_rows'
+    long form (clusters of mattn_long_cluster): where the short form's working clusters,
+    num_kv_heads x ncl (ncl = min(splits / C, ceil(P / (C mattn_min_pages))), C =
+    mattn_cluster; one tile group there), pass `fits`, the short form's clusters the GPU holds
+    at once (Gpu.max_active_clusters); splits: the CTAs a kv head (VerifyKernels.attn_splits).
+    MATTN_NEVER_LONG where they always fit. The tile groups of shorter contexts take at most
+    half the grid's clusters (decode_attention_rows.cu), 8 of 16 on every preset."""
+    per_head = fits // config.num_kv_heads
+    if per_head >= splits // g.mattn_cluster:
+        return MATTN_NEVER_LONG
+    return per_head * g.mattn_cluster * g.mattn_min_pages + 1
 
 
 def lmr_stages(config: ModelConfig, m: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
@@ -746,10 +779,15 @@ def batch_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[Ke
 
 def verify_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[KernelSpec, ...]:
     """The multi-row step's own kernels (speculative decoding verifies M = 1..verify_rows rows
-    of one sequence): attention with the causal mask inside the block, and lm_head + argmax."""
+    of one sequence): attention with the causal mask inside the block (its short and long
+    forms: clusters of mattn_cluster and of mattn_long_cluster CTAs), and lm_head + argmax."""
     return (
         KernelSpec("attention_rows", ATTENTION_ROWS, "attn_rows", g.mattn_threads,
-                   mattn_smem_bytes(config, g), tunables=_MATTN_TUNABLES),
+                   mattn_smem_bytes(config, g.mattn_cluster, g), targs=(g.mattn_cluster,),
+                   tunables=_MATTN_TUNABLES),
+        KernelSpec("attention_rows_long", ATTENTION_ROWS, "attn_rows", g.mattn_threads,
+                   mattn_smem_bytes(config, g.mattn_long_cluster, g),
+                   targs=(g.mattn_long_cluster,), tunables=_MATTN_TUNABLES),
         KernelSpec("lm_head_rows", LM_HEAD_ROWS, "lm_head_rows", g.lmr_threads, g.lmr_smem,
                    tunables=_LMR_TUNABLES),
     )  # fmt: skip

@@ -64,7 +64,8 @@ class SpeculateKernels(Launcher):
         return _I32(s.k), _I32(s.backoff_cap), _I32(s.backoff_grace)
 
     def draft(self, h: int, state: int, tokens: int, positions: int, ndraft: int,
-              stats: int = 0, branch=0, stream=None) -> None:  # fmt: skip
+              stats: int = 0, branch=0, long_pages: int = registry.MATTN_NEVER_LONG,
+              stream=None) -> None:  # fmt: skip
         """The step's input rows from an n-gram lookup in the history (speculative.draft with
         speculative.step_limit's cap, from the state words), through the backoff
         (speculative.Backoff.gate).
@@ -77,15 +78,18 @@ class SpeculateKernels(Launcher):
         positions  int32 [1 + K] out: state[POS] + r for row r
         ndraft     int32 [1]     out: d (0 when dropped)
         stats      int32 [4] (or 0): stats[3] (skipped) += 1 when the backoff drops drafts
-        branch     a GraphCondition (or 0) set to d > 0: the engine's loop body picks the
-                   verify step (drafts) or the decode step (none) with it
+        branch     a GraphCondition (or 0) set to the step's registry.StepCase: the engine's
+                   loop body (a switch) runs the decode step (no drafts) or the verify step,
+                   with attention_rows' long form from long_pages pages of its 1 + K rows on
+                   (VerifyKernels.long_pages)
         """
         if h % HISTORY_ALIGN:
             raise NanoqwenError(f"draft_ngram: history address {h:#x} is not 16-byte aligned")
         s = self.spec
         self.launch("draft_ngram", (1, 1, 1), h, state, tokens, positions, ndraft, stats,
                     _I32(s.k), _I32(s.n_min), _I32(s.n_max), _I32(self.capacity),
-                    _cond_arg(branch), stream=stream, nbytes=4 * self.capacity)  # fmt: skip
+                    _I32(long_pages), _cond_arg(branch), stream=stream,
+                    nbytes=4 * self.capacity)  # fmt: skip
 
     def accept(self, keys: int, tokens: int, ndraft: int, state: int, h: int, host_ring: int,
                cancel: int, stats: int, cond, stream=None) -> None:  # fmt: skip

@@ -5,11 +5,16 @@ The device keeps the history h int32 [capacity]: the prompt ids staged into h[0 
 prefill's first token written at h[P] (its sampler's device ring is h + P), every later token
 appended by the step's accept kernel. The generation graph is one while loop whose body is
 
-    draft_ngram     h, state -> tokens [1 + K], positions [1 + K], d; branch = d > 0
-                    (found drafts dropped while the backoff's SPEC_SKIP > 0: d = 0)
-    if branch       the verify step over 1 + K rows at positions POS .. POS + K (verify.py;
-                    rows past d are padding: the fed token again, one position further each)
-    else            the decode step (M = 1, forward.py) with its argmax key into keys[0]
+    draft_ngram     h, state -> tokens [1 + K], positions [1 + K], d; the step's case
+                    (registry.StepCase; found drafts dropped while the backoff's SPEC_SKIP > 0:
+                    d = 0)
+    switch case     CASE_DECODE (d = 0): the decode step (M = 1, forward.py) with its argmax
+                    key into keys[0]
+                    CASE_VERIFY: the verify step over 1 + K rows at positions POS .. POS + K
+                    (verify.py; rows past d are padding: the fed token again, one position
+                    further each)
+                    CASE_VERIFY_LONG: the same with attention_rows' long form, from
+                    VerifyKernels.long_pages pages on (decode_attention_rows.cu, "Two forms")
     greedy:
     accept_greedy   keys, tokens, d -> h, host ring, TOKEN/POS/STEP/DONE, the backoff words
                     SPEC_SKIP/SPEC_FAILS, stats, keys zeroed, the while condition = !DONE
@@ -33,10 +38,10 @@ the padding rows' attention and logits mostly (7B, context 512: M = 2 1736 us, 4
 16 2175 against the decode step's 1448, `dev/verify_step.py`, docs/PERFORMANCE.md); a switch
 over d would capture the layers K times. The verify step costs 1.18-1.24x the decode step at
 M <= 8 and 1.50x at 16 on that record, so a step without a draft (most steps on text that
-does not repeat) must not pay it: the if-else runs the decode step there, the tuned M = 1
-path. That branch ends on the same accept kernels with d = 0, which are the plain sampler
+does not repeat) must not pay it: the switch runs the decode step there, the tuned M = 1
+path. That case ends on the same accept kernels with d = 0, which are the plain sampler
 (greedy: row 0's argmax, lowest id on ties; sampled: sample_finish's draw) plus the history
-append, so the same kernels advance the state in both branches.
+append, so the same kernels advance the state in every case.
 
 Positions. Each verify step writes K/V at POS .. POS + K for every row, padding included, so
 the KV pool, the page table and the RoPE table cover `kv_positions` = max_context + K, and a
@@ -56,7 +61,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ModelConfig
-from ..cuda.registry import Geometry, StateWord
+from ..cuda.registry import Geometry, StateWord, StepCase
 from ..cuda.speculate import SpeculateKernels
 from ..speculative import SpecStats, SpeculativeConfig
 from .verify import Verify, verify_plan
@@ -125,16 +130,18 @@ class SpecLoop:
         accept_greedy (greedy) or on sample_rows + accept_sampled."""
         e, v, sk = self.e, self.verify, self.kernels
         loop, host, b = e.loop, e.loop.host, v.buf
-        branch = s.create_condition(default_value=0)
-        sk.draft(self.h, loop.state, b["tokens"], b["pos"], self.ndraft, self.stats, branch,
-                 stream=s)  # fmt: skip
-        verify_s, decode_s = s.if_else(branch)
-        verify_s.begin_building()
-        v.step(1 + self.spec.k, loop.word(StateWord.POS), stream=verify_s)
-        verify_s.end_building()
-        decode_s.begin_building()
-        e.forward.decode_step(stream=decode_s, key=b["keys"])
-        decode_s.end_building()
+        case = s.create_condition(default_value=int(StepCase.CASE_DECODE))
+        sk.draft(self.h, loop.state, b["tokens"], b["pos"], self.ndraft, self.stats, case,
+                 long_pages=v.verify.long_pages, stream=s)  # fmt: skip
+        cases = s.switch(case, len(StepCase))
+        for c in StepCase:
+            cases[c].begin_building()
+            if c == StepCase.CASE_DECODE:
+                e.forward.decode_step(stream=cases[c], key=b["keys"])
+            else:
+                v.step(1 + self.spec.k, loop.word(StateWord.POS),
+                       long=c == StepCase.CASE_VERIFY_LONG, stream=cases[c])  # fmt: skip
+            cases[c].end_building()
         if greedy:
             sk.accept(b["keys"], b["tokens"], self.ndraft, loop.state, self.h, host.ring_ptr,
                       host.cancel_ptr, self.stats, cond, stream=s)  # fmt: skip

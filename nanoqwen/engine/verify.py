@@ -153,15 +153,18 @@ class Verify:
         self.part = gpu.alloc(split, "verify down_proj split").ptr
         self.link = NormLink(gpu)
 
-    def step(self, m: int, start: int, stream=None) -> None:
+    def step(self, m: int, start: int, long: bool = False, stream=None) -> None:
         """The verify step over the first m rows of buf["tokens"] at positions buf["pos"];
-        start: int32* the first row's position (the causal bound of attention_rows)."""
+        start: int32* the first row's position (the causal bound of attention_rows); long:
+        attention_rows' long form (VerifyKernels.long_form of the rows' positions: any form is
+        exact at any context, the right one is faster)."""
         if not 1 <= m <= self.rows:
             raise ValueError(f"verify step: m must be 1..{self.rows}, got {m}")
         b, kv = self.buf, self.kv
 
         def attend(i: int, stream) -> None:
             self.verify.attention_rows(b["q"], kv.k[i], kv.v[i], kv.page_table, start, m,
-                                       self.attn_scratch, b["attn"], stream=stream)  # fmt: skip
+                                       self.attn_scratch, b["attn"], long=long,
+                                       stream=stream)  # fmt: skip
 
         rows_forward(self, m, b["tokens"], b["pos"], kv.page_table, 0, self.down, attend, stream)

@@ -45,11 +45,11 @@
 // position): its running max stays -inf, the exponents take 0 for the max, and the merges weigh
 // its (m = -1e30 floor, l = 0) partial 0.
 //
-// Splits, as attn_decode: grid (kKVHeads, S) in clusters of (1, kMattnCluster, 1); P =
-// ceil((start + M) / 16) pages are cut into ncl = min(S / C, ceil(P / (C kMattnMinPages)))
-// cluster ranges, each into C rank ranges; cluster q takes range q % ncl of tile group q / ncl,
-// and clusters past ncl T exit at once. At context 512 that is one cluster of 8 CTAs a kv head
-// and tile group (4 pages a CTA; the 7B at M = 8: two groups of two tiles, 64 CTAs), at 8k and
+// Splits, as attn_decode: grid (kKVHeads, S) in clusters of (1, C, 1); P = ceil((start + M) /
+// 16) pages are cut into ncl = min(S / C, ceil(P / (C kMattnMinPages))) cluster ranges, each
+// into C rank ranges; cluster q takes range q % ncl of tile group q / ncl, and clusters past
+// ncl T exit at once. At context 512 with C = 8 that is one cluster of 8 CTAs a kv head and
+// tile group (4 pages a CTA; the 7B at M = 8: two groups of two tiles, 64 CTAs), at 8k and
 // beyond S / C clusters of one group (128 CTAs on every model, one an SM: the ring and the
 // inbox take ~160 KB). Each CTA merges its warps, the ranks merge through distributed shared
 // memory (every rank pushes column slice k of its partial and its (m, l) into rank k's inbox
@@ -59,6 +59,15 @@
 // over C CTAs a group, not one: at M = 16 a kv head's partials are ncl x 112 rows x D floats).
 // A CTA's merges and its inbox hold the group's rows only, in local order (tile k of the
 // group: local rows 16 k ..).
+//
+// Two forms: C = 8 (mattn_cluster) and C = 2 (mattn_long_cluster), chosen by the step from P
+// (VerifyKernels.long_pages). A cluster's CTAs must share a GPC, and at one CTA an SM the
+// H200's GPCs hold 15 clusters of 8 (30 of 4, 66 of 2: dev/cluster_occupancy.cu): once the
+// short form's working clusters (ncl a kv head, one tile group) pass what the GPU holds at once,
+// the last of them waits for a whole cluster's run (the 7B from 193 pages on: 16 clusters).
+// Clusters of 2 fill the grid in one wave at every P; below that P clusters of 8 are faster,
+// each splitting a few pages eight ways behind one DSMEM merge (docs/PERFORMANCE.md, the
+// multi-token step).
 //
 // Arguments (device pointers; fp16 = IEEE half bits):
 //   q         fp16  [M, kHeads, kHeadDim]   the M tokens' queries, RoPE applied
@@ -73,13 +82,14 @@
 //   counters  int32 [kKVHeads, kMaMaxTiles, C]  zero before the first launch; every launch
 //             leaves them zero
 //   out       fp16  [M, kHeads, kHeadDim]   row t, head h: softmax over keys 0 .. start + t
-// Block kMattnThreads, dynamic shared memory kMaSmemBytes (registry.mattn_smem_bytes).
+// Block kMattnThreads, dynamic shared memory MaCluster<C>::kSmemBytes (registry.mattn_smem_bytes).
 #include "common.cuh"
 #include "kv_cache.cuh"
 
 // From the generated header (nanoqwen/cuda/registry.py, Geometry): kVerifyRows (the most query
-// rows), kMattnConsumers, kMattnThreads, kMattnSplits, kMattnCluster, kMattnStages,
-// kMattnMinPages, kMattnMergeLoads.
+// rows), kMattnConsumers, kMattnThreads, kMattnSplits, kMattnStages, kMattnMinPages,
+// kMattnMergeLoads. The cluster size C is the template argument (mattn_cluster, the short form;
+// mattn_long_cluster, the long one).
 constexpr int kMaG = kGroupRatio, kMaD = kHeadDim;
 constexpr int kMaMaxRows = kVerifyRows * kMaG;
 constexpr int kMaMaxTiles = (kMaMaxRows + 15) / 16;
@@ -91,13 +101,20 @@ constexpr unsigned kMaStageTx = kMaStageH * 2;
 constexpr int kMaDK = kMaD / 16;  // k-steps over the head dim (QK^T)
 constexpr int kMaDN = kMaD / 8;   // n8 tiles over the head dim (PV)
 constexpr int kMaScrRow = kMaD + 8;  // padded fp32 row of the epilogue scratch
-constexpr int kMaCols = kMaD / kMattnCluster;  // head-dim columns a cluster rank merges
-constexpr int kMaCols4 = kMaCols / 4;
-constexpr int kMaMaxCl = kMattnSplits / kMattnCluster;  // clusters a kv head, at most
-// Dynamic shared memory: the ring, then the cluster inbox (recv_acc [C][kMaMaxRows][kMaCols],
-// recv_ml [C][kMaMaxRows] float2). registry.mattn_smem_bytes is the host's copy.
-constexpr int kMaAccBytes = kMattnCluster * kMaMaxRows * kMaCols * 4;
-constexpr int kMaSmemBytes = kMaRingBytes + kMaAccBytes + kMattnCluster * kMaMaxRows * 8;
+// The shapes that follow from the cluster size C. Dynamic shared memory: the ring, then the
+// cluster inbox (recv_acc [C][kMaMaxRows][kCols], recv_ml [C][kMaMaxRows] float2);
+// registry.mattn_smem_bytes is the host's copy.
+template <int C>
+struct MaCluster {
+  static constexpr int kCols = kMaD / C;  // head-dim columns a cluster rank merges
+  static constexpr int kCols4 = kCols / 4;
+  static constexpr int kMaxCl = kMattnSplits / C;  // clusters a kv head, at most
+  static constexpr int kAccBytes = C * kMaMaxRows * kCols * 4;
+  static constexpr int kSmemBytes = kMaRingBytes + kAccBytes + C * kMaMaxRows * 8;
+  static_assert(kCols % 4 == 0 && kCols * C == kMaD, "ranks merge float4 columns");
+  static_assert(kMattnSplits % C == 0, "the splits come in whole clusters");
+  static_assert(kMaD / 4 >= C, "a row's first C threads push its (m, l), one rank each");
+};
 
 static_assert(kMattnThreads == (kMattnConsumers + 1) * kWarp, "one producer beside consumers");
 static_assert((kMattnConsumers & (kMattnConsumers - 1)) == 0, "page groups are powers of two");
@@ -110,8 +127,6 @@ static_assert(kMattnStages >= kMattnConsumers, "every page group owns a ring slo
 static_assert(kPageTokens == 16, "one page = one m16n8k16 key tile");
 static_assert(kMaD % 32 == 0, "head dim: whole ldmatrix x4 groups");
 static_assert(kMaStageTx < (1u << 20), "mbarrier tx-count range");
-static_assert(kMaCols % 4 == 0 && kMaCols * kMattnCluster == kMaD, "ranks merge float4 columns");
-static_assert(kMattnSplits % kMattnCluster == 0, "the splits come in whole clusters");
 static_assert(kMattnConsumers * 16 * kMaScrRow * 4 + 2 * kMattnConsumers * 16 * 4 <=
                   kMaRingBytes, "epilogue scratch must fit in the drained ring");
 
@@ -141,15 +156,16 @@ __device__ __forceinline__ size_t row_offset(int i, int kvh) {
 }
 }  // namespace mattn
 
-extern "C" __global__ void __launch_bounds__(kMattnThreads, 1)
-__cluster_dims__(1, kMattnCluster, 1)
+template <int C>
+__global__ void __launch_bounds__(kMattnThreads, 1) __cluster_dims__(1, C, 1)
 attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* __restrict__ vc,
           const int* __restrict__ pages, const int* start_p, int M, float* part_ml,
           float* part_acc, int* counters, half* __restrict__ out) {
-  constexpr int C = kMattnCluster, D = kMaD;
-  extern __shared__ __align__(128) unsigned char ring[];  // kMaSmemBytes (dynamic)
+  using Cl = MaCluster<C>;
+  constexpr int D = kMaD, kMaCols = Cl::kCols, kMaCols4 = Cl::kCols4, kMaMaxCl = Cl::kMaxCl;
+  extern __shared__ __align__(128) unsigned char ring[];  // Cl::kSmemBytes (dynamic)
   float* recv_acc = reinterpret_cast<float*>(ring + kMaRingBytes);    // [C][kMaMaxRows][kMaCols]
-  float2* recv_ml = reinterpret_cast<float2*>(ring + kMaRingBytes + kMaAccBytes);  // [C][rows]
+  float2* recv_ml = reinterpret_cast<float2*>(ring + kMaRingBytes + Cl::kAccBytes);  // [C][rows]
   __shared__ __align__(8) unsigned long long full_bar[kMattnStages], empty_bar[kMattnStages];
   __shared__ __align__(8) unsigned long long recv_bar;
   __shared__ int sm_last;
@@ -180,7 +196,7 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
   if (tid == 0) {
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < kMaSmemBytes || M < 1 || M > kVerifyRows) __trap();  // a launch the host refuses
+    if (dyn < Cl::kSmemBytes || M < 1 || M > kVerifyRows) __trap();  // a launch the host refuses
 #pragma unroll
     for (int s = 0; s < kMattnStages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);    // the producer's arrive.expect_tx
@@ -368,7 +384,6 @@ attn_rows(const half* __restrict__ q, const half* __restrict__ kc, const half* _
   const uint32_t acc_s = smem_addr(recv_acc + rank * kMaMaxRows * kMaCols);
   const uint32_t ml_s = smem_addr(recv_ml + rank * kMaMaxRows);
   const uint32_t bar_s = smem_addr(&recv_bar);
-  static_assert(kD4 >= C, "a row's first C threads push its (m, l), one rank each");
   for (int idx = tid; idx < zrows * kD4; idx += kMattnThreads) {
     const int i = idx / kD4, u = idx % kD4, d = 4 * u;  // local row i
     float mx = -1e30f;  // a finite floor: a CTA without valid keys passes (-1e30, 0, 0)

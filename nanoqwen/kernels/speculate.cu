@@ -82,13 +82,18 @@ __device__ __forceinline__ unsigned long long warp_max_u64(unsigned long long v)
 //   ndraft   int32 *            out: d, 0 .. limit (0 when the backoff dropped the drafts)
 //   stats    int32 [4]          (may be null) stats[3] += 1 when the backoff dropped drafts
 //   K        int 1 .. kVerifyRows - 1; n_min, n_max int, 1 <= n_min <= n_max; capacity int
-//   branch   graph conditional handle (0 = none): set to d > 0, so the engine's loop body
-//            runs the verify step over 1 + K rows when there are drafts, else the decode step
+//   long_pages int              the fewest pages of the verify step's 1 + K rows,
+//                               ceil((POS + 1 + K) / 16), that take attention_rows' long form
+//                               (VerifyKernels.long_pages)
+//   branch   graph conditional handle (0 = none): set to the step's StepCase, so the engine's
+//            loop body runs the decode step without drafts (kCaseDecode), else the verify
+//            step over 1 + K rows with attention_rows' short form (kCaseVerify) or, from
+//            long_pages pages on, its long form (kCaseVerifyLong)
 // Grid 1, block kDraftThreads.
 extern "C" __global__ void __launch_bounds__(kDraftThreads)
 draft_ngram(const int* __restrict__ h, int* __restrict__ state, int* __restrict__ tokens,
             int* __restrict__ positions, int* __restrict__ ndraft, int* __restrict__ stats, int K,
-            int n_min, int n_max, int capacity, unsigned long long branch) {
+            int n_min, int n_max, int capacity, int long_pages, unsigned long long branch) {
   __shared__ unsigned long long warp_best[kDraftThreads / kWarp];
   pdl_wait();
   const int pos = state[kPos], len = pos + 1, step = state[kStep];
@@ -145,7 +150,11 @@ draft_ngram(const int* __restrict__ h, int* __restrict__ state, int* __restrict_
     d_s = d;
     src_s = n ? (int)(key % (unsigned)len) + n : 0;  // j + n: the first draft token
     *ndraft = d;
-    if (branch) cudaGraphSetConditional(branch, d > 0 ? 1u : 0u);
+    if (branch) {
+      const int pages = (len + K + kPageTokens - 1) / kPageTokens;  // rows POS .. POS + K
+      const int c = d == 0 ? kCaseDecode : pages >= long_pages ? kCaseVerifyLong : kCaseVerify;
+      cudaGraphSetConditional(branch, (unsigned)c);
+    }
   }
   __syncthreads();
   if (threadIdx.x <= K) {
