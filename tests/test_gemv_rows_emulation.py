@@ -63,15 +63,15 @@ def test_lane_x_units_are_xr_units():
 
 
 class Emulation:
-    """gemv_rows<K, MT, *, EPI, S> over words uint32 [R, K/8], scales fp16 [R, G], x fp16
-    [M, K] (already normalized), N features, on `ncl` CTAs. run() -> [M, R] float64: each
-    row's epilogue sums (kRope's rows a and b written raw)."""
+    """gemv_rows<K, MT, *, EPI, S, T> over words uint32 [R, K/8], scales fp16 [R, G], x fp16
+    [M, K] (already normalized), N features, on `ncl` CTAs, the consumers in T `teams`.
+    run() -> [M, R] float64: each row's epilogue sums (kRope's rows a and b written raw)."""
 
-    warps = C  # the warps that split a stage's groups
-
-    def __init__(self, words, scales, x, n, epi, mt, s, ncl):
+    def __init__(self, words, scales, x, n, epi, mt, s, ncl, teams=1):
         self.words, self.x, self.n, self.epi, self.mt, self.s, self.ncl = (
             words, x, n, epi, mt, s, ncl)  # fmt: skip
+        self.teams = teams
+        self.warps = C // teams  # the warps that split a stage's groups: its team's
         self.m, self.k = x.shape
         self.sh = shape(self.k, s)
         self.wbytes = np.concatenate([words.reshape(-1).view(np.uint8), np.zeros(16, np.uint8)])
@@ -104,8 +104,9 @@ class Emulation:
 
     def cta(self, out, p0, p1):
         """One CTA: slice after slice, x of the slice staged into buffer s % 2, then the
-        slice's stages over the CTA's pairs (i counts on across slices). One slice: each stage's
-        pairs finished after its reduction (thread kRt0 + j MT + r: pair j, token r); else the
+        slice's stages over the CTA's pairs (i counts on across slices). One slice: stage i's
+        team i % T sums it (its warps' groups), and its pairs are finished after the team's
+        reduction (the team's thread kRt0 + j MT + r: pair j, token r); else the
         [npairs][2][MT] sums, then the epilogue."""
         sh, s_ = self.sh, self.s
         xbufs = [self.rng.integers(0, 255, (self.mt * sh["GS"] * 16, 16)).astype(np.uint8)
@@ -128,13 +129,15 @@ class Emulation:
                 if self.epi == ROPE:
                     np_ = min(np_, HEAD_DIM // 2 - p % (HEAD_DIM // 2))
                 st = self.stage(p, np_, g0, gs)
-                red = np.stack([self.warp_sums(st, xh, p, i, warp, g0, gs) for warp in range(C)])
-                red = red.reshape(C, -1)
-                for rt in range(P * self.mt if s_ == 1 else 0):  # the last warps, in order
+                cw = self.warps
+                red = np.stack([self.warp_sums(st, xh, p, i, w, g0, gs) for w in range(cw)])
+                red = red.reshape(cw, -1)
+                t0 = i % self.teams * cw * 32  # the stage's team's first thread
+                for rt in range(P * self.mt if s_ == 1 else 0):  # its last warps, in order
                     j, r = rt // self.mt, rt % self.mt
                     if j < np_ and r < self.m:
                         da, db = red[:, rt].sum(), red[:, P * self.mt + rt].sum()
-                        self.finish(out, p + j, r, da, db, C * 32 - P * self.mt + rt)
+                        self.finish(out, p + j, r, da, db, t0 + cw * 32 - P * self.mt + rt)
                 for tid in range(16 * self.mt if s_ > 1 else 0):  # a thread a (row, token)
                     row, r = tid // self.mt, tid % self.mt
                     v = red[:, tid].sum()
@@ -252,20 +255,23 @@ class Emulation:
 
 
 @pytest.mark.parametrize(
-    "k_groups, n, epi, m, mt, s, ncl",
+    "k_groups, n, epi, m, mt, s, ncl, teams",
     [
-        (7, 38, RESIDUAL, 3, 8, 1, 3),  # G < C warps; pairs not a multiple of 8
-        (21, 22, SWIGLU, 8, 8, 1, 2),  # SwiGLU: gate p / up p
-        (28, 38, SWIGLU, 5, 8, 1, 3),  # the 7B's hidden size: rows of 128-byte multiples, runs
-        # padded (kPad) and swapped in odd lanes
-        (6, 3 * HEAD_DIM, ROPE, 9, 16, 1, 4),  # padded runs with RoPE, two token tiles
-        (37, 30, RESIDUAL, 11, 16, 3, 2),  # uneven K slices (12, 12, 13), two token tiles
-        (37, 20, SWIGLU, 16, 16, 5, 1),  # boxes past a shorter slice's end (the matrix's)
-        (18, 3 * HEAD_DIM, ROPE, 5, 8, 2, 5),  # RoPE partners; stages end at head boundaries
-        (148, 26, RESIDUAL, 8, 8, 10, 2),  # the 7B's down_proj K: 10 slices, x buffers reused
+        (7, 38, RESIDUAL, 3, 8, 1, 3, 1),  # G < C warps; pairs not a multiple of 8
+        (21, 22, SWIGLU, 8, 8, 1, 2, 1),  # SwiGLU: gate p / up p
+        (28, 38, SWIGLU, 5, 8, 1, 3, 1),  # the 7B's hidden size: rows of 128-byte multiples,
+        # runs padded (kPad) and swapped in odd lanes
+        (28, 70, SWIGLU, 8, 8, 1, 2, 2),  # the 7B's gate/up in two teams (5 stages a CTA)
+        (12, 45, SWIGLU, 7, 8, 1, 3, 2),  # the 1.5B's: teams' last warps one group short
+        (7, 38, RESIDUAL, 3, 8, 1, 3, 2),  # teams with G < their warps
+        (6, 3 * HEAD_DIM, ROPE, 9, 16, 1, 4, 1),  # padded runs with RoPE, two token tiles
+        (37, 30, RESIDUAL, 11, 16, 3, 2, 1),  # uneven K slices (12, 12, 13), two token tiles
+        (37, 20, SWIGLU, 16, 16, 5, 1, 1),  # boxes past a shorter slice's end (the matrix's)
+        (18, 3 * HEAD_DIM, ROPE, 5, 8, 2, 5, 1),  # RoPE partners; stages end at head boundaries
+        (148, 26, RESIDUAL, 8, 8, 10, 2, 1),  # the 7B's down_proj K: 10 slices, x buffers reused
     ],
 )
-def test_gemv_rows_emulated(k_groups, n, epi, m, mt, s, ncl):
+def test_gemv_rows_emulated(k_groups, n, epi, m, mt, s, ncl, teams):
     rng = np.random.default_rng(0)
     k = k_groups * GROUP_SIZE
     rows = 2 * n if epi == SWIGLU else n
@@ -273,7 +279,7 @@ def test_gemv_rows_emulated(k_groups, n, epi, m, mt, s, ncl):
     scales = rng.uniform(0.5, 1.5, (rows, k // GROUP_SIZE)).astype(np.float16)
     x = rng.standard_normal((m, k)).astype(np.float16)
     ref = x.astype(np.float64) @ dequantize_packed(words, scales).astype(np.float64).T
-    emu = Emulation(words, scales, x, n, epi, mt, s, ncl)
+    emu = Emulation(words, scales, x, n, epi, mt, s, ncl, teams)
     with np.errstate(invalid="ignore", over="ignore"):  # stale rows and columns, discarded
         got = emu.run()
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-9 * np.abs(ref).max())
@@ -292,7 +298,9 @@ class SplitEmulation(Emulation):
     p + 8 .. p + 15 (Emulation.stage with those rows), its groups split over one team's
     C / kMrSplitSub warps."""
 
-    warps = registry.DEFAULT_GEOMETRY.mr_split_consumers // SUB  # a team's (kMrSplitConsumers)
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.warps = registry.DEFAULT_GEOMETRY.mr_split_consumers // SUB  # a team's
 
     def row_a(self, p):
         return p

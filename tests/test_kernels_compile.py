@@ -268,12 +268,17 @@ def test_gemv_rows_bad_rows_raise():
 def test_gemv_rows_split_fits(name, num_sms):
     """Every shape and bucket: the K slices (whole K, or slices of at most ROWS_SLICE_GROUPS
     groups: one TMA box row) leave at least two ring stages on the H200/H100 SXM (132 SMs) and
-    the H100 PCIe (114); the grid is one CTA an SM at most, each a whole stage's pairs (when
-    there are that many); the slices cover K, none empty; the 7B's hidden size needs no slices
-    and its down_proj does."""
+    the H100 PCIe (114), two a team where the consumers work in teams (rows_teams: gate/up
+    at MT = 8 on the 1.5B, 3B and 7B; the 0.5B's CTAs run 6 stages, the 14B's and 32B's ring
+    holds 3); the grid is one CTA an SM at
+    most, each a whole stage's pairs (when there are that many); the slices cover K, none
+    empty; the 7B's hidden size needs no slices and its down_proj does."""
     for kind, (k, n, _, epi) in registry.gemv_shapes(preset(name)).items():
         for mt in registry.ROW_BUCKETS:
             s = registry.rows_split(k, n, epi, mt)
+            teams = registry.rows_teams(k, n, epi, mt, s)
+            two = mt == 8 and kind == "gate_up" and name in ("1.5b", "3b", "7b")
+            assert teams == (registry.DEFAULT_GEOMETRY.mr_teams if two else 1), (kind, mt)
             groups = k // 128
             assert s == 1 or -(-groups // s) <= registry.ROWS_SLICE_GROUPS, (kind, mt, s)
             grid = registry.rows_grid(n, epi, num_sms)
@@ -281,7 +286,7 @@ def test_gemv_rows_split_fits(name, num_sms):
             assert 1 <= grid <= num_sms
             assert pairs // grid >= min(pairs, registry.DEFAULT_GEOMETRY.mr_min_pairs)
             npairs = -(-pairs // grid)
-            assert registry.rows_stages(k, mt, s, npairs) >= 2, (kind, mt)
+            assert registry.rows_stages(k, mt, s, npairs, teams=teams) >= 2 * teams, (kind, mt)
             widths = [(r + 1) * groups // s - r * groups // s for r in range(s)]
             assert sum(widths) == groups and min(widths) >= 1
             if name == "7b":

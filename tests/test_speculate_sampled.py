@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from chisquare import assert_distribution
 
 from nanoqwen.config import preset
 from nanoqwen.cuda import registry
@@ -33,10 +34,6 @@ ACCEPT_COUNTER = 1 << 32  # sampler.cuh's kAcceptCounter
 F = np.float32
 LOG2E = F(1.4426950408889634)
 MASK64 = (1 << 64) - 1
-
-# Pearson chi-square critical values at significance 1e-3, by degrees of freedom (no scipy
-# here). Fresh seeds each run: a correct rule passes a check with probability 0.999.
-CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
 
 # -- sampler.cuh, emulated ---------------------------------------------------------------------
@@ -406,20 +403,6 @@ def test_draws_follow_p_and_the_residual(params):
             assert np.all(np.abs(counts - n * q) <= 1.01 + 1e-3 * n * q), (v, exclude)
             if exclude >= 0:
                 assert counts[exclude] == 0
-
-
-def assert_distribution(tokens: list[int], p: np.ndarray) -> None:
-    """Counts against len(tokens) * p: nothing outside p's support, Pearson chi-square under
-    the 1e-3 critical value (cells expecting < 5 pooled)."""
-    n = len(tokens)
-    counts = np.bincount(tokens, minlength=len(p))
-    assert counts[p == 0].sum() == 0, (counts, p)
-    small = (p > 0) & (n * p < 5)
-    observed = [*counts[(p > 0) & ~small]] + ([counts[small].sum()] if small.any() else [])
-    expected = n * np.array([*p[(p > 0) & ~small]] + ([p[small].sum()] if small.any() else []))
-    assert len(expected) >= 2, "too few cells for a test"
-    chi2 = float(((np.array(observed) - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_CRITICAL[len(expected) - 1], (chi2, observed, expected)
 
 
 @pytest.mark.parametrize("params", [PARAMS[0], PARAMS[1], PARAMS[3]], ids=["t1", "k50p95", "p8"])

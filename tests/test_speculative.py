@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from chisquare import assert_distribution
 
 import nanoqwen.reference as reference
 from nanoqwen.config import PAGE_TOKENS
@@ -188,32 +189,6 @@ def test_acceptance_checks_the_rows():
 
 
 # -- acceptance: sampled (statistical) ---------------------------------------------------------
-
-# Pearson chi-square critical values at significance 1e-3, by degrees of freedom (a table: the
-# environment has no scipy). With the fixed seeds the test is deterministic; a correct rule
-# passes it with probability 0.999 per check over fresh seeds.
-CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
-
-
-def assert_distribution(tokens: list[int], p: torch.Tensor) -> None:
-    """The tokens' counts against n * p: no token outside p's support, chi-square under the
-    critical value. A rule that redraws from p instead of (p - q)+ after a rejection (or skips
-    the processing, or takes the bonus token from the wrong row) moves the statistic into the
-    hundreds at these counts."""
-    n, p = len(tokens), p.double().numpy()
-    counts = np.bincount(tokens, minlength=len(p))
-    assert counts[p == 0].sum() == 0, (counts, p)
-    # Cells expecting fewer than 5 draws are pooled into one (the usual validity condition of
-    # the chi-square approximation).
-    small = (p > 0) & (n * p < 5)
-    observed = [*counts[(p > 0) & ~small], counts[small].sum()]
-    expected = n * np.array([*p[(p > 0) & ~small], p[small].sum()])
-    if not small.any():
-        observed, expected = observed[:-1], expected[:-1]
-    observed = np.array(observed)
-    assert len(expected) >= 2, "too few draws for a test"
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    assert chi2 < CHI2_CRITICAL[len(expected) - 1], (chi2, observed, expected)
 
 
 @pytest.mark.parametrize(

@@ -298,14 +298,14 @@ class DecodeKernels(Launcher):
         CTA's ring would hold fewer than two stages (the kernel would trap)."""
         spec = self.specs[key]
         k, mt, epi = spec.targs[0], spec.targs[1], registry.Epilogue(spec.targs[3])
-        s = spec.targs[4]
+        s, teams = spec.targs[4], spec.targs[5]
         grid = registry.rows_grid(n, epi, self.gpu.num_sms, self.geometry)
         npairs = -(-registry.gemv_pairs(n, epi) // grid)
-        stages = registry.rows_stages(k, mt, s, npairs, self.geometry)
-        if stages < 2:
+        stages = registry.rows_stages(k, mt, s, npairs, self.geometry, teams)
+        if stages < 2 * teams:
             raise NanoqwenError(
                 f"{spec.expression} over N={n}: {grid} CTAs of {spec.smem} bytes of shared "
-                f"memory hold {stages} stage(s) of its ring, at least 2 are needed "
+                f"memory hold {stages} stage(s) of its ring, at least {2 * teams} are needed "
                 "(registry.rows_stages, rows_split; raise mr_min_sms' margin)"
             )
         self._rows_grids[key, n] = grid

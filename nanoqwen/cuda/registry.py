@@ -117,8 +117,11 @@ class Geometry:
     # takes (rows_grid: a whole stage's; below it a CTA's 8-row TMA boxes read its
     # neighbour's rows, and every CTA's read of x from L2 outweighs its weights more); the
     # groups of x a consumer lane keeps in registers at MT = 8 (16 registers each: a warp takes
-    # the same groups of every stage at S = 1; two spill under the 96 registers a thread).
+    # the same groups of every stage at S = 1; two spill under the 96 registers a thread); the
+    # consumer teams where a CTA runs mr_team_min_stages stages or more at MT = 8 (rows_teams).
     mr_consumers: int = 16
+    mr_teams: int = 2  # host only: the kernel's T is a template argument
+    mr_team_min_stages: int = 8  # host only
     mr_x_regs: int = 1
     mr_max_stages: int = 8
     mr_smem: int = 224 * 1024  # host only
@@ -623,16 +626,30 @@ def rows_run_pad(k: int, s: int) -> int:
     return 64 if s == 1 and (k // 2) % 128 == 0 else 0
 
 
-def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOMETRY) -> int:
-    """The ring stages of gemv_rows<K, MT, *, *, S> in a CTA that owns `npairs` pairs: what
+def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOMETRY,
+                teams: int = 1) -> int:  # fmt: skip
+    """The ring stages of gemv_rows<K, MT, *, *, S, T> in a CTA that owns `npairs` pairs: what
     mr_smem leaves beside x (two slices' buffers at S > 1), the stage reduction and, at S > 1,
-    the sums, at most mr_max_stages (the kernel traps below two). gemv_rows.cu's `stages`, in
-    Python."""
+    the sums, at most mr_max_stages, in whole rounds of its T `teams` (the kernel traps below
+    two a team). gemv_rows.cu's `stages`, in Python."""
     x = (1 if s == 1 else 2) * mt * -(-(k // GROUP_SIZE) // s) * GROUP_SIZE * 2
     red = 2 * g.mr_consumers * 16 * mt * 4
     sums = 0 if s == 1 else npairs * 2 * mt * 4
     free = g.mr_smem - ROWS_ALIGN - x - red - sums
-    return min(g.mr_max_stages, free // rows_stage_bytes(k, s))
+    return min(g.mr_max_stages, free // rows_stage_bytes(k, s)) // teams * teams
+
+
+def rows_teams(k: int, n: int, epi: Epilogue, mt: int, s: int,
+               g: Geometry = DEFAULT_GEOMETRY) -> int:  # fmt: skip
+    """T, gemv_rows' consumer teams (gemv_rows.cu's template argument): mr_teams at S = 1 and
+    MT = 8 where the ring holds two stages a team and a CTA runs mr_team_min_stages stages or
+    more (on a GPU of mr_min_sms SMs: gate/up), else one. A CTA of few stages runs them in
+    turn faster with all its warps on each (the 7B's q/k/v: 3 a CTA)."""
+    t = g.mr_teams
+    if s != 1 or mt != 8 or t == 1 or rows_stages(k, mt, s, 0, g) < 2 * t:
+        return 1
+    stages = -(-_rows_npairs(n, epi, g.mr_min_sms, g) // ROWS_STAGE_PAIRS)
+    return t if stages >= g.mr_team_min_stages else 1
 
 
 def _rows_npairs(n: int, epi: Epilogue, num_sms: int, g: Geometry) -> int:
@@ -651,10 +668,11 @@ def rows_specs(config: ModelConfig, g: Geometry = DEFAULT_GEOMETRY) -> tuple[Ker
     multi-row steps' embedding (the head of gemv_rows.cu's RMSNorm hand-off)."""
     gemvs = tuple(
         KernelSpec(f"gemv_rows_{kind}_m{mt}", GEMV_ROWS, "gemv_rows", (g.mr_consumers + 1) * 32,
-                   g.mr_smem, targs=(k, mt, norm, int(epi), rows_split(k, n, epi, mt, g)),
+                   g.mr_smem, targs=(k, mt, norm, int(epi), s, rows_teams(k, n, epi, mt, s, g)),
                    tunables=_MR_TUNABLES)
         for kind, (k, n, norm, epi) in gemv_shapes(config).items()
         for mt in ROW_BUCKETS
+        for s in (rows_split(k, n, epi, mt, g),)
     )  # fmt: skip
     return gemvs + (KernelSpec("embed_rows", GEMV_ROWS, "embed_rows", g.misc_threads,
                                tunables=("kMiscThreads", "kVerifyRows")),)  # fmt: skip

@@ -58,6 +58,12 @@
 // whole rows a stage (S = 1) its pairs are then complete, and the reducing threads apply the
 // epilogue at once, under the next stage, instead of all of it after the last one, a tail that
 // grows with M (docs/PERFORMANCE.md, the verify step).
+// Teams (T, registry.rows_teams: gate/up at MT = 8). A barrier a stage holds every warp to the
+// slowest, and all of them then dequantize at once (the ALU pipe's busiest phase) and wait at
+// once. With T teams of C / T warps, team t takes stages t, t + T, ... (its own barrier, its
+// own double-buffered reduction, its last warps reducing), so the teams' phases drift apart
+// and overlap. A stage then takes T times as long, so a CTA of few stages (q/k/v, o: 2-3)
+// keeps one team; the ring's slots are dealt to the teams, two at least each.
 // Per 1 KB of weights (16 rows x one group) at MT = 8 a warp issues ~120 instructions (72 of
 // them dequantization, 8 mma, 6 LDS.128 of weights and x; 2, the weights', where x is in
 // registers). What sets the launch's pace (its consumers, not the weight stream):
@@ -129,7 +135,7 @@ struct MrShape {
   static constexpr int kStage = (kSc + 2 * kScales + 127) / 128 * 128;
   static constexpr int kXBuf = MT * GS * kGroupSize * 2;           // x [MT][GS groups]
   static constexpr int kX = (S == 1 ? 1 : 2) * kXBuf;              // S > 1: double-buffered
-  static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;      // [2][C][16][MT] f32
+  static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;      // [T][2][C/T][16][MT] f32
 };
 
 __device__ __forceinline__ uint32_t h2u(half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
@@ -189,6 +195,11 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
 template <int C>
 __device__ __forceinline__ void consumer_sync() {
   asm volatile("bar.sync 1, %0;" ::"n"(C * kWarp) : "memory");
+}
+// The barrier of consumer team `team` of W warps (gemv_rows' teams: named barriers 4 ..).
+template <int W>
+__device__ __forceinline__ void team_sync(int team) {
+  asm volatile("bar.sync %0, %1;" ::"r"(4 + team), "n"(W * kWarp) : "memory");
 }
 
 // The lane's x: its B fragment of group j, token tile tt, word q (tokens 8 tt + g, chunk t4)
@@ -337,9 +348,9 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 // Grid: at most one CTA per pair (registry.rows_grid: one an SM, fewer where a CTA would
 // get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic
 // shared memory: the ring, x [MT][GS groups] (swizzled; two of them at S > 1), the stage
-// reduction [2][C][16][MT] fp32 and, at S > 1, the per-pair sums; at least two stages must fit
-// (the host checks: registry.rows_stages).
-template <int K, int MT, bool NORM, int EPI, int S>
+// reduction [T][2][C / T][16][MT] fp32 and, at S > 1, the per-pair sums; at least two stages a
+// team must fit (the host checks: registry.rows_stages). T: the consumer teams (rows_teams).
+template <int K, int MT, bool NORM, int EPI, int S, int T>
 __global__ void __launch_bounds__(kMrThreads, 1)
 gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
           const unsigned char* __restrict__ qweight, const half* __restrict__ scales,
@@ -353,19 +364,27 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   static_assert(EPI != kRope || (kHeadDim / 2) % kMrPairs == 0, "a stage within one head");
   using Sh = MrShape<K, MT, S>;
   constexpr int C = kMrConsumers, G = Sh::G, GS = Sh::GS;
+  constexpr int CT = C / T;  // a team's warps
+  static_assert(T == 1 || (S == 1 && C % T == 0 && CT * kWarp >= kMrPairs * MT),
+                "teams at S = 1: whole warps, a thread for each (pair, token) of a stage");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
+  // T > 1: xq_bar[w] fires once the T warps w, w + CT, ... have copied their groups of x (the
+  // groups each of them takes: w mod CT); norm_bar once the NORM warps have written norm_f.
+  __shared__ __align__(8) unsigned long long xq_bar[T > 1 ? CT : 1], norm_bar;
   __shared__ float norm_f[MT];  // NORM: rstd / c of each token row, the factor of its sums
   __shared__ float sq_s[EPI == kResidual ? C : 1][MT];  // kResidual: warps' squares by row
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
-  // The stage reduction's threads, rt = tid - kRt0 in 0 .. 16 MT: at S = 1 thread j MT + r
-  // finishes (pair j, token r), the last kMrPairs MT / 32 consumer warps (where a stage's groups
-  // do not split evenly over the warps, they take one fewer); at S > 1 thread row MT + r adds
-  // its (row, token) sum, the first warps. Token row rt % MT = tid % MT (kRt0 % MT = 0).
-  constexpr int kRt0 = S == 1 ? (C * kWarp - kMrPairs * MT) : 0;
-  const int rt = tid - kRt0;
+  const int team = warp / CT, tw = warp % CT;  // consumer warps: team, warp in the team
+  // The stage reduction's threads, rt = tid - kRt0 in 0 .. 16 MT (S = 1: tid counted in its
+  // team, tw kWarp + lane): at S = 1 thread j MT + r finishes (pair j, token r), the team's
+  // last kMrPairs MT / 32 warps (where a stage's groups do not split evenly over the warps,
+  // they take one fewer); at S > 1 thread row MT + r adds its (row, token) sum, the first warps.
+  // Token row rt % MT = tid % MT (kRt0 % MT = 0).
+  constexpr int kRt0 = S == 1 ? (CT * kWarp - kMrPairs * MT) : 0;
+  const int rt = (S == 1 ? tw * kWarp + lane : tid) - kRt0;
   const int pairs = EPI == kSwiGLU ? N : (N + 1) / 2;
   const int half_n = (N + 1) / 2;  // kResidual: row b(p) = p + half_n
   const int p0 = (int)((long long)blockIdx.x * pairs / gridDim.x);
@@ -375,12 +394,14 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   const int sum_bytes = S == 1 ? 0 : npairs * 2 * MT * 4;
+  // T > 1: a whole number of slots a team (slot k is team k mod T's), so that a team's wait
+  // for its stage's round r finds the slot's barrier in phase r (it consumed round r - 1).
   const int stages = min(kMrMaxStages, ((int)dyn - kMrAlign - Sh::kX - Sh::kRed - sum_bytes) /
-                                           Sh::kStage);
-  if (stages < 2) __trap();  // a launch the host must not make
+                                           Sh::kStage) / T * T;
+  if (stages < 2 * T) __trap();  // a launch the host must not make
   unsigned char* base = smem + ((kMrAlign - smem_addr(smem) % kMrAlign) % kMrAlign);
   uint4* xs4 = reinterpret_cast<uint4*>(base + stages * Sh::kStage);  // slice s: xs4 + (s & 1) ..
-  float* red = reinterpret_cast<float*>(base + stages * Sh::kStage + Sh::kX);  // [2][C][16][MT]
+  float* red = reinterpret_cast<float*>(base + stages * Sh::kStage + Sh::kX);  // [T][2][CT]..
   float* sums = red + Sh::kRed / 4;  // S > 1: [npairs][2 (row a, b)][MT], slice after slice
   const uint32_t ring = smem_addr(base);
 
@@ -429,9 +450,13 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     for (int s = 0; s < stages; ++s) {
       // the producer's arrive.expect_tx (S > 1: and its lanes' scale copies)
       mbar_init(smem_addr(&full_bar[s]), S == 1 ? 1 : 1 + kWarp);
-      mbar_init(smem_addr(&empty_bar[s]), C);
+      mbar_init(smem_addr(&empty_bar[s]), CT);  // the warps of the slot's team
     }
     mbar_init(smem_addr(&x_bar), S == 1 ? C : 1);  // S = 1: each consumer warp's own groups
+    if constexpr (T > 1) {
+      for (int w = 0; w < CT; ++w) mbar_init(smem_addr(&xq_bar[w]), T);
+      mbar_init(smem_addr(&norm_bar), C);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -516,14 +541,21 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
     };
     pdl_wait();
-    if (S == 1 && rt >= 0 && rt / MT < stage_len(p0) && tid % MT < M)
-      epi_next = epi_load(p0 + rt / MT, tid % MT);
+    // The pair where stage i + n starts, for stage i's p (p1: past the CTA's last).
+    auto stage_after = [&](int p, int n) {
+      for (int k = 0; k < n && p < p1; ++k) p += stage_len(p);
+      return p;
+    };
+    const int pt = stage_after(p0, S == 1 ? team : 0);  // the team's first stage
+    if (S == 1 && rt >= 0 && pt < p1 && rt / MT < stage_len(pt) && tid % MT < M)
+      epi_next = epi_load(pt + rt / MT, tid % MT);
     else if (S > 1 && EPI != kResidual && tid < npairs * MT && tid % MT < M)
       epi_next = epi_load(p0 + tid / MT, tid % MT);
     if (EPI == kResidual && S == 1 && next_w && tid % MT < M) hc = scale[tid % MT];
-    // S = 1: a warp reads only its own groups of x (warp, warp + C, ...), so it copies them
-    // itself and starts on them as they land, with no wait for the rest of x; S > 1: every
-    // thread copies a part of the slice, and the consumers meet before its first stage.
+    // S = 1: a warp reads only its own groups of x (warp, warp + C, ...; with teams, tw, tw +
+    // CT, ..., copied by the T warps tw, tw + CT, ...: xq_bar), so it copies them itself and
+    // starts on them as they land, with no wait for the rest of x; S > 1: every thread copies a
+    // part of the slice, and the consumers meet before its first stage.
     if constexpr (S == 1) {
       for (int j = warp; j < G; j += C) {
         for (int v = lane; v < M * 16; v += kWarp) {
@@ -550,6 +582,10 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     if constexpr (S == 1) {
       __syncwarp();
       if (lane == 0) mbar_arrive(smem_addr(&x_bar));
+      if constexpr (T > 1) {
+        if (lane == 0) mbar_arrive(smem_addr(&xq_bar[tw]));
+        mbar_wait(smem_addr(&xq_bar[tw]), 0);
+      }
     } else {
       consumer_sync<C>();
       if (tid == 0) mbar_arrive(smem_addr(&x_bar));
@@ -564,11 +600,17 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         if (blockIdx.x == 0) rstd[warp] = rs;
       }
     }
+    // T > 1: a team's barrier does not order the other team's NORM warps before its finish.
+    if constexpr (T > 1) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&norm_bar));
+    }
 
-    // ---- the slices, each over the stages of this CTA's pairs. S = 1: warp takes groups warp,
-    // warp + C, ... of every stage, and at MT = 8 keeps x of the first kMrXRegs of them in
-    // registers (16 a group: its lane's B fragments; MT = 16's 32 a group do not fit beside
-    // the rest), so that its stages read only weights from shared memory. S > 1: groups
+    // ---- the slices, each over the stages of this CTA's pairs. S = 1: warp takes groups tw,
+    // tw + CT, ... of every stage of its team (one team: tw = warp, CT = C), and at MT = 8
+    // keeps x of the first kMrXRegs of them in registers (16 a group: its lane's B fragments;
+    // MT = 16's 32 a group do not fit beside the rest), so that its stages read only weights
+    // from shared memory. S > 1: groups
     // (warp - i) mod C, + C, ... of stage i (i counts on across slices), rotated so that
     // uneven counts even out over the slices' stages, x from shared memory.
     constexpr int XR = S == 1 && MT == 8 ? kMrXRegs : 0;
@@ -578,13 +620,14 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       const int sw = lane_sw(lane);
 #pragma unroll
       for (int n = 0; n < XR; ++n) {
-        const int j = min(warp + n * C, G - 1);  // past G: never used
+        const int j = min(tw + n * CT, G - 1);  // past G: never used
 #pragma unroll
         for (int q = 0; q < 4; ++q) xr[n][0][q] = xl[16 * j + (q ^ sw)];
       }
     }
     const int g = lane / 4;
     int slot = 0, phase = 0, i = 0;
+    bool normed = !NORM || T == 1;  // T > 1: norm_f seen (norm_bar) by this thread
     for (int s = 0; s < S; ++s) {
       const int g0 = slice0(s), gs = slice0(s + 1) - g0;
       uint4* xb = xs4 + (s & 1) * (Sh::kXBuf / 16);
@@ -596,6 +639,14 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       if (s + 1 < S) stage_x(s + 1);
       for (int p = p0; p < p1; ++i) {
         const int np = stage_len(p);
+        if (T > 1 && i % T != team) {  // the other team's stage
+          if (++slot == stages) {
+            slot = 0;
+            phase ^= 1;
+          }
+          p += np;
+          continue;
+        }
         mbar_wait(smem_addr(&full_bar[slot]), phase);
         const unsigned char* st = base + slot * Sh::kStage;
         // The scales of the lane's rows a(p + g), b(p + g) at the slice's first group.
@@ -605,29 +656,38 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
         const half* sb = S == 1 ? sc + Sh::kScales / 2 + (((size_t)row_b(p) * G) & 7) + g * G
                                 : sc + (8 + g) * Sh::kScRow / 2 +
                                       (((size_t)(row_b(p) + g) * G + g0) & 1);
-        // The warps' sums, [C][16 rows][MT] in buffer i % 2, added over the warps in warp
-        // order. S = 1: the stage's pairs are whole, so thread j MT + r finishes (pair j, token
-        // r) right here (rows j and 8 + j), under the other warps' next stage, and loads its
-        // next stage's epilogue inputs; no epilogue is left after the last stage. S > 1: one
+        // The warps' sums, [CT][16 rows][MT] in the team's buffer i / T % 2, added over its
+        // warps in warp order. S = 1: the stage's pairs are whole, so thread j MT + r finishes
+        // (pair j, token r) right here (rows j and 8 + j), under the other warps' next stage,
+        // and loads its team's next stage's epilogue inputs; no epilogue is left after the
+        // last stage. S > 1: one
         // thread per (row, token) adds its sum to the slices before (the same thread at every
         // slice), and the epilogue runs after the last slice.
-        float* rb = red + (i & 1) * (C * 16 * MT);
+        float* rb = red + (team * 2 + (i / T & 1)) * (CT * 16 * MT);
         // One group at a time: 16 warps' registers (~96 a thread) hold no more; 8 warps with
         // 4 groups in flight measured the same in the step (docs/EXPERIMENTS.md, Decode GEMV).
-        warp_stage<K, MT, S, 1, XR>(st, sa, sb, xb, S == 1 ? warp : (warp + C - i % C) % C, C,
-                                    gs, lane, smem_addr(&empty_bar[slot]), rb + warp * 16 * MT,
+        warp_stage<K, MT, S, 1, XR>(st, sa, sb, xb, S == 1 ? tw : (warp + C - i % C) % C, CT,
+                                    gs, lane, smem_addr(&empty_bar[slot]), rb + tw * 16 * MT,
                                     xr);
-        consumer_sync<C>();  // buffer i % 2 is next written at stage i + 2, after this barrier
+        // The team's buffer i / T % 2 is next written at its stage i + 2 T, after this barrier.
+        if constexpr (T > 1)
+          team_sync<CT>(team);
+        else
+          consumer_sync<C>();
         if (S == 1 && rt >= 0) {
           const int j = rt / MT, r = rt % MT;
           float da = 0.f, db = 0.f;
 #pragma unroll
-          for (int w = 0; w < C; ++w) {
+          for (int w = 0; w < CT; ++w) {
             da += rb[w * 16 * MT + rt];
             db += rb[w * 16 * MT + kMrPairs * MT + rt];
           }
+          if (!normed) {
+            mbar_wait(smem_addr(&norm_bar), 0);
+            normed = true;
+          }
           if (j < np && r < M) finish(p + j, r, da, db, epi_next);
-          const int pn = p + np;
+          const int pn = stage_after(p, T);  // the team's next stage
           if (pn < p1 && j < stage_len(pn) && r < M) epi_next = epi_load(pn + j, r);
         } else if (S > 1 && tid < 16 * MT) {
           const int row = tid / MT, r = tid % MT;
@@ -666,15 +726,16 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   // kResidual: the CTA's sums of squares by token row, its row of ss: each warp's lanes of one
   // token row (lane % MT) added by a butterfly, then the warps' sums in warp order (a fixed
   // order; one dependent load a step would make this tail ~1 us). At S = 1 only the W warps
-  // that finished pairs (threads rt = j MT + r) hold squares: they alone meet, the others are
-  // done.
+  // that finished pairs (threads rt = j MT + r of each team) hold squares: they alone meet,
+  // the others are done.
   if constexpr (EPI == kResidual) {
-    constexpr int W = S == 1 ? kMrPairs * MT / kWarp : C;
+    constexpr int WT = S == 1 ? kMrPairs * MT / kWarp : C;  // a team's
+    constexpr int W = T * WT;
     if (rt < 0) return;
     sq = row_sum<MT>(sq);
-    if (lane < MT) sq_s[rt / kWarp][lane] = sq;
+    if (lane < MT) sq_s[team * WT + rt / kWarp][lane] = sq;
     asm volatile("bar.sync 2, %0;" ::"n"(W * kWarp) : "memory");
-    if (rt < M) {
+    if (team == 0 && rt < M) {
       float w[W];
 #pragma unroll
       for (int i = 0; i < W; ++i) w[i] = sq_s[i][rt];
