@@ -24,5 +24,9 @@ class TokenizerError(NanoqwenError):
     """A missing or unusable tokenizer, or input it cannot encode."""
 
 
+class ToolsError(TokenizerError):
+    """Tool definitions the chat template cannot take (or a template without tool support)."""
+
+
 class DeviceError(NanoqwenError):
     """A CUDA failure; after a sticky error the engine refuses further work."""

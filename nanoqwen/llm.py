@@ -255,12 +255,16 @@ class LLM:
         self,
         prompt: str | Sequence[int] | None = None,
         *,
-        messages: Sequence[dict[str, str]] | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
         fim: tuple[str, str] | None = None,
         special_tokens: str = "parse",
+        tools: Sequence[dict[str, Any]] | None = None,
+        reply_prefix: str = "",
     ) -> list[int]:
         """Prompt token ids from exactly one of: a raw prompt (text, or token ids checked
-        against the vocabulary), chat messages, (prefix, suffix).
+        against the vocabulary), chat messages, (prefix, suffix). With messages, `tools` and
+        `reply_prefix` go to `Tokenizer.encode_chat` (function definitions the template lists;
+        the reply's forced start).
 
         `special_tokens` (SPECIAL_TOKENS) says how a raw text prompt's special-token text is
         encoded; message contents and FIM prefix/suffix always stay text. A prompt that
@@ -270,6 +274,8 @@ class LLM:
         given = [x is not None for x in (prompt, messages, fim)]
         if sum(given) != 1:
             raise NanoqwenError("prepare() takes exactly one of prompt=, messages=, fim=")
+        if (tools or reply_prefix) and messages is None:
+            raise NanoqwenError("tools= and reply_prefix= go with messages=")
         if special_tokens not in SPECIAL_TOKENS:
             raise NanoqwenError(
                 f"special_tokens must be one of {', '.join(SPECIAL_TOKENS)}, got {special_tokens!r}"
@@ -289,7 +295,9 @@ class LLM:
                     raise NanoqwenError("prompt= must be a string or a sequence of token ids")
                 ids = check_prompt(prompt, self.config.vocab_size).tolist()
             elif messages is not None:
-                ids = self.tokenizer.encode_chat(list(messages), limit=limit)
+                ids = self.tokenizer.encode_chat(
+                    list(messages), tools=tools, reply_prefix=reply_prefix, limit=limit
+                )
             else:
                 if not (isinstance(fim, tuple | list) and len(fim) == 2):
                     raise NanoqwenError("fim= must be a (prefix, suffix) pair of strings")

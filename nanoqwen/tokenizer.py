@@ -12,8 +12,10 @@ Design decisions, stated once:
   FIM prompts from `<|fim_prefix|>`, `<|fim_suffix|>`, `<|fim_middle|>` text, and a raw prompt
   is the caller's own text. `special_tokens="text"` opts out. Chat prompts get the safe
   behaviour per message: the template's own text may contain control tokens, message
-  contents never do (`encode_chat`), so a user message cannot forge turn boundaries. Plain
-  text is always encoded as one run, so the ids equal Hugging Face's.
+  contents never do (`encode_chat`), so a user message cannot forge turn boundaries. Tool
+  definitions and an assistant's tool calls are rendered by the template (as JSON, inside its
+  own text), so they are refused when they hold control-token text. Plain text is always
+  encoded as one run, so the ids equal Hugging Face's.
 * **Encoding is bounded and off the GIL.** With `limit`, encoding stops once the ids pass it
   (TooManyTokens): a text too long for the context costs about `limit` tokens of work, not
   its whole length. Long text is encoded in chunks cut only where the Qwen2 pre-tokenizer
@@ -33,6 +35,7 @@ Design decisions, stated once:
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import re
 import secrets
@@ -40,11 +43,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .convert.tokenizers import QWEN2_SPLIT_REGEX
-from .errors import ContextError, TokenizerError
+from .errors import ContextError, TokenizerError, ToolsError
 
 ROLES = ("system", "user", "assistant", "tool")
 FIM_KEYS = ("fim_prefix", "fim_suffix", "fim_middle")
@@ -287,43 +291,115 @@ class Tokenizer:
         return [self.special_id("file_sep"), *self._encode_plain(body)]
 
     # Chat --------------------------------------------------------------------------------
+    @functools.cached_property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (reads a `tools` variable)."""
+        if not self.chat_template:
+            return False
+        try:
+            ast = _jinja_env().parse(self.chat_template)
+        except jinja2.TemplateError:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
     def render_chat(
-        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text the embedded chat template makes of `messages`."""
-        return self._render(validate_messages(messages), add_generation_prompt)
+        """The prompt text the embedded chat template makes of `messages` (and `tools`)."""
+        messages = self._checked_messages(messages)
+        return self._render(messages, add_generation_prompt, self._checked_tools(tools))
 
     def encode_chat(
         self,
-        messages: Sequence[dict[str, str]],
+        messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
         *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        reply_prefix: str = "",
         limit: int | None = None,
     ) -> list[int]:
         """Token ids of a chat: template text may hold control tokens, message contents never.
-        More than `limit` ids: TooManyTokens.
+        `tools`: the function definitions the template lists (OpenAI's {"type": "function",
+        "function": {...}} objects); `reply_prefix`: text the assistant's reply starts with
+        (after the generation prompt; the caller's own text, control tokens allowed: a forced
+        tool call). More than `limit` ids: TooManyTokens.
 
-        Each content is rendered as a unique placeholder and encoded as plain text. If the
-        template transforms contents (so the placeholders do not reproduce the real
+        Each non-empty content is rendered as a unique placeholder and encoded as plain text.
+        If the template transforms contents (so the placeholders do not reproduce the real
         rendering), the whole rendering is encoded with specials allowed, as Hugging Face does.
         """
-        messages = validate_messages(messages)
-        text = self._render(messages, add_generation_prompt)
+        messages = self._checked_messages(messages)
+        tools = self._checked_tools(tools)
+        if reply_prefix and not add_generation_prompt:
+            raise TokenizerError("a reply prefix follows the generation prompt")
+        text = self._render(messages, add_generation_prompt, tools)
         nonce = secrets.token_hex(NONCE_BYTES)
-        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        masked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+        # An empty content stays empty: templates test it (an assistant turn of tool calls).
+        masked = [
+            {**m, "content": f"\ue000{nonce}:{i}\ue001"} if m["content"] else m
+            for i, m in enumerate(messages)
+        ]
         # parts: template text, then (nonce, index, template text) per placeholder.
-        parts = _PLACEHOLDER.split(self._render(masked, add_generation_prompt))
+        parts = _PLACEHOLDER.split(self._render(masked, add_generation_prompt, tools))
         segments = [(parts[0], True)]
         for found, index, after in zip(parts[1::3], parts[2::3], parts[3::3], strict=True):
             if found != nonce:  # template text that looks like a placeholder
-                return self._encode_segments([(text, True)], limit)
+                segments = [(text, True)]
+                break
             segments += [(messages[int(index)]["content"], False), (after, True)]
         if "".join(s for s, _ in segments) != text:
-            return self._encode_segments([(text, True)], limit)
-        return self._encode_segments(segments, limit)
+            segments = [(text, True)]
+        return self._encode_segments([*segments, (check_text(reply_prefix), True)], limit)
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _checked_messages(self, messages: Any) -> list[dict[str, Any]]:
+        """`validate_messages`, and no tool call holding control-token text (the template
+        renders calls inside its own text)."""
+        messages = validate_messages(messages)
+        for i, m in enumerate(messages):
+            for j, call in enumerate(m.get("tool_calls", ())):
+                self._check_json(call, f"messages[{i}].tool_calls[{j}]", TokenizerError)
+        return messages
+
+    def _checked_tools(self, tools: Any) -> list[dict[str, Any]] | None:
+        """`tools` as the template takes them (None when there are none), each a JSON object
+        without control-token text."""
+        if not tools:
+            return None
+        if not isinstance(tools, list | tuple):
+            raise ToolsError("tools must be a list of JSON objects")
+        if not self.supports_tools:
+            raise ToolsError("this model's chat template has no tool support")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict):
+                raise ToolsError(f"tools[{i}] must be an object")
+            self._check_json(tool, f"tools[{i}]", ToolsError)
+        return list(tools)
+
+    def _check_json(self, value: Any, what: str, error: type[TokenizerError]) -> None:
+        """Refuse a value the template renders as JSON inside its own text: one that is not
+        JSON or not valid Unicode, or that holds control-token text (which would be encoded
+        as the control token)."""
+        try:
+            text = _tojson(value)
+        except (TypeError, ValueError):  # not serializable; a circular reference
+            raise error(f"{what} is not JSON") from None
+        try:
+            check_text(text, what)
+        except TokenizerError as exc:
+            raise error(str(exc)) from None
+        if (m := self._find_special(text, 0)) is not None:
+            raise error(f"{what} holds the control-token text {m.group()!r}")
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if not self.chat_template:
             raise TokenizerError("the model file has no chat template; use a raw prompt or FIM")
         inv = {v: k for k, v in self._added.items()}
@@ -335,7 +411,7 @@ class Tokenizer:
             return self._compiled_template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 bos_token=inv.get(self.special_tokens.get("bos", -1), ""),
                 eos_token=inv.get(self.eos_token_ids[0], "") if self.eos_token_ids else "",
             )
@@ -361,10 +437,13 @@ class Tokenizer:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check a chat: a non-empty list of {role: system|user|assistant|tool, content: str}.
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check a chat: a non-empty list of {role: system|user|assistant|tool, content: str}; an
+    assistant message may also carry `tool_calls`, a list of {name: str, arguments: object}
+    (the calls it made, each answered by a later `tool` message).
 
-    Returns copies holding only `role` and `content` (the template sees nothing else).
+    Returns copies holding only `role`, `content` and `tool_calls` where given (the template
+    sees nothing else).
     """
     if not isinstance(messages, list | tuple) or not messages:
         raise TokenizerError("messages must be a non-empty list of {role, content} objects")
@@ -377,8 +456,26 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise TokenizerError(f"messages[{i}].role must be one of {', '.join(ROLES)}: {role!r}")
         if not isinstance(content, str):
             raise TokenizerError(f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
+        checked = {"role": role, "content": check_text(content, f"messages[{i}].content")}
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise TokenizerError(f"messages[{i}]: only assistant messages make tool calls")
+            checked["tool_calls"] = [
+                _tool_call(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(m["tool_calls"])
+            ]
+        out.append(checked)
     return out
+
+
+def _tool_call(call: Any, what: str) -> dict[str, Any]:
+    if not (
+        isinstance(call, dict)
+        and isinstance(call.get("name"), str)
+        and isinstance(call.get("arguments"), dict)
+    ):
+        raise TokenizerError(f"{what} must be an object {{name: string, arguments: object}}")
+    return {"name": call["name"], "arguments": call["arguments"]}
 
 
 def _raise_exception(message: str) -> None:

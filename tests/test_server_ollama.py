@@ -75,7 +75,7 @@ def test_list_show_ps_version(server, client, tiny_model):
     assert model.model == "tiny:latest" and model.size == tiny_model.stat().st_size
     assert len(model.digest) == 64 and model.details.family == "qwen2"
     show = client.show("tiny")
-    assert ".Suffix" in show.template and "insert" in show.capabilities
+    assert ".Suffix" in show.template and {"insert", "tools"} <= set(show.capabilities)
     assert show.modelinfo["qwen2.context_length"] == 4096 and show.parameters == "num_ctx 4096"
     assert show.details.quantization_level == "INT4"
     (running,) = client.ps().models
@@ -172,7 +172,7 @@ def test_refused_generate_fields_are_400(server, extra, word):
 
 
 def test_refused_chat_fields_are_400(client):
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tool = {"type": "function", "function": {"name": "no spaces", "parameters": {"type": "object"}}}
     with pytest.raises(ollama.ResponseError) as info:
         client.chat(model="tiny", messages=CHAT, tools=[tool])
     assert info.value.status_code == 400 and "tools" in info.value.error

@@ -52,18 +52,45 @@ SPECIAL_KEYS: dict[str, str] = {
     "file_sep": "<|file_sep|>",
 }
 
-# The standard Qwen2.5 ChatML template (without tool support) for synthetic models.
+# A ChatML template for synthetic models, in Qwen2.5's format: its default system prompt, and
+# with `tools` its "# Tools" system section, assistant calls as <tool_call> blocks and tool
+# answers as <tool_response> blocks in a user turn (nanoqwen.tool_calls).
 CHATML_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- set loop_messages = messages[1:] %}"
+    "{%- set system = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
     "{%- else %}"
-    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. "
-    "You are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- set system = 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' %}"
     "{%- set loop_messages = messages %}"
     "{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query."
+    "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>\' }}'
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
     "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or loop_messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or loop_messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' "
+    "+ (call['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )

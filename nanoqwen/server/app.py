@@ -41,7 +41,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from ..errors import ContextError, DeviceError, NanoqwenError
+from ..errors import ContextError, DeviceError, NanoqwenError, ToolsError
 from ..sampling import SamplingParams
 from ..tokenizer import TooManyTokens
 from .auth import BearerAuth
@@ -223,6 +223,8 @@ class Service:
             )
         except TooManyTokens as exc:
             raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ToolsError as exc:
+            raise APIError(400, str(exc), param="tools") from None
         except NanoqwenError as exc:
             raise APIError(400, str(exc), param=param) from None
 
@@ -263,7 +265,11 @@ class Service:
         """POST /v1/chat/completions."""
         self.check_model(body.model)
         messages = [m.as_template_message() for m in body.messages]
-        ids = await self.prepare("messages", messages=messages)
+        plan = body.tool_plan
+        prompt: dict[str, Any] = {"messages": messages}
+        if plan.parses:
+            prompt |= {"tools": plan.tools, "reply_prefix": plan.prefix}
+        ids = await self.prepare("messages", **prompt)
         return await self.respond(request, body, [ids], None)  # default: the rest
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -282,7 +288,9 @@ class Service:
         """Check every prompt, then generate a choice for each and answer (or stream) them."""
         params = [self.sampling(body, ids, default_max_tokens) for ids in prompts]
         chat = isinstance(body, ChatRequest)
-        reply = Reply(chat=chat, model=self.model, prompt_tokens=[len(ids) for ids in prompts])
+        tools = body.tool_plan if chat else None
+        reply = Reply(chat=chat, model=self.model, prompt_tokens=[len(ids) for ids in prompts],
+                      tools=tools)  # fmt: skip
         choices = Choices(self, request, prompts, params)
         events = choices.events()
         try:
@@ -299,19 +307,19 @@ class Service:
 async def stream_body(
     reply: Reply, first: Any, events: AsyncIterator[Any], include_usage: bool
 ) -> AsyncIterator[bytes]:
-    """The SSE body: role chunk (chat), then per choice its text chunks and finish chunk, the
-    usage chunk if asked for, [DONE]. The events of one delta go out as one body message
-    (one socket write), the role chunk with the first delta's."""
+    """The SSE body: role chunk (chat), then per choice its text and tool call chunks and its
+    finish chunk, the usage chunk if asked for, [DONE]. The events of one delta go out as one
+    body message (one socket write), the role chunk with the first delta's."""
     try:
         out = reply.chunk(0, "", role=True) if reply.chat else b""
         item = first
         while item is not None:
             index, delta = item
-            reply.add(index, delta)
-            if delta.text:
-                out += reply.chunk(index, delta.text)
+            for piece in reply.add(index, delta):
+                is_text = isinstance(piece, str)
+                out += reply.chunk(index, piece) if is_text else reply.call_chunk(index, piece)
             if delta.finish_reason is not None:
-                out += reply.chunk(index, None, delta.finish_reason)
+                out += reply.chunk(index, None, reply.choices[index].finish_reason)
             if out:
                 yield out
                 out = b""

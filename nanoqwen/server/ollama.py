@@ -15,21 +15,26 @@ always loaded here, so the answer is {"done": true, "done_reason": "load"} at on
 
 The fields, each honoured, accepted as a pure hint, or refused (400):
 
-    honoured  stream (default true), raw, system, suffix, and the options temperature, top_k
-              (<= 0: off), top_p, seed (-1: random), num_predict (<= 0: until the context,
-              as in Ollama), stop
+    honoured  stream (default true), raw, system, suffix, tools and messages' tool_calls
+              (/api/chat), and the options temperature, top_k (<= 0: off), top_p, seed (-1:
+              random), num_predict (<= 0: until the context, as in Ollama), stop
     hints     keep_alive (the model stays loaded), truncate (a prompt that does not fit is
               refused, never cut), shift (generation stops at the end of the context), the
               load-time options num_ctx (the context is --max-context), num_batch, num_gpu,
               main_gpu, num_thread, use_mmap, num_keep, and unknown options (Ollama skips
               those too)
     refused   format ("json" or a schema: the output cannot be constrained), template,
-              context, images, tools, tool_calls, think (true or a level: no thinking mode),
+              context, images, think (true or a level: no thinking mode),
               logprobs, top_logprobs; raw with system or suffix, and system with suffix (Ollama
               drops them silently); the options min_p, typical_p, repeat_penalty,
               presence_penalty, frequency_penalty unless neutral (0, 1, 1, 0, 0)
 
 Defaults are Ollama's: temperature 0.8, top_k 40, top_p 0.9, num_predict -1.
+
+Tools as /v1/chat/completions takes them (nanoqwen.tool_calls), in Ollama's shapes: a call's
+arguments are an object, a reply's calls come as message.tool_calls (a streamed call in a
+chunk of its own, whole), done_reason stays "stop", and /api/show lists the "tools" capability
+when the model's template renders tools (Continue reads it).
 
 Streams are NDJSON (application/x-ndjson), one object per line: text chunks with done false,
 then the final object with done true, done_reason ("stop" or "length"), prompt_eval_count,
@@ -69,6 +74,7 @@ from .compat import (
     refuse_unless_empty,
 )
 from .protocol import APIError
+from .schemas import MAX_TOOLS, NO_TOOLS, FunctionDef, Tool, ToolPlan
 
 # The Ollama release whose API this module follows; clients gate features on /api/version.
 OLLAMA_VERSION = "0.12.0"
@@ -209,26 +215,50 @@ class GenerateRequest(OllamaRequest):
         return {"messages": [*system, {"role": "user", "content": self.prompt}]}
 
 
+class CallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: dict[str, Any] = {}
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    function: CallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] = []
-    tool_calls: list[Any] = []
+    tool_calls: list[ToolCall] = []
 
     _nulls = model_validator(mode="before")(null_means_default)
     _images = refuse_unless_empty("images", "the model reads text only")
-    _tool_calls = refuse_unless_empty("tool_calls", "tools are not supported")
+
+    def as_template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"name": c.function.name, "arguments": c.function.arguments}
+                for c in self.tool_calls
+            ]
+        return message
 
 
 class ChatRequest(OllamaRequest):
     messages: list[ChatMessage] = []
-    tools: list[Any] = []
+    tools: list[Tool] = Field(default=[], max_length=MAX_TOOLS)
 
     prompt_field: ClassVar[str] = "messages"
 
-    _tools = refuse_unless_empty("tools", "tool calling is not implemented")
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan:
+        """Ollama has no tool_choice: with tools, the model calls them when it will."""
+        if not self.tools:
+            return NO_TOOLS
+        return ToolPlan(tools=[t.model_dump(exclude_none=True) for t in self.tools])
 
 
 class ShowRequest(BaseModel):
@@ -237,7 +267,8 @@ class ShowRequest(BaseModel):
     name: str = ""  # the older spelling, still sent by Continue and litellm
 
 
-FIELD_NAMES = field_names(GenerateRequest, ChatRequest, ChatMessage, Options, ShowRequest)
+FIELD_NAMES = field_names(GenerateRequest, ChatRequest, ChatMessage, Options, ShowRequest,
+                          ToolCall, CallFunction, Tool, FunctionDef)  # fmt: skip
 
 
 def rfc3339(seconds: float | None = None) -> str:
@@ -288,6 +319,7 @@ class ModelFacts:
         }
         self.context = llm.max_context
         self.on_gpu = llm.backend_name == "cuda"
+        self.tools = llm.tokenizer.supports_tools
 
     def entry(self) -> dict[str, Any]:
         return {
@@ -327,21 +359,26 @@ class OllamaReply:
         self.chat = chat
         self.started = started
 
-    def _with(self, text: str, **fields: Any) -> dict[str, Any]:
-        content = (
-            {"message": {"role": "assistant", "content": text}} if self.chat else {"response": text}
-        )
+    def _with(self, text: str, calls: list[Any] = (), **fields: Any) -> dict[str, Any]:
+        if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [_call_json(call) for call in calls]
+            content: dict[str, Any] = {"message": message}
+        else:
+            content = {"response": text}
         return {"model": self.model, "created_at": rfc3339(), **content, **fields}
 
-    def chunk(self, text: str) -> dict[str, Any]:
-        return self._with(text, done=False)
+    def chunk(self, text: str, calls: list[Any] = ()) -> dict[str, Any]:
+        return self._with(text, calls, done=False)
 
     def loaded(self) -> dict[str, Any]:
         return self._with("", done=True, done_reason="load")
 
-    def final(self, run: Run, text: str) -> dict[str, Any]:
+    def final(self, run: Run, text: str, calls: list[Any] = ()) -> dict[str, Any]:
         return self._with(
             text,
+            calls,
             done=True,
             done_reason=run.finish_reason or "stop",
             total_duration=ns(time.perf_counter() - self.started),
@@ -351,6 +388,11 @@ class OllamaReply:
             eval_count=run.generated,
             eval_duration=ns(run.eval_seconds),
         )
+
+
+def _call_json(call: Any) -> dict[str, Any]:
+    """A parsed call (nanoqwen.tool_calls.ToolCall) in Ollama's shape: arguments an object."""
+    return {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}
 
 
 def line(payload: dict[str, Any]) -> bytes:
@@ -408,7 +450,7 @@ def add_ollama_routes(app: FastAPI, service: Service) -> None:
             "template": TEMPLATE,
             "details": f.details,
             "model_info": f.model_info,
-            "capabilities": ["completion", "insert"],
+            "capabilities": ["completion", "insert", *(["tools"] if f.tools else [])],
             "modified_at": f.modified_at,
         }
 
@@ -430,12 +472,19 @@ def add_ollama_routes(app: FastAPI, service: Service) -> None:
         reply = OllamaReply(body.model, chat=True, started=started)
         if not body.messages:
             return JSONResponse(reply.loaded())
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
-        return await respond(request, service, body, {"messages": messages}, reply)
+        messages = [m.as_template_message() for m in body.messages]
+        plan = body.tool_plan
+        prompt = {"messages": messages} | ({"tools": plan.tools} if plan.parses else {})
+        return await respond(request, service, body, prompt, reply, plan)
 
 
 async def respond(
-    request: Request, service: Service, body: Any, prompt: dict[str, Any], reply: OllamaReply
+    request: Request,
+    service: Service,
+    body: Any,
+    prompt: dict[str, Any],
+    reply: OllamaReply,
+    tools: ToolPlan = NO_TOOLS,
 ) -> Response:
     """Tokenize, queue, and answer: one JSON object, or NDJSON lines as the tokens come."""
     try:
@@ -445,32 +494,36 @@ async def respond(
         raise OllamaError.from_api(exc) from None
     run = Run(len(ids))
     events = job_events(request, job)
+    parser = tools.parser()
     try:
         if body.stream:
             first = await anext(events, None)  # errors before the first token keep a status
             if first is not None:
                 run.add(first)
-            return JobStream(job, ndjson_body(reply, run, first, events), media_type=NDJSON)
-        text = []
+            body_lines = ndjson_body(reply, run, first, events, parser)
+            return JobStream(job, body_lines, media_type=NDJSON)
+        text, calls = [], []
         async for delta in events:
             run.add(delta)
-            text.append(delta.text)
+            for piece in parser.push(delta.text, delta.finish_reason is not None):
+                (text if isinstance(piece, str) else calls).append(piece)
     except APIError as exc:
         raise OllamaError.from_api(exc) from None
     except ClientGone:
         return Response(status_code=499)  # nobody reads it
-    return JSONResponse(reply.final(run, "".join(text)))
+    return JSONResponse(reply.final(run, "".join(text), calls))
 
 
 async def ndjson_body(
-    reply: OllamaReply, run: Run, first: Any, events: AsyncIterator[Any]
+    reply: OllamaReply, run: Run, first: Any, events: AsyncIterator[Any], parser: Any
 ) -> AsyncIterator[bytes]:
-    """Text chunks, then the final object; `first` is already accounted in `run`."""
+    """Text and call chunks, then the final object; `first` is already accounted in `run`."""
     try:
         delta = first
         while delta is not None:
-            if delta.text:
-                yield line(reply.chunk(delta.text))
+            for piece in parser.push(delta.text, delta.finish_reason is not None):
+                chunk = reply.chunk(piece) if isinstance(piece, str) else reply.chunk("", [piece])
+                yield line(chunk)
             delta = await anext(events, None)
             if delta is not None:
                 run.add(delta)

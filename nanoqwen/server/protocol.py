@@ -7,6 +7,11 @@ stream chunks (`chat.completion.chunk` / `text_completion`, each carrying its ch
 the same id and `created` on every chunk; a usage chunk with `choices: []` only when
 `stream_options.include_usage` asks for it (OpenAI's default is none: clients that read
 `chunk.choices[0]` break on it), then `data: [DONE]`.
+
+A chat with tools (`ToolPlan.parses`) passes each choice's text through a ToolCallParser:
+content goes out as text, each call as a `tool_calls` entry (streamed whole, in one chunk, once
+its block closes: OpenAI clients add up argument fragments, and one fragment is a valid
+stream), and a reply that made calls and stopped finishes with "tool_calls".
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ..speculative import SpecStats
+from ..tool_calls import NoToolCalls, ToolCall, ToolCallParser
+from .schemas import NO_TOOLS, ToolPlan
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -57,19 +64,30 @@ def _json(text: str) -> bytes:
 
 
 class Choice:
-    """One choice of a reply: its text so far, completion tokens and finish reason."""
+    """One choice of a reply: its content and tool calls so far, completion tokens, finish
+    reason, and what splits its text into the two."""
 
-    def __init__(self) -> None:
+    def __init__(self, parser: ToolCallParser | NoToolCalls) -> None:
         self.text: list[str] = []
+        self.calls: list[ToolCall] = []
         self.completion_tokens = 0
         self.finish_reason: str | None = None
+        self.parser = parser
 
 
 class Reply:
     """The response to one chat (`chat=True`) or text completion request; `prompt_tokens`
-    holds one count per choice."""
+    holds one count per choice; `tools` (a chat with tools): each choice's text is parsed for
+    calls by a parser of its own."""
 
-    def __init__(self, *, chat: bool, model: str, prompt_tokens: Sequence[int]) -> None:
+    def __init__(
+        self,
+        *,
+        chat: bool,
+        model: str,
+        prompt_tokens: Sequence[int],
+        tools: ToolPlan | None = None,
+    ) -> None:
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -77,7 +95,8 @@ class Reply:
         self.prompt_tokens = sum(prompt_tokens)
         self.cached_tokens = 0  # of prompt_tokens, served from the prefix cache
         self.speculative: SpecStats | None = None  # summed over the choices; None: not on
-        self.choices = [Choice() for _ in prompt_tokens]
+        tools = tools or NO_TOOLS
+        self.choices = [Choice(tools.parser()) for _ in prompt_tokens]
         # A stream chunk's bytes around its one choice: the envelope rendered once with a
         # placeholder list (an unescaped ["@"] can only be structure), so `chunk` renders just
         # the choice, a tenth of json.dumps over the whole envelope per token.
@@ -85,18 +104,22 @@ class Reply:
         head, tail = sse(self._envelope(object_, ["@"])).split(b'["@"]')
         self._frame = (head + b"[", b"]" + tail)
 
-    def add(self, index: int, delta: Any) -> None:
+    def add(self, index: int, delta: Any) -> list[str | ToolCall]:
         """Account for one `Delta(text, token_ids, finish_reason, cached_tokens)` of choice
-        `index`."""
+        `index`; returns what it adds to the reply: content text and completed calls."""
         self.cached_tokens += delta.cached_tokens
         if delta.speculative is not None:
             self.speculative = self.speculative or SpecStats()
             self.speculative.add(delta.speculative)
         choice = self.choices[index]
         choice.completion_tokens += len(delta.token_ids)
-        choice.text.append(delta.text)
+        pieces = choice.parser.push(delta.text, delta.finish_reason is not None)
+        for piece in pieces:
+            (choice.text if isinstance(piece, str) else choice.calls).append(piece)
         if delta.finish_reason is not None:
-            choice.finish_reason = delta.finish_reason
+            called = choice.calls and delta.finish_reason == "stop"
+            choice.finish_reason = "tool_calls" if called else delta.finish_reason
+        return pieces
 
     @property
     def usage(self) -> dict[str, Any]:
@@ -131,7 +154,11 @@ class Reply:
         for index, c in enumerate(self.choices):
             text = "".join(c.text)
             if self.chat:
-                content = {"message": {"role": "assistant", "content": text, "refusal": None}}
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if c.calls:  # OpenAI: content null when the reply is calls alone
+                    message["content"] = text or None
+                    message["tool_calls"] = [_call_json(call) for call in c.calls]
+                content = {"message": message}
             else:
                 content = {"text": text}
             tail = {"logprobs": None, "finish_reason": c.finish_reason}
@@ -161,6 +188,20 @@ class Reply:
             )
         return self._frame[0] + choice + self._frame[1]
 
+    def call_chunk(self, index: int, call: ToolCall) -> bytes:
+        """The stream event of choice `index`'s `call` (added), whole; its `index` there is its
+        position among the choice's calls."""
+        entry = {"index": self.choices[index].calls.index(call)} | _call_json(call)
+        delta = json.dumps({"tool_calls": [entry]}, separators=(",", ":")).encode()
+        choice = b'{"index":%d,"delta":%b,"logprobs":null,"finish_reason":null}' % (index, delta)
+        return self._frame[0] + choice + self._frame[1]
+
     def usage_chunk(self) -> bytes:
         object_ = "chat.completion.chunk" if self.chat else "text_completion"
         return sse(self._envelope(object_, []) | {"usage": self.usage})
+
+
+def _call_json(call: ToolCall) -> dict[str, Any]:
+    """A call as OpenAI writes it in a message or a stream delta."""
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}  # fmt: skip

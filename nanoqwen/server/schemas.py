@@ -9,21 +9,32 @@ MAX_PROMPTS prompts, one choice each). `max_tokens` has no upper bound here: the
 
 Every field of OpenAI's chat and completions requests is one of three kinds:
   honoured     model, messages, prompt, suffix, max_tokens, max_completion_tokens, temperature,
-               top_p, seed, stop, stream, stream_options.include_usage;
+               top_p, seed, stop, stream, stream_options.include_usage, tools, tool_choice,
+               parallel_tool_calls;
   metadata     user, metadata, store, service_tier, safety_identifier, prompt_cache_key,
-               prompt_cache_options, prompt_cache_retention, parallel_tool_calls (no tools are
-               ever called), stream_options.include_obfuscation: accepted, change nothing;
+               prompt_cache_options, prompt_cache_retention, stream_options.include_obfuscation:
+               accepted, change nothing;
   unsupported  n, best_of, echo, logprobs, top_logprobs, logit_bias, presence_penalty,
-               frequency_penalty, response_format, tools, tool_choice, functions,
-               function_call, audio, modalities, prediction, moderation, reasoning_effort,
+               frequency_penalty, response_format, functions, function_call (the deprecated
+               form of tools), audio, modalities, prediction, moderation, reasoning_effort,
                verbosity, web_search_options: accepted only at the value that asks for nothing
                (`neutral`), any other value is a 400 naming the field.
+
 So a request never silently gets less than it asked for. Fields OpenAI does not have are
 ignored, as OpenAI clients send extras freely; top_k is our one extension (vLLM has it too).
+
+Tools (nanoqwen.tool_calls: the format, the parser). A chat may carry the assistant's earlier
+calls (`tool_calls`, arguments as JSON text) and their answers (`tool` messages). Given
+`tools`, the template lists them and the reply's calls come back parsed; tool_choice "none"
+leaves them out of the prompt, "required" and a named function start the reply inside a call
+(`ToolPlan.prefix`), and a named function or parallel_tool_calls false ends the reply at the
+first call's closing tag (one call, as OpenAI returns then).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -31,6 +42,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from pydantic_core import PydanticCustomError
 
 from ..sampling import SamplingParams
+from ..tool_calls import CLOSE, NoToolCalls, ToolCallParser, forced_prefix
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 32  # prompts of one completion request (LangChain's OpenAI LLM sends 20 at once)
@@ -63,18 +75,119 @@ class TextPart(BaseModel):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]  # OpenAI's rule
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools
+
+
+class FunctionCall(BaseModel):
+    """A call an earlier assistant turn made: `arguments` is the JSON text of an object."""
+
+    model_config = ConfigDict(strict=True)
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            ok = isinstance(json.loads(value), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise PydanticCustomError("arguments_json", "must be the JSON text of an object")
+        return value
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call it answers (the template does not show it)
 
-    def as_template_message(self) -> dict[str, str]:
-        """The {role, content} dict the chat template takes; `developer` is OpenAI's new name
-        for `system`, and text parts are joined."""
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only assistant messages make tool calls")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise PydanticCustomError(
+                "content_missing", "is required (null only beside an assistant's tool_calls)"
+            )
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The {role, content[, tool_calls]} dict the chat template takes; `developer` is
+        OpenAI's new name for `system`, text parts are joined, and calls carry their
+        arguments as objects (the template writes them as JSON)."""
         role = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, str):
-            return {"role": role, "content": self.content}
-        return {"role": role, "content": "".join(part.text for part in self.content)}
+        if self.content is None or isinstance(self.content, str):
+            content = self.content or ""
+        else:
+            content = "".join(part.text for part in self.content)
+        message: dict[str, Any] = {"role": role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                for c in self.tool_calls
+            ]
+        return message
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None  # accepted; the reply is not constrained to the schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True)
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """What a chat request's tools ask of the generation: the definitions the template lists
+    (None: none), the reply's forced start, and whether the reply ends at the first call."""
+
+    tools: list[dict[str, Any]] | None = None
+    prefix: str = ""
+    single: bool = False
+
+    @property
+    def parses(self) -> bool:
+        """Whether the reply's calls are parsed out of its text."""
+        return self.tools is not None
+
+    def parser(self) -> ToolCallParser | NoToolCalls:
+        """What splits one reply's text into content and calls (without tools: all content)."""
+        if not self.parses:
+            return NoToolCalls()
+        names = frozenset(t["function"]["name"] for t in self.tools)
+        return ToolCallParser(names, self.prefix, self.single)
+
+
+NO_TOOLS = ToolPlan()
 
 
 class StreamOptions(BaseModel):
@@ -159,8 +272,9 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: neutral(False) = None
     top_logprobs: neutral(0) = None
-    tools: neutral([]) = None
-    tool_choice: neutral("none") = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: neutral([]) = None
     function_call: neutral("none") = None
     response_format: neutral({"type": "text"}) = None
@@ -171,6 +285,40 @@ class ChatRequest(GenerationRequest):
     reasoning_effort: neutral("none") = None
     verbosity: neutral("medium") = None
     web_search_options: neutral() = None
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, value: Any, info: Any) -> Any:
+        # A choice that forces a call needs tools, a named one among them ("auto" without
+        # tools, which some clients always send, asks for nothing).
+        tools = info.data.get("tools")
+        if value not in ("none", "auto") and not tools:
+            raise PydanticCustomError("tool_choice_tools", "needs tools")
+        if isinstance(value, NamedToolChoice):
+            name = value.function.name
+            if name not in {t.function.name for t in tools}:
+                raise PydanticCustomError(
+                    "tool_choice_name", "names {name}, which is not among the tools", {"name": name}
+                )
+        return value
+
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan:
+        """The request's tools as the generation takes them (module docstring: Tools)."""
+        if not self.tools or self.tool_choice == "none":
+            return NO_TOOLS
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return ToolPlan(tools=tools, prefix=forced_prefix(self.tool_choice.function.name),
+                            single=True)  # fmt: skip
+        prefix = forced_prefix() if self.tool_choice == "required" else ""
+        return ToolPlan(tools=tools, prefix=prefix, single=not self.parallel_tool_calls)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        params = super().sampling_params(max_tokens)
+        if self.tool_plan.single:  # the reply ends where its first call does
+            return dataclasses.replace(params, stop=(*params.stop, CLOSE))
+        return params
 
     def requested_max_tokens(self) -> int | None:
         # The newer name wins when both are given, as in OpenAI's API.
@@ -245,5 +393,6 @@ class CompletionRequest(GenerationRequest):
 def field_names() -> frozenset[str]:
     """Every field name of the request models: what a validation error's location may name
     (the rest of a location are list indices and pydantic's union-member tags)."""
-    models = (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions)
+    models = (ChatRequest, CompletionRequest, Message, TextPart, StreamOptions, ToolCallIn,
+              FunctionCall, Tool, FunctionDef, NamedToolChoice, NamedFunction)  # fmt: skip
     return frozenset(name for model in models for name in model.model_fields)
