@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from nanoqwen.errors import TokenizerError, ToolsError
@@ -247,3 +247,14 @@ def test_a_single_call_reply_drops_later_calls() -> None:
     pieces = parser.push(f"{fenced}\nand {fenced}", done=True)
     assert [p.name for p in pieces if isinstance(p, ToolCall)] == ["get_weather"]
     assert [p for p in pieces if isinstance(p, str)] == ["and"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_a_reply_without_blocks_passes_through_whole(data) -> None:
+    # Text made of the markers' own characters, cut anywhere: without a whole opening marker
+    # every character comes back as content, in order (no whitespace or partial tag lost).
+    text = data.draw(st.text(alphabet='<>/`tool_cajsn {}\n"', max_size=60))
+    assume(OPEN not in text and FENCE_OPEN not in text)
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=8))
+    assert "".join(p for p in parse(text, cuts) if isinstance(p, str)) == text
