@@ -10,9 +10,9 @@ Given tools, Qwen2.5's chat template lists them in the system turn and asks for 
 one block a call, any number of them, possibly after some text (the Hermes format; vLLM's
 `hermes` parser and llama.cpp's Qwen handler read the same). `<tool_call>` and `</tool_call>` are
 single tokens of Qwen2.5's vocabulary, decoded to that text. The Coder models often write the
-same object as a fenced block instead (```json ... ```; the real 1.5B does, greedy, on a plain
-"open this file" request), which llama.cpp reads as a call too. A fenced block is a call only
-when it names one of the request's tools: otherwise it is the JSON a coding answer shows.
+same object as a fenced block instead (```json ... ```; docs/EXPERIMENTS.md, Server), which
+llama.cpp reads as a call too. A fenced block is a call only when it names one of the
+request's tools: otherwise it is the JSON a coding answer shows.
 
 `ToolCallParser` takes a reply's text deltas and gives back pieces: content text, passed on at
 once, and `ToolCall`s, each when its block closes. Held back meanwhile: a tail that may begin an
@@ -50,10 +50,9 @@ class ToolCall:
 
 def forced_prefix(name: str | None = None) -> str:
     """The reply's start that forces a call: of any tool (None), or of function `name`. It
-    runs into the call's JSON, since a model may close an empty block at once (the real 1.5B,
-    greedy, ends its reply right after "<tool_call>\n" on a question it would not call a tool
-    for), and stops before a space: the model writes the space with what follows, as one token
-    (' {"', not ' ' then '{"')."""
+    runs into the call's JSON, up to the name, since a model that would not call a tool may
+    end a bare "<tool_call>\n" at once (docs/EXPERIMENTS.md, Server); and it stops before a
+    space, which the model writes with what follows as one token (' {"', not ' ' then '{"')."""
     if name is None:
         return f'{OPEN}\n{{"name": "'
     return f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments":'
