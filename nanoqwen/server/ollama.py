@@ -63,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .. import __version__
 from ..fileformat import PREAMBLE_SIZE
 from ..sampling import SamplingParams
+from ..tool_calls import NoToolCalls, ToolCallParser
 from .app import ClientGone, JobStream, Service, job_events
 from .compat import (
     BadBody,
@@ -74,7 +75,7 @@ from .compat import (
     refuse_unless_empty,
 )
 from .protocol import APIError
-from .schemas import MAX_TOOLS, NO_TOOLS, FunctionDef, Tool, ToolPlan
+from .schemas import MAX_TOOLS, NO_TOOLS, FunctionDef, Tool, ToolPlan, plan_tools
 
 # The Ollama release whose API this module follows; clients gate features on /api/version.
 OLLAMA_VERSION = "0.12.0"
@@ -255,10 +256,7 @@ class ChatRequest(OllamaRequest):
 
     @functools.cached_property
     def tool_plan(self) -> ToolPlan:
-        """Ollama has no tool_choice: with tools, the model calls them when it will."""
-        if not self.tools:
-            return NO_TOOLS
-        return ToolPlan(tools=[t.model_dump(exclude_none=True) for t in self.tools])
+        return plan_tools(self.tools)  # Ollama has no tool_choice: "auto"
 
 
 class ShowRequest(BaseModel):
@@ -515,7 +513,11 @@ async def respond(
 
 
 async def ndjson_body(
-    reply: OllamaReply, run: Run, first: Any, events: AsyncIterator[Any], parser: Any
+    reply: OllamaReply,
+    run: Run,
+    first: Any,
+    events: AsyncIterator[Any],
+    parser: ToolCallParser | NoToolCalls,
 ) -> AsyncIterator[bytes]:
     """Text and call chunks, then the final object; `first` is already accounted in `run`."""
     try:

@@ -190,6 +190,19 @@ class ToolPlan:
 NO_TOOLS = ToolPlan()
 
 
+def plan_tools(
+    tools: list[Tool] | None, choice: str | NamedToolChoice | None = None, parallel: bool = True
+) -> ToolPlan:
+    """A request's tools as the generation takes them (module docstring: Tools); `choice`
+    None is "auto"."""
+    if not tools or choice == "none":
+        return NO_TOOLS
+    dumped = [t.model_dump(exclude_none=True) for t in tools]
+    if isinstance(choice, NamedToolChoice):
+        return ToolPlan(dumped, forced_prefix(choice.function.name), single=True)
+    return ToolPlan(dumped, forced_prefix() if choice == "required" else "", not parallel)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False  # OpenAI's default: no usage chunk
@@ -304,15 +317,7 @@ class ChatRequest(GenerationRequest):
 
     @functools.cached_property
     def tool_plan(self) -> ToolPlan:
-        """The request's tools as the generation takes them (module docstring: Tools)."""
-        if not self.tools or self.tool_choice == "none":
-            return NO_TOOLS
-        tools = [t.model_dump(exclude_none=True) for t in self.tools]
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return ToolPlan(tools=tools, prefix=forced_prefix(self.tool_choice.function.name),
-                            single=True)  # fmt: skip
-        prefix = forced_prefix() if self.tool_choice == "required" else ""
-        return ToolPlan(tools=tools, prefix=prefix, single=not self.parallel_tool_calls)
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         params = super().sampling_params(max_tokens)
