@@ -95,6 +95,7 @@ class ToolCallParser:
         self._names = names
         self._single = single
         self._pending = ""  # text not yet given out
+        self._blank = 0  # outside a block: the whitespace that _pending starts with
         self._form: tuple[str, str, bool] | None = None  # the open block's markers
         self._after_call = False  # whitespace right after a call is dropped
         self._gap = ""  # the whitespace before the open block: content again if it is no call
@@ -117,10 +118,13 @@ class ToolCallParser:
                     self._scanned = max(0, len(self._pending) - len(closing) + 1)
                     return out
                 body, self._pending = self._pending[:end], self._pending[end + len(closing) :]
-                self._scanned = 0
+                self._scanned = self._blank = 0
                 self._close(body, closing, out)
                 continue
-            found = [(i, f) for f in _FORMS if (i := self._pending.find(f[0])) >= 0]
+            # A marker cannot start inside the held whitespace, so each search and strip
+            # starts past it: a long run of whitespace costs each delta only its own length.
+            blank = self._blank
+            found = [(i, f) for f in _FORMS if (i := self._pending.find(f[0], blank)) >= 0]
             if found:
                 start, form = min(found, key=lambda x: x[0])
                 text = self._pending[:start].rstrip()
@@ -130,9 +134,11 @@ class ToolCallParser:
                 continue
             # Keep a possible opening marker's start and the whitespace before it.
             keep = _open_tail(self._pending)
-            text = self._pending[: len(self._pending) - keep].rstrip()
+            tail = self._pending[blank : len(self._pending) - keep].rstrip()
+            text = self._pending[:blank] + tail if tail else ""
             self._content(text, out)
             self._pending = self._pending[len(text) :]
+            self._blank = len(self._pending) - keep
             return out
 
     def push(self, text: str, done: bool) -> list[str | ToolCall]:
@@ -150,7 +156,7 @@ class ToolCallParser:
             self._content(self._pending, out)
         else:
             self._content(self._pending.strip(), out)
-        self._pending = ""
+        self._pending, self._blank = "", 0
         return out
 
     def _close(self, body: str, marker: str, out: list[str | ToolCall]) -> None:

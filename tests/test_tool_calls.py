@@ -81,6 +81,10 @@ REPLIES = [
     (f'{FENCE_OPEN}\n{{"name": "rm", "arguments": {{}}}}\n{FENCE_CLOSE}\nok',
      [f'{FENCE_OPEN}\n{{"name": "rm", "arguments": {{}}}}\n{FENCE_CLOSE}\nok']),
     ("```python\nx = 1\n```\n``", ["```python\nx = 1\n```\n``"]),
+    # Runs of whitespace: held while a call may follow, content when text does.
+    (f"Text. \n \t\n{BLOCK}", ["Text.", ("get_weather", WEATHER["arguments"])]),
+    ("x \n  <too \n\n  y  \n", ["x \n  <too \n\n  y  \n"]),
+    (f"  \n {BLOCK} \n Done. \n", [("get_weather", WEATHER["arguments"]), "Done."]),
 ]  # fmt: skip
 
 
