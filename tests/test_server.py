@@ -78,6 +78,31 @@ def test_chat_stream_with_usage(client):
     assert chunks[-1].choices == [] and 1 <= chunks[-1].usage.completion_tokens <= 5
 
 
+def test_responses_api_greedy_is_the_chat_reply(client):
+    # The same conversation through /v1/responses and /v1/chat/completions: the same prompt.
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "system", "content": "Be brief."}, *CHAT],
+        max_tokens=6, temperature=0,
+    )  # fmt: skip
+    whole = client.responses.create(
+        model="tiny", instructions="Be brief.", input=CHAT[0]["content"], max_output_tokens=6,
+        temperature=0,
+    )  # fmt: skip
+    with client.responses.stream(
+        model="tiny", instructions="Be brief.", input=CHAT, max_output_tokens=6, temperature=0
+    ) as stream:
+        seen = list(stream)
+    deltas = [e.delta for e in seen if e.type == "response.output_text.delta"]
+    streamed = seen[-1].response  # response.completed, or response.incomplete at the limit
+    assert seen[-1].type == "response." + streamed.status
+    text = chat.choices[0].message.content
+    assert whole.output_text == streamed.output_text == "".join(deltas) == text
+    assert whole.usage.input_tokens == streamed.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    finished = {"stop": "completed", "length": "incomplete"}[chat.choices[0].finish_reason]
+    assert whole.status == streamed.status == finished
+
+
 def test_completion_and_fim(client):
     plain = client.completions.create(model="tiny", prompt="def f(", max_tokens=4, stop="\n")
     assert plain.object == "text_completion" and plain.id.startswith("cmpl-")

@@ -1,7 +1,8 @@
 """Serve a .nanoqwen model over an OpenAI-compatible HTTP API (FastAPI + uvicorn).
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with
-`suffix`: fill-in-the-middle), streamed (server-sent events) or not. One engine thread decodes
+`suffix`: fill-in-the-middle), POST /v1/responses, streamed (server-sent events) or not; and
+llama.cpp's /infill and Ollama's /api/* (nanoqwen/server). One engine thread decodes
 up to --max-batch requests together (continuous batching, nanoqwen.batching); other requests
 wait in a bounded queue and get 429 when it is full.
 A request body over --max-body-bytes is refused with 413 before it is read, and a prompt too

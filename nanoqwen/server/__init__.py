@@ -2,9 +2,10 @@
 
     app.py         routes (/health, /metrics, /v1/models, /v1/chat/completions,
                    /v1/completions), streaming
+    responses.py   OpenAI's Responses API, /v1/responses (Codex CLI, the Agents SDK)
     llamacpp.py    llama.cpp's /infill and /props (llama.vim, llama.vscode)
     ollama.py      Ollama's /api/* (Continue, Twinny, Open WebUI)
-    compat.py      what those two share: body parsing, the generation record
+    compat.py      what llamacpp and ollama share: body parsing, the generation record
     fast_routes.py valid OpenAI generation requests without FastAPI's request machinery
     limits.py      the request-body limit (ASGI middleware, 413 before the body is read)
     schemas.py     request bodies (pydantic, strict, OpenAI's ranges and fields)

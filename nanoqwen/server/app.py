@@ -45,6 +45,7 @@ from ..errors import ContextError, DeviceError, NanoqwenError, ToolsError
 from ..sampling import SamplingParams
 from ..tokenizer import TooManyTokens
 from .auth import BearerAuth
+from .compat import field_path
 from .fast_routes import FastRoutes
 from .limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -336,8 +337,11 @@ async def stream_body(
         await events.aclose()  # no await inside: safe even when the task is being cancelled
 
 
-def validation_error(exc: RequestValidationError, content_type: str | None) -> APIError:
-    """FastAPI's 422 as OpenAI's 400: the first problem, with the offending field as `param`.
+def validation_error(
+    exc: RequestValidationError, content_type: str | None, names: frozenset[str] = FIELD_NAMES
+) -> APIError:
+    """FastAPI's 422 as OpenAI's 400: the first problem, with the offending field as `param`
+    (`names`: the field names of the request's models, which a location may hold).
 
     FastAPI reads a body as JSON only under a JSON Content-Type; any other body fails as "not
     an object", which would mislead when the body is JSON: the Content-Type is named instead.
@@ -347,7 +351,7 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
     if first["type"] == "json_invalid":
         reason = first.get("ctx", {}).get("error", "cannot parse")
         return APIError(400, f"request body is not valid JSON: {reason}")
-    path = _field_path(first["loc"])
+    path = field_path(first["loc"], names)
     if not path and first["type"] != "missing" and not _is_json(content_type):
         got = f"Content-Type {content_type!r}" if content_type else "no Content-Type header"
         return APIError(
@@ -357,7 +361,7 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> A
         if first["type"] == "missing":
             return APIError(400, "request body is missing: send a JSON object")
         return APIError(400, f"request body must be a JSON object: {first['msg']}")
-    others = {_field_path(e["loc"]) for e in errors} - {path}
+    others = {field_path(e["loc"], names) for e in errors} - {path}
     more = f" (and {len(others)} more problems)" if others else ""
     return APIError(400, f"{path}: {first['msg']}{more}", param=path)
 
@@ -368,12 +372,6 @@ def _is_json(content_type: str | None) -> bool:
     return kind == "application/json" or (
         kind.startswith("application/") and kind.endswith("+json")
     )
-
-
-def _field_path(loc: tuple[Any, ...]) -> str:
-    """("body", "messages", 0, "str", "content") -> "messages[0].content"."""
-    parts = [p for p in loc if isinstance(p, int) or p in FIELD_NAMES]
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
 
 
 def create_app(
@@ -427,7 +425,9 @@ def create_app(
     # The other protocols build on Service and JobStream, so they import this module.
     from .llamacpp import add_llamacpp_routes
     from .ollama import add_ollama_routes
+    from .responses import add_responses_routes
 
+    add_responses_routes(app, service)
     add_llamacpp_routes(app, service)
     add_ollama_routes(app, service)
     return app

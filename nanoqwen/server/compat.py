@@ -41,19 +41,20 @@ def _describe(errors: list[Any], names: frozenset[str]) -> str:
     first = errors[0]
     if first["type"] == "json_invalid":
         return f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-    path = _path(first["loc"], names)
+    path = field_path(first["loc"], names)
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "model_type" and not path:
         return "request body must be a JSON object"
     if not path:  # a rule across fields (a model validator): its message names them
         return message
-    others = {_path(e["loc"], names) for e in errors} - {path}
+    others = {field_path(e["loc"], names) for e in errors} - {path}
     more = f" (and {len(others)} more problems)" if others else ""
     return f"{path}: {message}{more}"
 
 
-def _path(loc: Iterable[Any], names: frozenset[str]) -> str:
-    """("input_extra", 0, "text") -> "input_extra[0].text"."""
+def field_path(loc: Iterable[Any], names: frozenset[str]) -> str:
+    """A validation error's location as a field path, ("body", "messages", 0, "str",
+    "content") -> "messages[0].content": field names and list indices kept."""
     parts = [p for p in loc if isinstance(p, int) or p in names]
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
 

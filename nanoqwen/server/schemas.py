@@ -190,6 +190,17 @@ class ToolPlan:
 NO_TOOLS = ToolPlan()
 
 
+def check_tool_choice(choice: Any, named: str | None, names: list[str]) -> None:
+    """A tool_choice that forces a call needs tools, a named one (`named`) among them ("auto"
+    without tools, which some clients always send, asks for nothing)."""
+    if choice not in ("none", "auto") and not names:
+        raise PydanticCustomError("tool_choice_tools", "needs tools")
+    if named is not None and named not in names:
+        raise PydanticCustomError(
+            "tool_choice_name", "names {name}, which is not among the tools", {"name": named}
+        )
+
+
 def plan_tools(
     tools: list[Tool] | None, choice: str | NamedToolChoice | None = None, parallel: bool = True
 ) -> ToolPlan:
@@ -302,17 +313,9 @@ class ChatRequest(GenerationRequest):
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_names_a_tool(cls, value: Any, info: Any) -> Any:
-        # A choice that forces a call needs tools, a named one among them ("auto" without
-        # tools, which some clients always send, asks for nothing).
-        tools = info.data.get("tools")
-        if value not in ("none", "auto") and not tools:
-            raise PydanticCustomError("tool_choice_tools", "needs tools")
-        if isinstance(value, NamedToolChoice):
-            name = value.function.name
-            if name not in {t.function.name for t in tools}:
-                raise PydanticCustomError(
-                    "tool_choice_name", "names {name}, which is not among the tools", {"name": name}
-                )
+        tools = info.data.get("tools") or []
+        named = value.function.name if isinstance(value, NamedToolChoice) else None
+        check_tool_choice(value, named, [t.function.name for t in tools])
         return value
 
     @functools.cached_property

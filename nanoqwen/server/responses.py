@@ -1,0 +1,510 @@
+"""OpenAI's Responses API, POST /v1/responses: what Codex CLI and the OpenAI Agents SDK speak.
+
+Stateless: the request carries the whole conversation as `input` items, and nothing is kept
+afterwards (`store` is accepted and the response says `store: false`), so what needs a stored
+response (`previous_response_id`, `conversation`, `item_reference` items, `background`) is a
+400. Agents that resend their history, as Codex does, need none of it.
+
+Input. A string is one user message. Items are messages (role user, assistant, system or
+developer; content a string or `input_text` / `output_text` parts), `function_call` (an earlier
+call of the model's) and `function_call_output` (its answer, naming an earlier call's
+`call_id`). They become the chat template's messages: `instructions` first as a system message,
+developer as system, each call joined to the assistant message before it (as the model wrote
+them: text, then `<tool_call>` blocks), each output a `tool` message. Other item types (images,
+files, reasoning, built-in tools' calls) are a 400 naming the item.
+
+The fields, each honoured, accepted as metadata, or refused (400) unless at the value that asks
+for nothing, as in /v1/chat/completions (schemas.py):
+  honoured     model, input, instructions, max_output_tokens, temperature, top_p, top_k (an
+               extension, as on the chat endpoint), stream, tools (type "function"),
+               tool_choice, parallel_tool_calls, metadata (echoed)
+  metadata     store, user, safety_identifier, prompt_cache_key, prompt_cache_retention,
+               service_tier, stream_options, max_tool_calls (it bounds built-in tools' calls:
+               there are none), include (except logprobs)
+  unsupported  previous_response_id, conversation, prompt, background, top_logprobs, reasoning
+               (this model does not reason), text.format other than text, truncation "auto"
+
+Output. The reply's text is parsed for tool calls as on the chat endpoint (nanoqwen.tool_calls):
+text becomes `message` items with one `output_text` part, each call a `function_call` item, in
+the order the model wrote them. A reply stopped by `max_output_tokens` (or the context's end)
+has status "incomplete" with incomplete_details.reason "max_output_tokens".
+
+Streaming: server-sent events, each `event: <type>` and its JSON with `type` and
+`sequence_number`: response.created, response.in_progress, then per message item
+output_item.added, content_part.added, output_text.delta ..., output_text.done,
+content_part.done, output_item.done; per call output_item.added, one
+function_call_arguments.delta (calls are parsed whole), function_call_arguments.done,
+output_item.done; last response.completed or response.incomplete. No `[DONE]` follows, as
+OpenAI sends none on this endpoint. A failure after the first event ends the stream with
+response.failed, its `error` set; before it, the request gets its HTTP status (500/503).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, ClassVar, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from ..sampling import SamplingParams
+from ..tool_calls import CLOSE, NoToolCalls, ToolCall, ToolCallParser
+from .app import ClientGone, JobStream, Service, job_events, validation_error
+from .compat import field_names
+from .protocol import APIError, sse
+from .schemas import (
+    MAX_TOOLS,
+    FunctionCall,
+    FunctionDef,
+    FunctionName,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    ToolPlan,
+    check_tool_choice,
+    neutral,
+    plan_tools,
+)
+
+PLAIN_TEXT = {"format": {"type": "text"}}  # the `text` setting that asks for nothing
+
+
+def _joined(parts: list[TextPart]) -> str:
+    return "".join(p.text for p in parts)
+
+
+def _string_as_part(value: Any) -> Any:
+    """A text field's string as its one part (a `mode="before"` validator): the field then has
+    one type, so a bad part is reported as itself, not beside "not a string"."""
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
+
+
+class TextPart(BaseModel):
+    """A text part of a message: input_text, or output_text in an earlier reply's message."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")  # annotations, logprobs
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class MessageItem(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # id, status
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: list[TextPart]
+
+    _parts = field_validator("content", mode="before")(_string_as_part)
+
+
+class FunctionCallItem(FunctionCall):
+    """A call the model made in an earlier turn (`arguments`: JSON text of an object)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")  # id, status
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # id, status
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: list[TextPart]
+
+    _parts = field_validator("output", mode="before")(_string_as_part)
+
+
+def _item_type(value: Any) -> str | None:
+    # A message may leave out its type (OpenAI's "easy input message").
+    return value.get("type", "message") if isinstance(value, dict) else None
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _item_type,
+        custom_error_type="item_type",
+        custom_error_message=(
+            "must be an object of type message, function_call or function_call_output (this "
+            "server reads text only, keeps no stored items and has no built-in tools)"
+        ),
+    ),
+]
+
+
+class FunctionTool(BaseModel):
+    """A function tool as the Responses API writes it: flat, not under `function`."""
+
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; the reply is not constrained to the schema
+
+    def as_chat_tool(self) -> Tool:
+        fields = self.model_dump(exclude={"type"}, exclude_none=True)
+        return Tool(type="function", function=FunctionDef(**fields))
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["function"]
+    name: FunctionName
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    input: list[InputItem] = Field(min_length=1)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # an extension, as on /v1/chat/completions; 0 = off
+    stream: bool = False
+    tools: list[FunctionTool] = Field(default=[], max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice = "auto"
+    parallel_tool_calls: bool = True
+    metadata: dict[str, str] = Field(default={}, max_length=16)
+    user: str | None = None
+    include: list[str] = []
+    previous_response_id: neutral() = None
+    conversation: neutral() = None
+    prompt: neutral() = None
+    background: neutral(False) = None
+    top_logprobs: neutral(0) = None
+    reasoning: neutral({}, {"effort": None}, {"effort": "none"}) = None
+    text: neutral({}, PLAIN_TEXT, PLAIN_TEXT | {"verbosity": "medium"}) = None
+    truncation: neutral("disabled") = None
+
+    # What Service.prepare and Service.sampling name in their errors.
+    prompt_field: ClassVar[str] = "input"
+    max_tokens_field: ClassVar[str] = "max_output_tokens"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        # OpenAI reads an explicit null as "not given".
+        return {key: value for key, value in data.items() if value is not None}
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input_forms(cls, value: Any) -> Any:
+        if isinstance(value, str):  # one user message
+            return [{"role": "user", "content": value}]
+        if not isinstance(value, list):
+            raise PydanticCustomError("input_form", "must be a string or a list of input items")
+        return value
+
+    @field_validator("include")
+    @classmethod
+    def _no_logprobs(cls, value: list[str]) -> list[str]:
+        if any("logprobs" in entry for entry in value):
+            raise PydanticCustomError("unsupported", "no log-probabilities are computed here")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_names_a_tool(cls, value: Any, info: Any) -> Any:
+        named = value.name if isinstance(value, FunctionChoice) else None
+        check_tool_choice(value, named, [t.name for t in info.data.get("tools") or []])
+        return value
+
+    @field_validator("input")
+    @classmethod
+    def _outputs_answer_calls(cls, items: list[Any]) -> list[Any]:
+        called: set[str] = set()
+        for index, item in enumerate(items):
+            if isinstance(item, FunctionCallItem):
+                called.add(item.call_id)
+            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in called:
+                raise PydanticCustomError(
+                    "call_id_unknown",
+                    "item {index} answers call_id {call_id}, which no function_call before it made",
+                    {"index": index, "call_id": item.call_id},
+                )
+        return items
+
+    @functools.cached_property
+    def tool_plan(self) -> ToolPlan:
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
+        tools = [t.as_chat_tool() for t in self.tools]
+        return plan_tools(tools, choice, self.parallel_tool_calls)
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat template's messages (the module docstring: Input)."""
+        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": _joined(item.content)})
+            elif isinstance(item, FunctionCallItem):
+                call = {"name": item.name, "arguments": json.loads(item.arguments)}
+                if not out or out[-1]["role"] != "assistant":
+                    out.append({"role": "assistant", "content": ""})
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "tool", "content": _joined(item.output)})
+        return out
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            max_tokens=max_tokens,
+            stop=(CLOSE,) if self.tool_plan.single else (),  # the reply ends at its first call
+        )
+
+    def echo(self) -> dict[str, Any]:
+        """The request's settings as a response object repeats them."""
+        choice = self.tool_choice
+        return {
+            "instructions": self.instructions,
+            "max_output_tokens": self.max_output_tokens,
+            "metadata": self.metadata,
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "temperature": self.temperature,
+            "tool_choice": choice.model_dump() if isinstance(choice, FunctionChoice) else choice,
+            "tools": [t.model_dump() for t in self.tools],
+            "top_p": self.top_p,
+            "user": self.user,
+        }
+
+
+FIELD_NAMES = field_names(ResponsesRequest, MessageItem, TextPart, FunctionCallItem,
+                          FunctionCallOutputItem, FunctionTool, FunctionChoice)  # fmt: skip
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseReply:
+    """One response: its output items as the reply's deltas come, and the stream events they
+    make (`add` and `finish` return them; a non-streamed request drops them)."""
+
+    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int) -> None:
+        self.id = _id("resp")
+        self.created_at = int(time.time())
+        self.model = model
+        self.echo = body.echo()
+        self.parser: ToolCallParser | NoToolCalls = body.tool_plan.parser()
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        self.output_tokens = 0
+        self.output: list[dict[str, Any]] = []
+        self.message: dict[str, Any] | None = None  # the message item being written
+        self.status = "in_progress"
+        self.incomplete: dict[str, str] | None = None
+        self.error: dict[str, str] | None = None
+        self.sequence = 0
+
+    def event(self, type_: str, **fields: Any) -> bytes:
+        payload = {"type": type_, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + type_.encode() + b"\n" + sse(payload)
+
+    def start(self) -> list[bytes]:
+        response = self.response()
+        return [
+            self.event("response.created", response=response),
+            self.event("response.in_progress", response=response),
+        ]
+
+    def add(self, delta: Any) -> list[bytes]:
+        """Account for one `Delta` of the reply; its events."""
+        self.cached_tokens += delta.cached_tokens
+        self.output_tokens += len(delta.token_ids)
+        events = []
+        for piece in self.parser.push(delta.text, delta.finish_reason is not None):
+            if isinstance(piece, str):
+                events += self._text(piece)
+            else:
+                events += self._close_message("completed") + self._call(piece)
+        if delta.finish_reason is not None:
+            events += self._finish(delta.finish_reason)
+        return events
+
+    def fail(self, error: APIError) -> bytes:
+        """The last event of a stream whose generation failed."""
+        self.status = "failed"
+        message = error.body["error"]
+        self.error = {"code": message["code"] or "server_error", "message": message["message"]}
+        return self.event("response.failed", response=self.response())
+
+    def _text(self, text: str) -> list[bytes]:
+        events = []
+        if self.message is None:
+            self.message = {"id": _id("msg"), "type": "message", "status": "in_progress",
+                            "role": "assistant", "content": []}  # fmt: skip
+            events.append(self._added(self.message))
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self.message["content"].append(part)
+            events.append(self.event("response.content_part.added", part=part, **self._at()))
+        self.message["content"][0]["text"] += text
+        events.append(self.event("response.output_text.delta", delta=text, logprobs=[],
+                                 **self._at()))  # fmt: skip
+        return events
+
+    def _close_message(self, status: str) -> list[bytes]:
+        if self.message is None:
+            return []
+        part = self.message["content"][0]
+        events = [
+            self.event("response.output_text.done", text=part["text"], logprobs=[], **self._at()),
+            self.event("response.content_part.done", part=part, **self._at()),
+        ]
+        self.message["status"] = status
+        events.append(self._done(self.message))
+        self.message = None
+        return events
+
+    def _call(self, call: ToolCall) -> list[bytes]:
+        item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
+                "arguments": "", "call_id": call.id, "name": call.name}  # fmt: skip
+        at = {"item_id": item["id"], "output_index": len(self.output)}
+        events = [
+            self._added(item),
+            self.event("response.function_call_arguments.delta", delta=call.arguments, **at),
+            self.event(
+                "response.function_call_arguments.done",
+                arguments=call.arguments,
+                name=call.name,
+                **at,
+            ),  # fmt: skip
+        ]
+        item |= {"arguments": call.arguments, "status": "completed"}
+        return [*events, self._done(item)]
+
+    def _added(self, item: dict[str, Any]) -> bytes:
+        self.output.append(item)
+        return self.event("response.output_item.added", output_index=len(self.output) - 1,
+                          item=item)  # fmt: skip
+
+    def _done(self, item: dict[str, Any]) -> bytes:
+        return self.event("response.output_item.done", output_index=self.output.index(item),
+                          item=item)  # fmt: skip
+
+    def _at(self) -> dict[str, Any]:
+        """Where the message being written stands: its id, output index and (only) part."""
+        index = self.output.index(self.message)
+        return {"item_id": self.message["id"], "output_index": index, "content_index": 0}
+
+    def _finish(self, finish_reason: str) -> list[bytes]:
+        if finish_reason == "length":
+            self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
+        else:
+            self.status = "completed"
+        events = self._close_message(self.status)
+        return [*events, self.event(f"response.{self.status}", response=self.response())]
+
+    def response(self) -> dict[str, Any]:
+        """The response object as it stands (whole after the last `add`)."""
+        done = self.status in ("completed", "incomplete")
+        usage = None
+        if done:
+            usage = {
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + self.output_tokens,
+            }
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "background": False,
+            "error": self.error,
+            "incomplete_details": self.incomplete,
+            "model": self.model,
+            "output": self.output,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": False,
+            "text": PLAIN_TEXT | {"verbosity": "medium"},
+            "top_logprobs": 0,
+            "truncation": "disabled",
+            "usage": usage,
+            **self.echo,
+        }
+
+
+def add_responses_routes(app: FastAPI, service: Service) -> None:
+    """Register POST /v1/responses on `app`."""
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        try:
+            body = ResponsesRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            content_type = request.headers.get("content-type")
+            raise validation_error(
+                RequestValidationError(exc.errors()), content_type, FIELD_NAMES
+            ) from None
+        service.check_model(body.model)
+        plan = body.tool_plan
+        prompt: dict[str, Any] = {"messages": body.messages()}
+        if plan.parses:
+            prompt |= {"tools": plan.tools, "reply_prefix": plan.prefix}
+        ids = await service.prepare("input", **prompt)
+        job = service.submit(ids, service.sampling(body, ids, None))
+        reply = ResponseReply(body, service.model, len(ids))
+        events = job_events(request, job)
+        try:
+            if body.stream:
+                first = await anext(events, None)  # errors before the first token keep a status
+                return JobStream(job, stream_body(reply, first, events))
+            async for delta in events:
+                reply.add(delta)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(reply.response())
+
+
+async def stream_body(
+    reply: ResponseReply, first: Any, events: AsyncIterator[Any]
+) -> AsyncIterator[bytes]:
+    """The SSE body (the module docstring: Streaming); one body message a delta."""
+    try:
+        out = b"".join(reply.start())
+        delta = first
+        while delta is not None:
+            out += b"".join(reply.add(delta))
+            yield out
+            out = b""
+            delta = await anext(events, None)
+    except APIError as exc:  # the status line is gone: report the failure as an event
+        yield reply.fail(exc)
+    except ClientGone:
+        return
+    finally:
+        await events.aclose()
