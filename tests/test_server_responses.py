@@ -260,11 +260,16 @@ def test_tool_choice_forces_and_bounds_the_calls(choice, parallel, prefix, singl
         ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
         ({"conversation": "conv_1"}, "conversation", "not supported"),
         ({"background": True}, "background", "not supported"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort", "'none'"),
         ({"text": {"format": {"type": "json_object"}}}, "text", "not supported"),
         ({"truncation": "auto"}, "truncation", "not supported"),
         ({"include": ["message.output_text.logprobs"]}, "include", "log-probabilities"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type", "function"),
+        ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0]", "custom tools are not"),
+        (
+            {"tools": [*TOOLS, {"type": "namespace", "name": "n", "tools": TOOLS[1:]}]},
+            "tools",
+            "function now is defined twice",
+        ),  # fmt: skip
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "name": "x"}},
             "tool_choice",
@@ -308,3 +313,27 @@ def test_engine_failure_before_and_after_the_first_event() -> None:
     assert failed["status"] == "failed" and failed["error"]["code"] == "device_error"
     assert "cudaErrorIllegalAddress" in failed["error"]["message"]
     assert failed["output"][0]["content"][0]["text"] == "xx"  # what came before the failure
+
+
+def test_namespaces_are_functions_and_built_in_tools_are_left_out() -> None:
+    # What Codex CLI sends: functions, a namespace of them, and web_search.
+    agents = {"type": "namespace", "name": "agents", "description": "Sub-agents",
+              "tools": [{"type": "function", "name": "spawn", "strict": False,
+                         "parameters": {"type": "object"}, "defer_loading": True}]}  # fmt: skip
+    search = {"type": "web_search", "external_web_access": False}
+    spawn = CALL.replace("get_weather", "spawn")
+    llm = ScriptedLLM([spawn, "\n", CALL])
+    body = {"input": "x", "tools": [TOOLS[0], agents, search], "reasoning": {"summary": "auto"},
+            "include": ["reasoning.encrypted_content"], "client_metadata": {"k": "v"}}  # fmt: skip
+    r = post(llm, body)
+    assert r.status_code == 200, r.text
+    names = [t["function"]["name"] for t in llm.seen[0][0]["tools"]]
+    assert names == ["get_weather", "spawn"]
+    first, second = r.json()["output"]
+    assert (first["name"], first["namespace"]) == ("spawn", "agents")
+    assert second["name"] == "get_weather" and "namespace" not in second
+    assert [t["type"] for t in r.json()["tools"]] == ["function", "namespace", "web_search"]
+    assert r.json()["tools"][2] == search
+    choice = {"type": "function", "name": "spawn"}
+    r = post(ScriptedLLM([" {}}"]), body | {"tool_choice": choice})
+    assert r.json()["output"][0]["namespace"] == "agents"

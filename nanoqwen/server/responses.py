@@ -13,16 +13,25 @@ developer as system, each call joined to the assistant message before it (as the
 them: text, then `<tool_call>` blocks), each output a `tool` message. Other item types (images,
 files, reasoning, built-in tools' calls) are a 400 naming the item.
 
+Tools. Function tools, flat as this API writes them (not under `function`), and namespaces of
+them, whose functions the model sees beside the others (a call of one comes back with its
+`namespace`). Built-in tools (web_search, file_search, code_interpreter, shell, apply_patch, mcp
+and the rest: `BUILT_IN_TOOLS`) are left out of the prompt, since the model can call none of
+them, rather than refused: Codex CLI sends web_search with every request. Custom (freeform)
+tools are a 400.
+
 The fields, each honoured, accepted as metadata, or refused (400) unless at the value that asks
 for nothing, as in /v1/chat/completions (schemas.py):
   honoured     model, input, instructions, max_output_tokens, temperature, top_p, top_k (an
-               extension, as on the chat endpoint), stream, tools (type "function"),
-               tool_choice, parallel_tool_calls, metadata (echoed)
+               extension, as on the chat endpoint), stream, tools, tool_choice (none, auto,
+               required, or a function), parallel_tool_calls, metadata (echoed)
   metadata     store, user, safety_identifier, prompt_cache_key, prompt_cache_retention,
-               service_tier, stream_options, max_tool_calls (it bounds built-in tools' calls:
-               there are none), include (except logprobs)
-  unsupported  previous_response_id, conversation, prompt, background, top_logprobs, reasoning
-               (this model does not reason), text.format other than text, truncation "auto"
+               service_tier, stream_options, client_metadata, max_tool_calls (it bounds
+               built-in tools' calls: there are none), include (except logprobs), reasoning
+               with no effort or "none" (its summary: there is no reasoning to summarize)
+  unsupported  previous_response_id, conversation, prompt, background, top_logprobs, any
+               reasoning effort (this model does not reason), text.format other than text,
+               truncation "auto"
 
 Output. The reply's text is parsed for tool calls as on the chat endpoint (nanoqwen.tool_calls):
 text becomes `message` items with one `output_text` part, each call a `function_call` item, in
@@ -164,6 +173,60 @@ class FunctionTool(BaseModel):
         return Tool(type="function", function=FunctionDef(**fields))
 
 
+class NamespaceTool(BaseModel):
+    """Function tools grouped under a name; the model sees them as plain functions, and a call
+    of one comes back with the group's name in `namespace` (how the client dispatches it)."""
+
+    model_config = ConfigDict(strict=True)
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool] = Field(max_length=MAX_TOOLS)
+
+
+# Tools that OpenAI runs itself, or whose calls are items of their own rather than function
+# calls: a model served here can call none of them, so they are left out of its prompt (the
+# response still lists them, as sent). Codex CLI, for one, always sends web_search.
+BUILT_IN_TOOLS = frozenset({
+    "web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+    "file_search", "code_interpreter", "image_generation", "computer", "computer_use_preview",
+    "mcp", "tool_search", "programmatic_tool_calling", "local_shell", "shell", "apply_patch",
+})  # fmt: skip
+
+
+class BuiltInTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # echoed whole
+    type: str
+
+
+def _tool_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    return "built-in" if kind in BUILT_IN_TOOLS else kind
+
+
+ToolIn = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[BuiltInTool, Tag("built-in")],
+    Discriminator(
+        _tool_kind,
+        custom_error_type="tool_type",
+        custom_error_message=(
+            "must be a function tool, a namespace of function tools, or a built-in tool (left "
+            "out: the model calls functions only); custom tools are not supported"
+        ),
+    ),
+]
+
+
+class Reasoning(BaseModel):
+    """Accepted because agent clients send it on every request; this model does not reason, so
+    only an effort that asks for none passes (a summary of no reasoning is empty)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")  # summary, generate_summary
+    effort: Literal["none"] | None = None
+
+
 class FunctionChoice(BaseModel):
     model_config = ConfigDict(strict=True)
     type: Literal["function"]
@@ -181,7 +244,7 @@ class ResponsesRequest(BaseModel):
     top_p: float = Field(default=1.0, ge=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # an extension, as on /v1/chat/completions; 0 = off
     stream: bool = False
-    tools: list[FunctionTool] = Field(default=[], max_length=MAX_TOOLS)
+    tools: list[ToolIn] = Field(default=[], max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice = "auto"
     parallel_tool_calls: bool = True
     metadata: dict[str, str] = Field(default={}, max_length=16)
@@ -192,7 +255,7 @@ class ResponsesRequest(BaseModel):
     prompt: neutral() = None
     background: neutral(False) = None
     top_logprobs: neutral(0) = None
-    reasoning: neutral({}, {"effort": None}, {"effort": "none"}) = None
+    reasoning: Reasoning | None = None
     text: neutral({}, PLAIN_TEXT, PLAIN_TEXT | {"verbosity": "medium"}) = None
     truncation: neutral("disabled") = None
 
@@ -224,11 +287,24 @@ class ResponsesRequest(BaseModel):
             raise PydanticCustomError("unsupported", "no log-probabilities are computed here")
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _one_function_a_name(cls, tools: list[Any]) -> list[Any]:
+        names = [f.name for f in _functions(tools)]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            raise PydanticCustomError(
+                "tool_name_twice",
+                "function {name} is defined twice (namespaces share one set of names here)",
+                {"name": twice[0]},
+            )
+        return tools
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_names_a_tool(cls, value: Any, info: Any) -> Any:
         named = value.name if isinstance(value, FunctionChoice) else None
-        check_tool_choice(value, named, [t.name for t in info.data.get("tools") or []])
+        names = [f.name for f in _functions(info.data.get("tools") or [])]
+        check_tool_choice(value, named, names)
         return value
 
     @field_validator("input")
@@ -251,8 +327,13 @@ class ResponsesRequest(BaseModel):
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
             choice = NamedToolChoice(type="function", function=NamedFunction(name=choice.name))
-        tools = [t.as_chat_tool() for t in self.tools]
+        tools = [f.as_chat_tool() for f in _functions(self.tools)]
         return plan_tools(tools, choice, self.parallel_tool_calls)
+
+    @functools.cached_property
+    def namespaces(self) -> dict[str, str]:
+        """The namespace of each function defined in one."""
+        return {f.name: t.name for t in self.tools if isinstance(t, NamespaceTool) for f in t.tools}
 
     def messages(self) -> list[dict[str, Any]]:
         """The chat template's messages (the module docstring: Input)."""
@@ -298,8 +379,20 @@ class ResponsesRequest(BaseModel):
         }
 
 
+def _functions(tools: list[Any]) -> list[FunctionTool]:
+    """The function tools the model is shown: those of the request and of its namespaces."""
+    out = []
+    for tool in tools:
+        if isinstance(tool, FunctionTool):
+            out.append(tool)
+        elif isinstance(tool, NamespaceTool):
+            out += tool.tools
+    return out
+
+
 FIELD_NAMES = field_names(ResponsesRequest, MessageItem, TextPart, FunctionCallItem,
-                          FunctionCallOutputItem, FunctionTool, FunctionChoice)  # fmt: skip
+                          FunctionCallOutputItem, FunctionTool, NamespaceTool, Reasoning,
+                          FunctionChoice)  # fmt: skip
 
 
 def _id(prefix: str) -> str:
@@ -315,6 +408,7 @@ class ResponseReply:
         self.created_at = int(time.time())
         self.model = model
         self.echo = body.echo()
+        self.namespaces = body.namespaces
         self.parser: ToolCallParser | NoToolCalls = body.tool_plan.parser()
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = 0
@@ -389,6 +483,8 @@ class ResponseReply:
     def _call(self, call: ToolCall) -> list[bytes]:
         item = {"id": _id("fc"), "type": "function_call", "status": "in_progress",
                 "arguments": "", "call_id": call.id, "name": call.name}  # fmt: skip
+        if call.name in self.namespaces:
+            item["namespace"] = self.namespaces[call.name]
         at = {"item_id": item["id"], "output_index": len(self.output)}
         events = [
             self._added(item),
