@@ -103,6 +103,47 @@ def test_responses_api_greedy_is_the_chat_reply(client):
     assert whole.status == streamed.status == finished
 
 
+def test_n_choices_decode_together(server, client):
+    # Greedy: n copies of the one reply; usage counts the prompt once, every choice's tokens.
+    one = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=0)
+    three = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=5, temperature=0, n=3
+    )
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+    # Seeded: choice j is what seed + j gives alone; the same request gives the same choices.
+    def sampled(**kw) -> list[str]:
+        out = client.completions.create(model="tiny", prompt="def f(", max_tokens=12,
+                                        temperature=2.0, **kw)  # fmt: skip
+        return [c.text for c in out.choices]
+
+    seeded = sampled(seed=7, n=3)
+    assert seeded == sampled(seed=7, n=3) == [sampled(seed=7 + j)[0] for j in range(3)]
+    assert len(set(seeded)) > 1
+    # Several prompts: choice p * n + j.
+    out = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=3, n=2,
+                                    temperature=0)  # fmt: skip
+    texts = [c.text for c in out.choices]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert texts[0] == texts[1] != texts[2] == texts[3]
+    # Streamed: each choice's chunks carry its index, a role first and a finish last.
+    stream = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=4, temperature=0, n=2, stream=True
+    )
+    by_choice: dict[int, list] = {0: [], 1: []}
+    for chunk in stream:
+        for c in chunk.choices:
+            by_choice[c.index].append(c)
+    for chunks in by_choice.values():
+        assert chunks[0].delta.role == "assistant" and chunks[-1].finish_reason is not None
+        text = "".join(c.delta.content or "" for c in chunks)
+        assert text == "".join(one.choices[0].message.content)[: len(text)]
+    assert server.health()["running"] == 0
+
+
 def test_completion_and_fim(client):
     plain = client.completions.create(model="tiny", prompt="def f(", max_tokens=4, stop="\n")
     assert plain.object == "text_completion" and plain.id.startswith("cmpl-")
@@ -210,7 +251,7 @@ SHARED_WRONG = {
     "top_k": [-1, 1.5, "x"],
     "seed": [-1, 2**63, "x", 1.5, True, [1]],
     "stop": ["", [""], ["a"] * 5, 5, [5], {"a": 1}, [None], ["a", 1]],
-    "n": [2, 0, "1", -1, True, 1.0],
+    "n": [129, 0, "1", -1, True, 1.0, 17],  # 17: more than the server queues (--max-queue 16)
     "stream": ["yes", 1, [True]],
     "stream_options": ["x", {"include_usage": "yes"}, [1], {"include_usage": 1}],
     "presence_penalty": [0.5, -1],
@@ -434,7 +475,6 @@ def test_too_many_stop_strings_says_so(http):
         ("logit_bias", {"50256": -100}),
         ("response_format", {"type": "json_object"}),
         ("logprobs", True),
-        ("n", 2),
         ("prediction", {"type": "content", "content": "x"}),
     ],
 )

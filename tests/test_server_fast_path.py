@@ -83,7 +83,7 @@ MALFORMED = [
     json.dumps({"model": "tiny"}).encode(),  # no prompt / messages
     json.dumps(COMPLETION | {"temperature": 5}).encode(),
     json.dumps(COMPLETION | {"max_tokens": "3"}).encode(),  # strict: a string is not a number
-    json.dumps(COMPLETION | {"n": 2}).encode(),
+    json.dumps(COMPLETION | {"n": 0}).encode(),
     json.dumps(COMPLETION | {"stop": ["a"] * 5}).encode(),
     json.dumps(COMPLETION | {"prompt": [[]]}).encode(),
     json.dumps(COMPLETION | {"prompt": [1, 2], "suffix": "x"}).encode(),

@@ -11,8 +11,9 @@ special-token text (`<|fim_prefix|>` ...) becomes control tokens unless the serv
 `--special-tokens text`; chat message contents never do. Only the worker thread runs the
 engine.
 
-A completion request with several prompts gets one choice per prompt, generated one after
-another as separate jobs (`Choices`), so it holds one place in the queue at a time.
+A request gets `n` choices per prompt (a completion request may list several prompts): each
+prompt's n choices are jobs queued together, so the batch decodes them together; the prompts
+run one after another (`Choices`), so a request holds at most n places in the queue.
 
 Streaming: the handler waits for the first delta before it answers, so a failure before the
 first token still gets its HTTP status (500/503); later failures become an error event, then
@@ -29,6 +30,7 @@ then CORS when origins are configured, then the body limit, then the API key. /h
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import time
 from collections.abc import AsyncIterator
@@ -116,33 +118,51 @@ def engine_error(exc: BaseException) -> APIError:
 
 
 async def job_events(request: Request, job: Job) -> AsyncIterator[Any]:
-    """The job's deltas as they arrive; raises APIError on failure, ClientGone on disconnect.
+    """The job's deltas as they arrive (`group_events` of the one job)."""
+    async for _, delta in group_events(request, [job]):
+        yield delta
+
+
+async def group_events(request: Request, jobs: list[Job]) -> AsyncIterator[tuple[int, Any]]:
+    """(index in `jobs`, delta) for the jobs of one request, as their deltas arrive; raises
+    APIError on a failure, ClientGone on disconnect.
 
     Call it once the request body has been read: a task then awaits the ASGI receive channel,
-    whose next message is `http.disconnect`, and its end wakes every wait for an event, so a
-    disconnect is seen the moment it happens, tokens flowing or not. The job is cancelled
-    however the iteration ends, and each delta is accounted in the request's record (metrics,
-    the log line).
+    whose next message is `http.disconnect`, and its end wakes the wait for an event, so a
+    disconnect is seen the moment it happens, tokens flowing or not. The jobs share one
+    Arrival, so one wait serves them all. Every job is cancelled however the iteration ends,
+    and each delta is accounted in the request's record (metrics, the log line).
     """
     record = record_of(request.scope)
+    arrival = jobs[0].arrival
+    for job in jobs[1:]:
+        job.arrival = arrival  # events already delivered wait in the jobs' own deques
     gone = asyncio.ensure_future(_disconnected(request.receive))
-    gone.add_done_callback(job.wake)  # a disconnect ends the wait for the next event
+    gone.add_done_callback(arrival.wake)
+    live = list(range(len(jobs)))
     try:
-        while True:
+        while live:
             if gone.done():
                 record.client_gone = True
                 raise ClientGone
-            event = await job.next()
-            if event is None:
-                continue  # woken by the disconnect
-            if event is DONE:
-                return
-            if isinstance(event, BaseException):
-                raise engine_error(event)
-            record.on_delta(job, event)
-            yield event
+            ready = [i for i in live if jobs[i].events]
+            if not ready:
+                await arrival.wait()
+                continue
+            for i in ready:
+                job = jobs[i]
+                while job.events:
+                    event = job.events.popleft()
+                    if event is DONE:
+                        live.remove(i)
+                        break
+                    if isinstance(event, BaseException):
+                        raise engine_error(event)
+                    record.on_delta(job, event)
+                    yield i, event
     finally:
-        job.cancel()
+        for job in jobs:
+            job.cancel()
         gone.cancel()
 
 
@@ -153,8 +173,10 @@ async def _disconnected(receive: Any) -> None:
 
 
 class Choices:
-    """The jobs of one request, one per prompt, submitted one after another: the first at
-    once (a full queue is a 429 before any answer), each next one when the previous ends."""
+    """The jobs of one request: each prompt's `n` choices queued at once (decoded together, as
+    the batch takes them), the prompts one after another: the first prompt's at once (a full
+    queue is a 429 before any answer), each next prompt's when the previous ones end. Choice
+    `j` of prompt `p` has index p * n + j, as in OpenAI's API."""
 
     def __init__(
         self,
@@ -162,21 +184,42 @@ class Choices:
         request: Request,
         prompts: list[list[int]],
         params: list[SamplingParams],
+        n: int,
     ) -> None:
-        self.service, self.request = service, request
+        self.service, self.request, self.n = service, request, n
         self.todo = list(zip(prompts, params, strict=True))
-        self.job = service.submit(*self.todo[0])
+        self.jobs = self._submit(*self.todo[0])
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> list[Job]:
+        jobs: list[Job] = []
+        try:
+            for j in range(self.n):
+                jobs.append(self.service.submit(ids, choice_params(params, j)))
+        except APIError:
+            for job in jobs:  # skipped by the worker: all of a prompt's choices or none
+                job.cancel()
+            raise
+        return jobs
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, delta) in order; raises as `job_events` does."""
-        for index, (ids, params) in enumerate(self.todo):
-            if index:
-                self.job = self.service.submit(ids, params)
-            async for delta in job_events(self.request, self.job):
-                yield index, delta
+        """(choice index, delta) as they come; raises as `group_events` does."""
+        for p, (ids, params) in enumerate(self.todo):
+            if p:
+                self.jobs = self._submit(ids, params)
+            async for j, delta in group_events(self.request, self.jobs):
+                yield p * self.n + j, delta
 
     def cancel(self) -> None:
-        self.job.cancel()
+        for job in self.jobs:
+            job.cancel()
+
+
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice `j`'s params: a seeded request's choices draw from seeds seed, seed + 1, ...
+    (the same choices again for the same seed, not one choice n times)."""
+    if params.seed is None or j == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j) % 2**63)
 
 
 def _text_chars(value: Any) -> int:
@@ -288,11 +331,14 @@ class Service:
     ) -> Response:
         """Check every prompt, then generate a choice for each and answer (or stream) them."""
         params = [self.sampling(body, ids, default_max_tokens) for ids in prompts]
+        if body.n > self.worker.max_queue:
+            raise APIError(400, f"n: {body.n} choices are more than this server queues at once "
+                           f"({self.worker.max_queue}, --max-queue)", param="n")  # fmt: skip
         chat = isinstance(body, ChatRequest)
         tools = body.tool_plan if chat else None
         reply = Reply(chat=chat, model=self.model, prompt_tokens=[len(ids) for ids in prompts],
-                      tools=tools)  # fmt: skip
-        choices = Choices(self, request, prompts, params)
+                      n=body.n, tools=tools)  # fmt: skip
+        choices = Choices(self, request, prompts, params, body.n)
         events = choices.events()
         try:
             if body.stream:
@@ -312,7 +358,9 @@ async def stream_body(
     finish chunk, the usage chunk if asked for, [DONE]. The events of one delta go out as one
     body message (one socket write), the role chunk with the first delta's."""
     try:
-        out = reply.chunk(0, "", role=True) if reply.chat else b""
+        out = b""
+        if reply.chat:  # each choice's first chunk gives its role
+            out = b"".join(reply.chunk(i, "", role=True) for i in range(len(reply.choices)))
         item = first
         while item is not None:
             index, delta = item

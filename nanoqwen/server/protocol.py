@@ -77,8 +77,9 @@ class Choice:
 
 class Reply:
     """The response to one chat (`chat=True`) or text completion request; `prompt_tokens`
-    holds one count per choice; `tools` (a chat with tools): each choice's text is parsed for
-    calls by a parser of its own."""
+    holds one count per prompt, each prompt has `n` choices (indices p * n + j), and the usage
+    counts each prompt once, as OpenAI's does; `tools` (a chat with tools): each choice's text
+    is parsed for calls by a parser of its own."""
 
     def __init__(
         self,
@@ -86,17 +87,19 @@ class Reply:
         chat: bool,
         model: str,
         prompt_tokens: Sequence[int],
+        n: int = 1,
         tools: ToolPlan | None = None,
     ) -> None:
         self.chat = chat
         self.model = model
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.n = n
         self.prompt_tokens = sum(prompt_tokens)
         self.cached_tokens = 0  # of prompt_tokens, served from the prefix cache
         self.speculative: SpecStats | None = None  # summed over the choices; None: not on
         tools = tools or NO_TOOLS
-        self.choices = [Choice(tools.parser()) for _ in prompt_tokens]
+        self.choices = [Choice(tools.parser()) for _ in range(len(prompt_tokens) * n)]
         # A stream chunk's bytes around its one choice: the envelope rendered once with a
         # placeholder list (an unescaped ["@"] can only be structure), so `chunk` renders just
         # the choice, a tenth of json.dumps over the whole envelope per token.
@@ -107,7 +110,8 @@ class Reply:
     def add(self, index: int, delta: Any) -> list[str | ToolCall]:
         """Account for one `Delta(text, token_ids, finish_reason, cached_tokens)` of choice
         `index`; returns what it adds to the reply: content text and completed calls."""
-        self.cached_tokens += delta.cached_tokens
+        if index % self.n == 0:  # a prompt's cached tokens: those of its first choice
+            self.cached_tokens += delta.cached_tokens
         if delta.speculative is not None:
             self.speculative = self.speculative or SpecStats()
             self.speculative.add(delta.speculative)

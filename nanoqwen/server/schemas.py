@@ -4,17 +4,18 @@ Models are strict (a string is not a number, a number is not a string) and follo
 ranges: temperature in [0, 2], top_p in [0, 1] (0 keeps only the most probable token: greedy),
 at most 4 stop strings; null means "default", as in OpenAI's API. `prompt` takes OpenAI's four
 forms: a string, a list of strings, a list of token ids, a list of token-id lists (at most
-MAX_PROMPTS prompts, one choice each). `max_tokens` has no upper bound here: the context check
+MAX_PROMPTS prompts, `n` choices each). `max_tokens` has no upper bound here: the context check
 (`LLM.check_fits`) names the limit.
 
 Every field of OpenAI's chat and completions requests is one of three kinds:
   honoured     model, messages, prompt, suffix, max_tokens, max_completion_tokens, temperature,
                top_p, seed, stop, stream, stream_options.include_usage, tools, tool_choice,
-               parallel_tool_calls;
+               parallel_tool_calls, n (each prompt's choices decoded together; seeded, choice
+               j draws from seed + j);
   metadata     user, metadata, store, service_tier, safety_identifier, prompt_cache_key,
                prompt_cache_options, prompt_cache_retention, stream_options.include_obfuscation:
                accepted, change nothing;
-  unsupported  n, best_of, echo, logprobs, top_logprobs, logit_bias, presence_penalty,
+  unsupported  best_of, echo, logprobs, top_logprobs, logit_bias, presence_penalty,
                frequency_penalty, response_format, functions, function_call (the deprecated
                form of tools), audio, modalities, prediction, moderation, reasoning_effort,
                verbosity, web_search_options: accepted only at the value that asks for nothing
@@ -46,6 +47,7 @@ from ..tool_calls import CLOSE, NoToolCalls, ToolCallParser, forced_prefix
 
 MAX_STOP_STRINGS = 4
 MAX_PROMPTS = 32  # prompts of one completion request (LangChain's OpenAI LLM sends 20 at once)
+MAX_CHOICES = 128  # n, as OpenAI bounds it (the queue's size bounds it further: app.Service)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 StopString = Annotated[str, Field(min_length=1)]
@@ -233,7 +235,7 @@ class GenerationRequest(BaseModel):
     top_k: int = Field(default=0, ge=0)  # an extension (vLLM has it too); 0 = off
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: tuple[StopString, ...] = ()
-    n: neutral(1) = None
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: neutral(0, 0.0) = None
     frequency_penalty: neutral(0, 0.0) = None
     logit_bias: neutral({}) = None

@@ -65,15 +65,36 @@ class Done:
 DONE = Done()
 
 
+class Arrival:
+    """A wait on an event loop for the next event of one or more jobs, or for another reason
+    to look (a done-callback's `wake`, e.g. of the client's disconnect): a future made for each
+    wait, resolved by the callback that delivers an event, so the waiting task resumes in the
+    next loop iteration."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[None] | None = None  # the wait, if one is on
+
+    def wake(self, *_: Any) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    async def wait(self) -> None:
+        self._future = self._loop.create_future()
+        try:
+            await self._future
+        finally:
+            self._future = None
+
+
 class Job:
     """One generation request: prompt ids and params in, events out on its event loop.
 
     Events are `Delta`s, then `DONE`, or an exception instance if the generation failed. The
-    worker thread `post`s each one; on the loop it lands in `events` and ends the wait of
-    `next`, the one consumer: a future of the job's own, resolved by the callback that delivers
-    the event, so the consumer's task resumes in the next loop iteration. `submitted_at` and
-    `started_at` (time.monotonic(); the latter set by the worker thread when the job leaves
-    the queue) give its queue wait.
+    worker thread `post`s each one; on the loop it lands in `events` and wakes `arrival`, which
+    the one consumer waits on (`next`; or `app.job_events`, which gives the jobs of one request
+    one Arrival). `submitted_at` and `started_at` (time.monotonic(); the latter set by the
+    worker thread when the job leaves the queue) give its queue wait.
     """
 
     def __init__(
@@ -81,12 +102,12 @@ class Job:
     ) -> None:
         self.ids = list(ids)
         self.params = params
-        self.events: deque[Any] = deque()  # delivered, not yet taken by `next`
+        self.events: deque[Any] = deque()  # delivered, not yet taken by the consumer
         self.cancelled = threading.Event()
         self.submitted_at = time.monotonic()
         self.started_at: float | None = None
+        self.arrival = Arrival(loop)
         self._loop = loop
-        self._arrival: asyncio.Future[None] | None = None  # the wait of `next`, if one is on
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -102,23 +123,13 @@ class Job:
 
     def _deliver(self, event: Any) -> None:
         self.events.append(event)
-        self.wake()
-
-    def wake(self, *_: Any) -> None:
-        """End the wait of `next` (on the loop): an event arrived, or its caller has another
-        reason to look (a done-callback, e.g. of the client's disconnect)."""
-        if self._arrival is not None and not self._arrival.done():
-            self._arrival.set_result(None)
+        self.arrival.wake()
 
     async def next(self) -> Any:
-        """The next event, waited for on the job's loop; None when `wake` ended the wait with
-        no event delivered."""
+        """The next event, waited for on the job's loop; None when the wait ended with no event
+        delivered (`arrival.wake` for another reason)."""
         if not self.events:
-            self._arrival = self._loop.create_future()
-            try:
-                await self._arrival
-            finally:
-                self._arrival = None
+            await self.arrival.wait()
             if not self.events:
                 return None
         return self.events.popleft()
