@@ -92,7 +92,7 @@ class Job:
 
     Events are `Delta`s, then `DONE`, or an exception instance if the generation failed. The
     worker thread `post`s each one; on the loop it lands in `events` and wakes `arrival`, which
-    the one consumer waits on (`next`; or `app.job_events`, which gives the jobs of one request
+    the one consumer waits on (`next`; or `app.group_events`, which gives the jobs of a request
     one Arrival). `submitted_at` and `started_at` (time.monotonic(); the latter set by the
     worker thread when the job leaves the queue) give its queue wait.
     """
