@@ -31,7 +31,8 @@ releases pages; it drives any backend with the batch primitives:
 2. admits waiting sequences, oldest first, while a slot is free and the pool has pages for the
    sequence's first chunk besides the pages this step's decode takes (so an admission does not
    force a preemption in its own step); admission takes the prompt's cached prefix
-   (`BlockManager.admit`), so `kv_len` starts at `table.cached_tokens`;
+   (`BlockManager.admit`), so `kv_len` starts at `table.cached_tokens`; a sequence whose
+   prompt's next pages another one is prefilling right now waits for them instead;
 3. prefills at most `prefill_chunk` tokens, across the admitted sequences that still have
    uncomputed ids, oldest first; a chunk that ends the prompt samples the first token. A long
    prompt therefore costs the running streams one bounded chunk per step, never a whole prefill;
@@ -345,6 +346,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
+            if self._awaits_a_prefill(seq):
+                return
             table = self.pages.admit(seq.ids)
             first = min(seq.prefill_end, table.cached_tokens + self.prefill_chunk)
             need = first + (first == seq.prefill_end)  # and the next step's position
@@ -359,6 +362,27 @@ class Scheduler:
             if not seq.tokens:
                 seq.cached_tokens = table.cached_tokens
             self.running.append(seq)
+
+    def _awaits_a_prefill(self, seq: Sequence) -> bool:
+        """Whether a sequence being prefilled is computing pages of `seq`'s prompt that the
+        prefix cache does not hold yet: `seq` then waits for them (a step or a few), to take
+        them from the cache at admission rather than compute them again. The n choices of one
+        request and a burst of requests on one file arrive so; the prefill, oldest first,
+        would have reached `seq` only after the other's anyway."""
+        if not self.pages.prefix_caching:
+            return False
+        usable = (len(seq.ids) - 1) // PAGE_TOKENS * PAGE_TOKENS  # what `admit` can reuse
+        for other in self.running:
+            if other.table is None or other.decoding:
+                continue
+            # Its next page to seal, if `seq` could reuse it: both prompts hold the same ids
+            # up to that page's end (the pages before it are sealed, in the cache already).
+            page_end = other.kv_len // PAGE_TOKENS * PAGE_TOKENS + PAGE_TOKENS
+            if page_end <= min(usable, other.prefill_end) and (
+                seq.ids[:page_end] == other.ids[:page_end]
+            ):
+                return True
+        return False
 
     def _decode_pages(self) -> int:
         """Pages this step's decode takes: one for each decoding sequence on a page boundary."""

@@ -473,3 +473,21 @@ def test_solo_rules(model_file):
     sched.cancel(b)
     assert sched.solo is None and backend.block_manager.pages_held == 0
     assert b.finish_reason == "cancelled" and not sched.has_work
+
+
+def test_requests_on_one_prompt_take_its_pages_from_the_cache(model_file, oracle):
+    # n choices of one prompt, or a burst of requests on one file: the first computes the
+    # prompt, the others wait for its pages and find them in the prefix cache.
+    rng = np.random.default_rng()
+    backend = ReferenceBackend(model_file, max_context=256, max_batch=8)
+    sched = Scheduler(backend, prefill_chunk=32)
+    prompt = rng.integers(10, 200, 100).tolist()
+    other = rng.integers(10, 200, 50).tolist()
+    reqs = [(prompt, SamplingParams(max_tokens=6))] * 4 + [(other, SamplingParams(max_tokens=6))]
+    seqs = [sched.add(p, params, STOP) for p, params in reqs]
+    run(sched)
+    for seq, (p, params) in zip(seqs, reqs, strict=True):
+        assert seq.tokens == oracle(p, params)
+    # Each of the three later copies reuses the 96 tokens of the first's six full pages.
+    assert [s.cached_tokens for s in seqs] == [0, 96, 96, 96, 0]
+    assert backend.kv_stats.hit_tokens == 3 * 96
