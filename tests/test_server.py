@@ -103,6 +103,24 @@ def test_responses_api_greedy_is_the_chat_reply(client):
     assert whole.status == streamed.status == finished
 
 
+def test_responses_are_stored_for_the_next_turn(client):
+    first = client.responses.create(model="tiny", input="Hi", max_output_tokens=3)
+    again = client.responses.retrieve(first.id)
+    assert again.id == first.id and again.output_text == first.output_text
+    second = client.responses.create(
+        model="tiny", input="More", previous_response_id=first.id, max_output_tokens=3
+    )
+    # The second prompt holds the first turn and its reply: more tokens, the first's cached.
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert client.responses.delete(first.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="no stored response"):
+        client.responses.create(model="tiny", input="x", previous_response_id=first.id)
+
+
 def test_n_choices_decode_together(server, client):
     # Greedy: n copies of the one reply; usage counts the prompt once, every choice's tokens.
     one = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, temperature=0)

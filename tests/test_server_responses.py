@@ -18,6 +18,7 @@ from test_server_fake import FakeLLM  # noqa: E402
 from test_server_tools import CALL, ScriptedLLM  # noqa: E402
 
 from nanoqwen.server import Worker, create_app  # noqa: E402
+from nanoqwen.server.responses import Conversation, ResponseStore  # noqa: E402
 from nanoqwen.tool_calls import CLOSE, forced_prefix  # noqa: E402
 
 TOOLS = [
@@ -94,7 +95,7 @@ def test_text_reply_whole_and_streamed_through_the_client() -> None:
     usage = whole.usage
     assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (3, 3, 6)
     assert usage.input_tokens_details.cached_tokens == 0
-    assert whole.max_output_tokens == 9 and whole.store is False
+    assert whole.max_output_tokens == 9 and whole.store is True
 
 
 def test_text_and_calls_become_items_in_order() -> None:
@@ -250,14 +251,14 @@ def test_tool_choice_forces_and_bounds_the_calls(choice, parallel, prefix, singl
         (
             {"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]},
             "input",
-            "call_id c9",
+            "call_id 'c9'",
         ),  # fmt: skip
         (
             {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
             "input[0].arguments",
             "object",
         ),  # fmt: skip
-        ({"previous_response_id": "resp_1"}, "previous_response_id", "not supported"),
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "no stored response"),
         ({"conversation": "conv_1"}, "conversation", "not supported"),
         ({"background": True}, "background", "not supported"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort", "'none'"),
@@ -337,3 +338,68 @@ def test_namespaces_are_functions_and_built_in_tools_are_left_out() -> None:
     choice = {"type": "function", "name": "spawn"}
     r = post(ScriptedLLM([" {}}"]), body | {"tool_choice": choice})
     assert r.json()["output"][0]["namespace"] == "agents"
+
+
+def test_previous_response_id_continues_a_stored_conversation() -> None:
+    llm = ScriptedLLM(["Checking.", CALL])
+
+    async def talk(http):
+        async def send(body):
+            r = await http.post("/v1/responses", json={"model": "fake", "tools": TOOLS} | body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        first = await send({"input": "Paris?", "instructions": "Be brief."})
+        call = first["output"][1]
+        answer = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+        second = await send({"input": [answer], "previous_response_id": first["id"],
+                             "instructions": "Answer in French."})  # fmt: skip
+        third = await send({"input": "And Rome?", "previous_response_id": second["id"],
+                            "store": False})  # fmt: skip
+        got = await http.get(f"/v1/responses/{second['id']}")
+        gone = [await http.get(f"/v1/responses/{third['id']}")]
+        deleted = await http.delete(f"/v1/responses/{first['id']}")
+        gone += [
+            await http.get(f"/v1/responses/{first['id']}"),
+            await http.delete(f"/v1/responses/{first['id']}"),
+            await http.post(
+                "/v1/responses",
+                json={"model": "fake", "input": "x", "previous_response_id": third["id"]},
+            ),
+        ]
+        return first, second, got, deleted, gone  # fmt: skip
+
+    first, second, got, deleted, gone = asyncio.run(_serve(llm, talk))
+    assistant = {
+        "role": "assistant",
+        "content": "Checking.",
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+    }
+    assert [p["messages"] for p, _ in llm.seen] == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}],
+        # Instructions are each request's own; the stored turn and its call come before.
+        [{"role": "system", "content": "Answer in French."},
+         {"role": "user", "content": "Paris?"}, assistant, {"role": "tool", "content": "sunny"}],
+        [{"role": "user", "content": "Paris?"}, assistant, {"role": "tool", "content": "sunny"},
+         assistant, {"role": "user", "content": "And Rome?"}],
+    ]  # fmt: skip
+    assert second["previous_response_id"] == first["id"] and second["store"] is True
+    assert got.status_code == 200 and got.json() == second
+    assert deleted.json() == {"id": first["id"], "object": "response", "deleted": True}
+    assert [r.status_code for r in gone] == [404, 404, 404, 400]
+    assert gone[3].json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_the_store_drops_the_least_recently_used_past_its_budget() -> None:
+    def response(n: int) -> dict:
+        return {"id": f"resp_{n}", "output": "x" * 100}
+
+    talk = Conversation(({"role": "user", "content": "hi"},), frozenset())
+    size = len(json.dumps(response(0))) + len(json.dumps(talk.messages))  # one entry's share
+    store = ResponseStore(max_chars=3 * size)
+    for n in range(3):
+        store.put(response(n), talk)
+    assert store.get("resp_0").response == response(0)  # now the most recently used
+    store.put(response(3), talk)  # a fourth: the least recently used (resp_1) goes
+    assert [store.get(f"resp_{n}") is not None for n in range(4)] == [True, False, True, True]
+    assert store.delete("resp_3") and not store.delete("resp_3")

@@ -1,17 +1,22 @@
 """OpenAI's Responses API, POST /v1/responses: what Codex CLI and the OpenAI Agents SDK speak.
 
-Stateless: the request carries the whole conversation as `input` items, and nothing is kept
-afterwards (`store` is accepted and the response says `store: false`), so what needs a stored
-response (`previous_response_id`, `conversation`, `item_reference` items, `background`) is a
-400. Agents that resend their history, as Codex does, need none of it.
+A request carries its conversation as `input` items, after the stored conversation of
+`previous_response_id` when it names one. Responses made with `store` (true unless the request
+says false, as in OpenAI's API) are kept in memory (`ResponseStore`: lost on restart, the least
+recently used dropped past STORE_CHARS), for previous_response_id and for GET and DELETE
+/v1/responses/{id}; a response id not (or no longer) stored is a 400 (404 on GET and DELETE).
+What needs OpenAI's other state (`conversation` objects, `item_reference` items,
+`background` responses) is a 400. Agents that resend their history, as Codex does, need none
+of it (Codex sends store false).
 
 Input. A string is one user message. Items are messages (role user, assistant, system or
 developer; content a string or `input_text` / `output_text` parts), `function_call` (an earlier
-call of the model's) and `function_call_output` (its answer, naming an earlier call's
-`call_id`). They become the chat template's messages: `instructions` first as a system message,
-developer as system, each call joined to the assistant message before it (as the model wrote
-them: text, then `<tool_call>` blocks), each output a `tool` message. Other item types (images,
-files, reasoning, built-in tools' calls) are a 400 naming the item.
+call of the model's) and `function_call_output` (its answer, naming the `call_id` of a call
+before it, here or in the stored conversation). They become the chat template's messages:
+`instructions` first as a system message, developer as system, each call joined to the
+assistant message before it (as the model wrote them: text, then `<tool_call>` blocks), each
+output a `tool` message. Other item types (images, files, reasoning, built-in tools' calls)
+are a 400 naming the item.
 
 Tools. Function tools, flat as this API writes them (not under `function`), and namespaces of
 them, whose functions the model sees beside the others (a call of one comes back with its
@@ -22,16 +27,17 @@ tools are a 400.
 
 The fields, each honoured, accepted as metadata, or refused (400) unless at the value that asks
 for nothing, as in /v1/chat/completions (schemas.py):
-  honoured     model, input, instructions, max_output_tokens, temperature, top_p, top_k (an
-               extension, as on the chat endpoint), stream, tools, tool_choice (none, auto,
-               required, or a function), parallel_tool_calls, metadata (echoed)
-  metadata     store, user, safety_identifier, prompt_cache_key, prompt_cache_retention,
+  honoured     model, input, instructions (each request's own: a stored conversation does
+               not carry them), previous_response_id, store, max_output_tokens, temperature,
+               top_p, top_k (an extension, as on the chat endpoint), stream, tools,
+               tool_choice (none, auto, required, or a function), parallel_tool_calls,
+               metadata (echoed)
+  metadata     user, safety_identifier, prompt_cache_key, prompt_cache_retention,
                service_tier, stream_options, client_metadata, max_tool_calls (it bounds
                built-in tools' calls: there are none), include (except logprobs), reasoning
                with no effort or "none" (its summary: there is no reasoning to summarize)
-  unsupported  previous_response_id, conversation, prompt, background, top_logprobs, any
-               reasoning effort (this model does not reason), text.format other than text,
-               truncation "auto"
+  unsupported  conversation, prompt, background, top_logprobs, any reasoning effort (this
+               model does not reason), text.format other than text, truncation "auto"
 
 Output. The reply's text is parsed for tool calls as on the chat endpoint (nanoqwen.tool_calls):
 text becomes `message` items with one `output_text` part, each call a `function_call` item, in
@@ -50,6 +56,8 @@ response.failed, its `error` set; before it, the request gets its HTTP status (5
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import json
 import time
@@ -92,6 +100,11 @@ from .schemas import (
 )
 
 PLAIN_TEXT = {"format": {"type": "text"}}  # the `text` setting that asks for nothing
+FORGOTTEN = (  # why a stored response may be missing
+    "responses are kept in this server's memory, with store true, until it restarts or needs "
+    "the room"
+)
+STORE_CHARS = 64 * 2**20  # the stored responses' JSON text (ResponseStore), oldest dropped first
 
 
 def _joined(parts: list[TextPart]) -> str:
@@ -250,7 +263,8 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] = Field(default={}, max_length=16)
     user: str | None = None
     include: list[str] = []
-    previous_response_id: neutral() = None
+    store: bool = True
+    previous_response_id: str | None = None
     conversation: neutral() = None
     prompt: neutral() = None
     background: neutral(False) = None
@@ -307,21 +321,6 @@ class ResponsesRequest(BaseModel):
         check_tool_choice(value, named, names)
         return value
 
-    @field_validator("input")
-    @classmethod
-    def _outputs_answer_calls(cls, items: list[Any]) -> list[Any]:
-        called: set[str] = set()
-        for index, item in enumerate(items):
-            if isinstance(item, FunctionCallItem):
-                called.add(item.call_id)
-            elif isinstance(item, FunctionCallOutputItem) and item.call_id not in called:
-                raise PydanticCustomError(
-                    "call_id_unknown",
-                    "item {index} answers call_id {call_id}, which no function_call before it made",
-                    {"index": index, "call_id": item.call_id},
-                )
-        return items
-
     @functools.cached_property
     def tool_plan(self) -> ToolPlan:
         choice = self.tool_choice
@@ -335,21 +334,36 @@ class ResponsesRequest(BaseModel):
         """The namespace of each function defined in one."""
         return {f.name: t.name for t in self.tools if isinstance(t, NamespaceTool) for f in t.tools}
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The chat template's messages (the module docstring: Input)."""
-        out = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        for item in self.input:
+    def dialogue(self, previous: Conversation | None) -> Conversation:
+        """The stored conversation `previous` (of previous_response_id) with this request's
+        input items after it, as the chat template's messages (the module docstring: Input);
+        APIError when a function_call_output answers no call made before it."""
+        messages, calls = (
+            list(previous.messages) if previous else [],
+            set(previous.calls) if previous else set(),
+        )
+        for index, item in enumerate(self.input):
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
-                out.append({"role": role, "content": _joined(item.content)})
+                messages.append({"role": role, "content": _joined(item.content)})
             elif isinstance(item, FunctionCallItem):
                 call = {"name": item.name, "arguments": json.loads(item.arguments)}
-                if not out or out[-1]["role"] != "assistant":
-                    out.append({"role": "assistant", "content": ""})
-                out[-1].setdefault("tool_calls", []).append(call)
+                if not messages or messages[-1]["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": ""})
+                # A new dict: the one before may belong to a stored conversation.
+                last = messages[-1]
+                messages[-1] = last | {"tool_calls": [*last.get("tool_calls", []), call]}
+                calls.add(item.call_id)
+            elif item.call_id in calls:
+                messages.append({"role": "tool", "content": _joined(item.output)})
             else:
-                out.append({"role": "tool", "content": _joined(item.output)})
-        return out
+                raise APIError(
+                    400,
+                    f"input: item {index} answers call_id {item.call_id!r}, which no "
+                    "function_call before it made",
+                    param="input",
+                )
+        return Conversation(tuple(messages), frozenset(calls))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
@@ -369,6 +383,8 @@ class ResponsesRequest(BaseModel):
         return {
             "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens,
+            "previous_response_id": self.previous_response_id,
+            "store": self.store,
             "metadata": self.metadata,
             "parallel_tool_calls": self.parallel_tool_calls,
             "temperature": self.temperature,
@@ -377,6 +393,53 @@ class ResponsesRequest(BaseModel):
             "top_p": self.top_p,
             "user": self.user,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """A conversation as the chat template takes it (instructions aside: they are each
+    request's own) and the call ids made in it, which later function_call_outputs answer."""
+
+    messages: tuple[dict[str, Any], ...]
+    calls: frozenset[str]
+
+
+@dataclasses.dataclass
+class Stored:
+    response: dict[str, Any]
+    conversation: Conversation  # with the response's own output last
+    chars: int  # what it holds, as JSON text: its share of the store's budget
+
+
+class ResponseStore:
+    """The responses made with `store` (OpenAI's default), for previous_response_id and GET /
+    DELETE /v1/responses/{id}: in this process's memory, so gone on restart, and the least
+    recently used dropped once they hold more than `max_chars` of JSON text."""
+
+    def __init__(self, max_chars: int = STORE_CHARS) -> None:
+        self.max_chars = max_chars
+        self._held: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+        self._chars = 0
+
+    def put(self, response: dict[str, Any], conversation: Conversation) -> None:
+        chars = len(json.dumps(response)) + len(json.dumps(conversation.messages))
+        self.delete(response["id"])
+        self._held[response["id"]] = Stored(response, conversation, chars)
+        self._chars += chars
+        while self._chars > self.max_chars and len(self._held) > 1:
+            self._chars -= self._held.popitem(last=False)[1].chars
+
+    def get(self, response_id: str) -> Stored | None:
+        stored = self._held.get(response_id)
+        if stored is not None:
+            self._held.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> bool:
+        stored = self._held.pop(response_id, None)
+        if stored is not None:
+            self._chars -= stored.chars
+        return stored is not None
 
 
 def _functions(tools: list[Any]) -> list[FunctionTool]:
@@ -403,8 +466,16 @@ class ResponseReply:
     """One response: its output items as the reply's deltas come, and the stream events they
     make (`add` and `finish` return them; a non-streamed request drops them)."""
 
-    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        model: str,
+        prompt_tokens: int,
+        conversation: Conversation,
+        store: ResponseStore | None,
+    ) -> None:
         self.id = _id("resp")
+        self.conversation, self.store = conversation, store
         self.created_at = int(time.time())
         self.model = model
         self.echo = body.echo()
@@ -519,7 +590,22 @@ class ResponseReply:
         else:
             self.status = "completed"
         events = self._close_message(self.status)
-        return [*events, self.event(f"response.{self.status}", response=self.response())]
+        response = self.response()
+        if self.store is not None:
+            self.store.put(response, self._with_reply())
+        return [*events, self.event(f"response.{self.status}", response=response)]
+
+    def _with_reply(self) -> Conversation:
+        """The conversation with this reply after it, as the model wrote it: one assistant
+        message, its text and then its calls."""
+        text = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "message")
+        calls = [i for i in self.output if i["type"] == "function_call"]
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [{"name": c["name"], "arguments": json.loads(c["arguments"])}
+                                     for c in calls]  # fmt: skip
+        ids = {c["call_id"] for c in calls}
+        return Conversation((*self.conversation.messages, message), self.conversation.calls | ids)
 
     def response(self) -> dict[str, Any]:
         """The response object as it stands (whole after the last `add`)."""
@@ -543,9 +629,7 @@ class ResponseReply:
             "incomplete_details": self.incomplete,
             "model": self.model,
             "output": self.output,
-            "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
-            "store": False,
             "text": PLAIN_TEXT | {"verbosity": "medium"},
             "top_logprobs": 0,
             "truncation": "disabled",
@@ -555,10 +639,18 @@ class ResponseReply:
 
 
 def add_responses_routes(app: FastAPI, service: Service) -> None:
-    """Register POST /v1/responses on `app`."""
+    """Register /v1/responses (POST; GET and DELETE of a stored response) on `app`."""
+    store = ResponseStore()
+
+    def stored(response_id: str) -> Stored:
+        found = store.get(response_id)
+        if found is None:
+            raise APIError(404, f"no stored response {response_id!r}: {FORGOTTEN}",
+                           param="response_id", code="not_found")  # fmt: skip
+        return found
 
     @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
+    async def create(request: Request) -> Response:
         try:
             body = ResponsesRequest.model_validate_json(await request.body())
         except ValidationError as exc:
@@ -567,13 +659,27 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
                 RequestValidationError(exc.errors()), content_type, FIELD_NAMES
             ) from None
         service.check_model(body.model)
+        previous = None
+        if body.previous_response_id is not None:
+            previous = store.get(body.previous_response_id)
+            if previous is None:
+                raise APIError(
+                    400,
+                    f"previous_response_id: no stored response {body.previous_response_id!r}: "
+                    f"{FORGOTTEN}",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+        conversation = body.dialogue(previous.conversation if previous else None)
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         plan = body.tool_plan
-        prompt: dict[str, Any] = {"messages": body.messages()}
+        prompt: dict[str, Any] = {"messages": [*system, *conversation.messages]}
         if plan.parses:
             prompt |= {"tools": plan.tools, "reply_prefix": plan.prefix}
         ids = await service.prepare("input", **prompt)
         job = service.submit(ids, service.sampling(body, ids, None))
-        reply = ResponseReply(body, service.model, len(ids))
+        keep = store if body.store else None
+        reply = ResponseReply(body, service.model, len(ids), conversation, keep)
         events = job_events(request, job)
         try:
             if body.stream:
@@ -584,6 +690,16 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
         except ClientGone:
             return Response(status_code=499)  # nobody reads it
         return JSONResponse(reply.response())
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> JSONResponse:
+        return JSONResponse(stored(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> JSONResponse:
+        stored(response_id)
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 async def stream_body(
