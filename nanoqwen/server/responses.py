@@ -338,10 +338,8 @@ class ResponsesRequest(BaseModel):
         """The stored conversation `previous` (of previous_response_id) with this request's
         input items after it, as the chat template's messages (the module docstring: Input);
         APIError when a function_call_output answers no call made before it."""
-        messages, calls = (
-            list(previous.messages) if previous else [],
-            set(previous.calls) if previous else set(),
-        )
+        messages = list(previous.messages) if previous else []
+        calls = set(previous.calls) if previous else set()
         for index, item in enumerate(self.input):
             if isinstance(item, MessageItem):
                 role = "system" if item.role == "developer" else item.role
@@ -464,7 +462,9 @@ def _id(prefix: str) -> str:
 
 class ResponseReply:
     """One response: its output items as the reply's deltas come, and the stream events they
-    make (`add` and `finish` return them; a non-streamed request drops them)."""
+    make (`start`, `add` and `fail` return them; a non-streamed request drops them). At its
+    end the response and its conversation go to `store` (None: the request said store
+    false)."""
 
     def __init__(
         self,
@@ -486,6 +486,7 @@ class ResponseReply:
         self.output_tokens = 0
         self.output: list[dict[str, Any]] = []
         self.message: dict[str, Any] | None = None  # the message item being written
+        self.pieces: list[str] = []  # its text so far, joined into it when it closes
         self.status = "in_progress"
         self.incomplete: dict[str, str] | None = None
         self.error: dict[str, str] | None = None
@@ -520,6 +521,8 @@ class ResponseReply:
     def fail(self, error: APIError) -> bytes:
         """The last event of a stream whose generation failed."""
         self.status = "failed"
+        if self.message is not None:  # what the open message holds so far
+            self.message["content"][0]["text"] = "".join(self.pieces)
         message = error.body["error"]
         self.error = {"code": message["code"] or "server_error", "message": message["message"]}
         return self.event("response.failed", response=self.response())
@@ -533,7 +536,7 @@ class ResponseReply:
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self.message["content"].append(part)
             events.append(self.event("response.content_part.added", part=part, **self._at()))
-        self.message["content"][0]["text"] += text
+        self.pieces.append(text)
         events.append(self.event("response.output_text.delta", delta=text, logprobs=[],
                                  **self._at()))  # fmt: skip
         return events
@@ -542,6 +545,8 @@ class ResponseReply:
         if self.message is None:
             return []
         part = self.message["content"][0]
+        part["text"] = "".join(self.pieces)
+        self.pieces = []
         events = [
             self.event("response.output_text.done", text=part["text"], logprobs=[], **self._at()),
             self.event("response.content_part.done", part=part, **self._at()),
