@@ -139,27 +139,26 @@ async def group_events(request: Request, jobs: list[Job]) -> AsyncIterator[tuple
         job.arrival = arrival  # events already delivered wait in the jobs' own deques
     gone = asyncio.ensure_future(_disconnected(request.receive))
     gone.add_done_callback(arrival.wake)
-    live = list(range(len(jobs)))
+    live = list(enumerate(jobs))
     try:
         while live:
             if gone.done():
                 record.client_gone = True
                 raise ClientGone
-            ready = [i for i in live if jobs[i].events]
-            if not ready:
+            for i, job in live:
+                if job.events:
+                    break
+            else:
                 await arrival.wait()
                 continue
-            for i in ready:
-                job = jobs[i]
-                while job.events:
-                    event = job.events.popleft()
-                    if event is DONE:
-                        live.remove(i)
-                        break
-                    if isinstance(event, BaseException):
-                        raise engine_error(event)
-                    record.on_delta(job, event)
-                    yield i, event
+            event = job.events.popleft()
+            if event is DONE:
+                live.remove((i, job))
+            elif isinstance(event, BaseException):
+                raise engine_error(event)
+            else:
+                record.on_delta(job, event)
+                yield i, event
     finally:
         for job in jobs:
             job.cancel()
