@@ -145,15 +145,16 @@ async def group_events(request: Request, jobs: list[Job]) -> AsyncIterator[tuple
             if gone.done():
                 record.client_gone = True
                 raise ClientGone
-            for i, job in live:
-                if job.events:
+            for entry in live:  # the first job with an event waiting
+                if entry[1].events:
                     break
             else:
                 await arrival.wait()
                 continue
+            i, job = entry
             event = job.events.popleft()
             if event is DONE:
-                live.remove((i, job))
+                live.remove(entry)
             elif isinstance(event, BaseException):
                 raise engine_error(event)
             else:
