@@ -213,6 +213,33 @@ def test_prefix_reuse_matches_a_cold_prefill(tiny_model):
             cold.close()
 
 
+def test_batch_of_one_prompt_takes_its_pages_from_the_cache(tiny_model):
+    """A prompt's n choices (the server's n > 1) enter the batch together: the first prefills
+    the prompt, the others wait for its pages and take them from the prefix cache; greedy,
+    all four give the tokens the prompt gets alone, and nothing stays held."""
+    from nanoqwen.batching import Scheduler
+    from nanoqwen.engine import CudaBackend
+    from nanoqwen.fileformat import NanoqwenFile
+    from nanoqwen.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=20)
+    with NanoqwenFile(tiny_model) as f:
+        e = CudaBackend(f, max_context=1024, max_batch=4)
+        try:
+            prompt = [(11 * i + 5) % e.config.vocab_size for i in range(200)]
+            alone = list(e.generate(prompt, params, frozenset()))
+            e.block_manager.clear_cache()
+            sched = Scheduler(e, prefill_chunk=64)
+            seqs = [sched.add(prompt, params, frozenset()) for _ in range(4)]
+            while sched.has_work:
+                sched.step()
+            assert [s.tokens for s in seqs] == [alone] * 4
+            assert [s.cached_tokens for s in seqs] == [0, 192, 192, 192]
+            assert e.kv_pages_in_use == 0
+        finally:
+            e.close()
+
+
 REAL_REQUESTS = [
     {"chat": "Write a Python function is_prime(n) with a docstring."},
     {"chat": "Reverse a singly linked list in Python; explain the loop in one line."},
