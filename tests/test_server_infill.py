@@ -414,3 +414,76 @@ def test_infill_prompt_keeps_the_fim_core_whole(tokenizer):
     assert tokenizer.decode(ids[: -len(core)]) == (
         "<|repo_name|>myproject\n<|file_sep|>big.py\n" + "z" * 40 + "<|file_sep|>filename\n"
     )
+
+
+# /completion, /tokenize, /detokenize (llama.cpp's own completion API) --------------------------
+
+
+def llama_post(server, path: str, body: dict) -> httpx.Response:
+    """As Continue's llama.cpp provider sends it (fetch, JSON, a Bearer key)."""
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60)
+
+
+def test_completion_is_the_openai_completion_of_the_same_prompt(server, tokenizer):
+    # Continue's llama.cpp provider: prompt, stream, n_predict and its sampling fields.
+    body = {"prompt": "def f(", "n_predict": 6, "temperature": 0, "stop": ["\n\n"]}
+    whole = llama_post(server, "/completion", body).json()
+    streamed = sse_events(llama_post(server, "/completions", body | {"stream": True}).text)
+    openai = llama_post(server, "/v1/completions", {"model": "tiny", "prompt": "def f(",
+                                                    "max_tokens": 6, "temperature": 0,
+                                                    "stop": ["\n\n"]}).json()  # fmt: skip
+    text = openai["choices"][0]["text"]
+    assert whole["content"] == text == "".join(e["content"] for e in streamed[:-1])
+    assert whole["tokens_evaluated"] == len(tokenizer.encode("def f(")) == 6
+    assert whole["tokens_predicted"] == openai["usage"]["completion_tokens"]
+    assert streamed[-1]["stop"] is True and streamed[-1]["content"] == ""
+    assert whole["prompt"] == "def f(" and whole["stop_type"] in ("limit", "word", "eos")
+
+
+def test_completion_prompt_forms(server, tokenizer):
+    def greedy(prompt) -> dict:
+        r = llama_post(server, "/completion", {"prompt": prompt, "n_predict": 4, "top_k": 1})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    ids = tokenizer.encode("x = 1\n")
+    text = greedy("x = 1\n")
+    assert greedy(ids)["content"] == text["content"]
+    assert greedy([ids[0], "", *ids[1:]])["content"] == text["content"]  # "" adds nothing
+    mixed = greedy([*tokenizer.encode("x = "), "1\n"])
+    assert mixed["tokens_evaluated"] == len(tokenizer.encode("x = ")) + len(tokenizer.encode("1\n"))
+    # Special-token text in the prompt becomes the control tokens, as in llama.cpp.
+    fim = greedy("<|fim_prefix|>a<|fim_suffix|>b<|fim_middle|>")
+    assert fim["tokens_evaluated"] == len(tokenizer.fim_prompt("a", "b")) == 5
+
+
+@pytest.mark.parametrize(
+    "body,says",
+    [
+        ({"prompt": ["a", "b"]}, "several prompts"),
+        ({"prompt": [10**9]}, "outside"),
+        ({"prompt": ""}, "empty"),
+        ({"prompt": "a", "repeat_penalty": 1.1}, "repeat_penalty"),
+        ({}, "prompt"),
+    ],
+)
+def test_bad_completion_is_a_llama_cpp_400(server, body, says):
+    r = llama_post(server, "/completion", body)
+    assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+
+
+def test_tokenize_and_detokenize(server, tokenizer):
+    text = "def f():\n    return 'é'  <|fim_prefix|>"
+    ids = llama_post(server, "/tokenize", {"content": text}).json()["tokens"]
+    assert ids == tokenizer.encode(text, allow_special=True)
+    plain = llama_post(server, "/tokenize", {"content": text, "parse_special": False}).json()
+    assert plain["tokens"] == tokenizer.encode(text) != ids
+    assert llama_post(server, "/detokenize", {"tokens": ids}).json() == {"content": text}
+    pieces = llama_post(server, "/tokenize", {"content": "é", "with_pieces": True}).json()
+    # The tiny model's byte-level vocabulary splits "é" into two bytes, neither whole UTF-8.
+    assert pieces["tokens"] == [{"id": i, "piece": list(tokenizer.token_bytes(i))}
+                                for i in tokenizer.encode("é")]  # fmt: skip
+    assert b"".join(bytes(p["piece"]) for p in pieces["tokens"]) == "é".encode()
+    r = llama_post(server, "/detokenize", {"tokens": [1, -1]})
+    assert r.status_code == 400 and "-1" in r.json()["error"]["message"]

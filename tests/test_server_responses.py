@@ -241,7 +241,7 @@ def test_tool_choice_forces_and_bounds_the_calls(choice, parallel, prefix, singl
         ({"input": []}, "input", "at least 1"),
         ({"input": 3}, "input", "a string or a list of input items"),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]", "function_call_output"),
-        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "stored items"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "item references"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0].type",

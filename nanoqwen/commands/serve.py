@@ -2,9 +2,10 @@
 
 Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions (with
 `suffix`: fill-in-the-middle), POST /v1/responses, streamed (server-sent events) or not; and
-llama.cpp's /infill and Ollama's /api/* (nanoqwen/server). One engine thread decodes
-up to --max-batch requests together (continuous batching, nanoqwen.batching); other requests
-wait in a bounded queue and get 429 when it is full.
+llama.cpp's /infill, /completion, /tokenize and /detokenize, and Ollama's /api/*
+(nanoqwen/server). One engine thread decodes up to --max-batch requests together (continuous
+batching, nanoqwen.batching); other requests wait in a bounded queue and get 429 when it is
+full.
 A request body over --max-body-bytes is refused with 413 before it is read, and a prompt too
 long for the context is refused after tokenizing about a context's worth of it. Special-token
 text in a raw /v1/completions prompt (`<|fim_prefix|>` ...) becomes the control tokens, as

@@ -3,7 +3,7 @@
     app.py         routes (/health, /metrics, /v1/models, /v1/chat/completions,
                    /v1/completions), streaming
     responses.py   OpenAI's Responses API, /v1/responses (Codex CLI, the Agents SDK)
-    llamacpp.py    llama.cpp's /infill and /props (llama.vim, llama.vscode)
+    llamacpp.py    llama.cpp's /infill, /completion, /tokenize, /detokenize, /props
     ollama.py      Ollama's /api/* (Continue, Twinny, Open WebUI)
     compat.py      what llamacpp and ollama share: body parsing, the generation record
     fast_routes.py valid OpenAI generation requests without FastAPI's request machinery

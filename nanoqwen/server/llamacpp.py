@@ -1,16 +1,26 @@
-"""llama.cpp's server API for editor fill-in-the-middle clients (llama.vim, llama.vscode).
+"""llama.cpp's server API, for editor fill-in-the-middle clients (llama.vim, llama.vscode) and
+the clients of its own completion endpoint (Continue's and Tabby's llama.cpp providers).
 
-    POST /infill   input_prefix, input_suffix, input_extra, prompt -> content (+ stats)
-    GET  /props    n_ctx and the default sampling settings (llama.vscode reads n_ctx)
+    POST /infill       input_prefix, input_suffix, input_extra, prompt -> content (+ stats)
+    POST /completion   prompt -> content (+ stats); /completions is its alias, as in llama.cpp
+    POST /tokenize     content -> tokens (with_pieces: {id, piece} each)
+    POST /detokenize   tokens -> content
+    GET  /props        n_ctx and the default sampling settings (llama.vscode reads n_ctx)
+
+/completion's `prompt` is text (special-token text becomes the control tokens unless the server
+runs with --special-tokens text, as for a raw /v1/completions prompt), token ids, or both mixed
+([12, "text", 34]); a list of strings, which llama.cpp reads as several prompts, is a 400. Its
+other fields, response and stream are /infill's, described below.
 
 (/health already answers {"status": "ok"}, which is what llama.vscode reads from it.)
 
-The prompt. `prompt` continues `input_prefix` (llama.vim sends the cursor line's text before the
-cursor; llama.cpp's format_prompt_infill puts it there too, though its README says "after
-FIM_MID"), so the FIM prompt is `tokenizer.fim_prompt(input_prefix + prompt, input_suffix)`: the
-two are encoded as one text (llama.cpp joins two encodings), and special-token text in any field
-stays text (llama.cpp parses it in `prompt`). With `input_extra` chunks it is
-Qwen2.5-Coder's repo-level prompt, laid out as llama.cpp's server lays it out:
+The /infill prompt. `prompt` continues `input_prefix` (llama.vim sends the cursor line's text
+before the cursor; llama.cpp's format_prompt_infill puts it there too, though its README says
+"after FIM_MID"), so the FIM prompt is `tokenizer.fim_prompt(input_prefix + prompt,
+input_suffix)`: the two are encoded as one text (llama.cpp joins two encodings), and
+special-token text in any field stays text (llama.cpp parses it in `prompt`). With
+`input_extra` chunks it is Qwen2.5-Coder's repo-level prompt, laid out as llama.cpp's server
+lays it out:
 
     <|repo_name|>myproject\\n <|file_sep|>{filename}\\n{text} (each chunk)
     <|file_sep|>filename\\n <|fim_prefix|>...<|fim_suffix|>...<|fim_middle|>
@@ -21,7 +31,7 @@ dropped oldest first (llama.vim's ring buffer sends the oldest first) until the 
 `n_predict` tokens free (UNBOUNDED_ROOM when n_predict is -1); `truncated` says some were
 dropped. The prefix and suffix are never cut: a FIM core that does not fit is a 400.
 
-The fields, each honoured, accepted as a pure hint, or refused (400) unless neutral:
+The fields of both, each honoured, accepted as a pure hint, or refused (400) unless neutral:
 
     honoured  n_predict (-1: until the context; 0: a warm-up, the prompt prefilled into the
               prefix cache and nothing returned;
@@ -159,13 +169,11 @@ class Chunk(BaseModel):
     _nulls = model_validator(mode="before")(null_means_default)
 
 
-class InfillRequest(BaseModel):
+class LlamaRequest(BaseModel):
+    """The fields /infill and /completion share: sampling, stopping, and the response's form."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    input_prefix: str
-    input_suffix: str
-    input_extra: list[Chunk] = []
-    prompt: str = ""
     model: str = ""
     n_predict: int = Field(default=-1, ge=-1)
     max_tokens: int = Field(default=-1, ge=-1)
@@ -203,8 +211,8 @@ class InfillRequest(BaseModel):
     logit_bias: list[Any] | dict[str, Any] = []
     lora: list[Any] = []
 
-    # What Service.submit names in its errors.
-    prompt_field: ClassVar[str] = "input_prefix"
+    # What Service.sampling names in its errors.
+    prompt_field: ClassVar[str]
     max_tokens_field: ClassVar[str] = "n_predict"
 
     _nulls = model_validator(mode="before")(null_means_default)
@@ -285,7 +293,68 @@ class InfillRequest(BaseModel):
         }
 
 
-FIELD_NAMES = field_names(InfillRequest, Chunk)
+class InfillRequest(LlamaRequest):
+    input_prefix: str
+    input_suffix: str
+    input_extra: list[Chunk] = []
+    prompt: str = ""
+
+    prompt_field: ClassVar[str] = "input_prefix"
+
+    def prompt_ids(self, llm: Any, special_tokens: str) -> tuple[list[int], bool]:
+        """(prompt ids, whether input_extra chunks were dropped); special-token text in every
+        field stays text, as in llama.cpp's infill (the module docstring)."""
+        return infill_prompt(llm.tokenizer, self, llm.max_context)
+
+
+class CompletionRequest(LlamaRequest):
+    """/completion: `prompt` is text, token ids, or both mixed ([12, "text", 34]), one prompt
+    a request (llama.cpp reads a list of strings or of lists as several prompts)."""
+
+    prompt: str | list[int | str]
+
+    prompt_field: ClassVar[str] = "prompt"
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[int | str]) -> str | list[int | str]:
+        if isinstance(value, list) and not any(isinstance(piece, int) for piece in value):
+            raise ValueError(
+                "a list of strings is several prompts, which this server does not take in one "
+                "request: send each as its own, or mix the strings with token ids"
+            )
+        return value
+
+    def prompt_ids(self, llm: Any, special_tokens: str) -> tuple[list[int], bool]:
+        """(prompt ids, False): text as `LLM.prepare` encodes a raw prompt (special-token text
+        parsed unless the server runs with --special-tokens text, as in llama.cpp), token ids
+        as given."""
+        if isinstance(self.prompt, str):
+            return llm.prepare(self.prompt, special_tokens=special_tokens), False
+        ids: list[int] = []
+        for piece in self.prompt:
+            if isinstance(piece, int):
+                ids.append(piece)
+            elif piece:
+                ids += llm.prepare(piece, special_tokens=special_tokens)
+        return llm.prepare(ids), False
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    content: str
+    add_special: bool = False  # a hint: Qwen2.5 has no BOS to add
+    parse_special: bool = True  # special-token text becomes the control tokens (llama.cpp's)
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    tokens: list[int] = []
+
+
+FIELD_NAMES = field_names(InfillRequest, CompletionRequest, Chunk, TokenizeRequest,
+                          DetokenizeRequest)  # fmt: skip
 
 
 def infill_prompt(tokenizer: Any, body: InfillRequest, max_context: int) -> tuple[list[int], bool]:
@@ -352,9 +421,9 @@ class InfillStops:
 
 
 class Completion:
-    """One infill completion as it is generated: the run, the kept text, how it stopped."""
+    """One completion as it is generated: the run, the kept text, how it stopped."""
 
-    def __init__(self, body: InfillRequest, prompt_tokens: int, max_tokens: int) -> None:
+    def __init__(self, body: LlamaRequest, prompt_tokens: int, max_tokens: int) -> None:
         self.run = Run(prompt_tokens)
         self.max_tokens = max_tokens
         self.stops = InfillStops(body.n_indent, body.t_max_predict_ms)
@@ -382,10 +451,10 @@ async def pieces(completion: Completion, events: AsyncIterator[Any]) -> AsyncIte
         await events.aclose()
 
 
-class InfillReply:
-    """The response bodies of one /infill request, llama.cpp's fields."""
+class LlamaReply:
+    """The response bodies of one /infill or /completion request, llama.cpp's fields."""
 
-    def __init__(self, service: Service, body: InfillRequest, ids: list[int], truncated: bool):
+    def __init__(self, service: Service, body: LlamaRequest, ids: list[int], truncated: bool):
         self.service = service
         self.body = body
         self.ids = ids
@@ -450,7 +519,7 @@ class InfillReply:
         return "word", stopping_word(self.service.llm.tokenizer.decode(run.token_ids), self.body)
 
 
-def stopping_word(text: str, body: InfillRequest) -> str:
+def stopping_word(text: str, body: LlamaRequest) -> str:
     """The stop string that ended `text`: StopMatcher's cut is where it starts, and of the stops
     starting there the shortest completes first."""
     cut, _ = StopMatcher(body.stops).feed(text)
@@ -511,32 +580,75 @@ def add_llamacpp_routes(app: FastAPI, service: Service) -> None:
 
     @app.post("/infill")
     async def infill(request: Request) -> Response:
-        reply = await prepare(request, service)
-        if reply.body.predict == 0:
-            await warm_up(request, reply)
-            return JSONResponse(reply.final(0, None, streamed=False))
-        if reply.body.stream:
-            return await stream(request, reply)
-        results = []
-        for index in range(reply.body.n_cmpl):  # one after the other: the engine runs batch 1
-            completion, _, parts = submit(request, reply)
-            try:
-                async for _ in parts:
-                    pass
-            except APIError as exc:
-                raise reply.error(exc) from None
-            except ClientGone:
-                return Response(status_code=499)  # nobody reads it
-            results.append(reply.final(index, completion, streamed=False))
-        return JSONResponse(results[0] if len(results) == 1 else results)
+        return await respond(request, await prepare(request, service, InfillRequest))
+
+    @app.post("/completion")
+    @app.post("/completions")  # llama.cpp's alias
+    async def completion(request: Request) -> Response:
+        return await respond(request, await prepare(request, service, CompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = read(await request.body(), TokenizeRequest)
+        tokenizer = service.llm.tokenizer
+        ids = await run_in_threadpool(
+            tokenizer.encode, body.content, allow_special=body.parse_special
+        )
+        if not body.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": i, "piece": piece(tokenizer.token_bytes(i))} for i in ids]}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = read(await request.body(), DetokenizeRequest)
+        vocab = service.llm.config.vocab_size
+        if bad := [t for t in body.tokens if not 0 <= t < vocab]:
+            raise LlamaError(400, f"tokens: token id {bad[0]} is outside [0, {vocab})")
+        return {"content": service.llm.tokenizer.decode(body.tokens)}
 
 
-async def prepare(request: Request, service: Service) -> InfillReply:
-    """The validated request and its prompt ids (tokenized in the thread pool), or LlamaError."""
+def read(raw: bytes, model: type[Any]) -> Any:
+    """The body validated into `model`, or a LlamaError 400 naming the problem."""
     try:
-        body = parse_body(await request.body(), InfillRequest, FIELD_NAMES)
+        return parse_body(raw, model, FIELD_NAMES)
     except BadBody as exc:
         raise LlamaError(400, str(exc)) from None
+
+
+def piece(data: bytes) -> str | list[int]:
+    """A token's text as /tokenize's with_pieces gives it: a string, or its bytes when they are
+    not whole UTF-8 (a byte-level token inside a character), as llama.cpp gives them."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
+
+
+async def respond(request: Request, reply: LlamaReply) -> Response:
+    """Generate the reply's completions and answer: one result, an array of n_cmpl results,
+    or a stream."""
+    if reply.body.predict == 0:
+        await warm_up(request, reply)
+        return JSONResponse(reply.final(0, None, streamed=False))
+    if reply.body.stream:
+        return await stream(request, reply)
+    results = []
+    for index in range(reply.body.n_cmpl):  # one after the other
+        completion, _, parts = submit(request, reply)
+        try:
+            async for _ in parts:
+                pass
+        except APIError as exc:
+            raise reply.error(exc) from None
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it
+        results.append(reply.final(index, completion, streamed=False))
+    return JSONResponse(results[0] if len(results) == 1 else results)
+
+
+async def prepare(request: Request, service: Service, model: type[LlamaRequest]) -> LlamaReply:
+    """The validated request and its prompt ids (tokenized in the thread pool), or LlamaError."""
+    body = read(await request.body(), model)
     if body.model and body.model != service.model:
         message = f"model {body.model!r} is not served here; this server serves {service.model!r}"
         raise LlamaError(404, message)
@@ -544,9 +656,7 @@ async def prepare(request: Request, service: Service) -> InfillReply:
         raise LlamaError(400, "n_cmpl > 1 is served without streaming only")
     llm = service.llm
     try:
-        ids, truncated = await run_in_threadpool(
-            infill_prompt, llm.tokenizer, body, llm.max_context
-        )
+        ids, truncated = await run_in_threadpool(body.prompt_ids, llm, service.special_tokens)
     except TooManyTokens as exc:  # tokenizing stopped past the context: a lower bound
         raise LlamaError.context(str(exc), exc.limit + 1, llm.max_context) from None
     except NanoqwenError as exc:
@@ -556,10 +666,10 @@ async def prepare(request: Request, service: Service) -> InfillReply:
             llm.check_fits(len(ids), 1)
         except ContextError as exc:
             raise LlamaError.context(str(exc), len(ids), llm.max_context) from None
-    return InfillReply(service, body, ids, truncated)
+    return LlamaReply(service, body, ids, truncated)
 
 
-async def warm_up(request: Request, reply: InfillReply) -> None:
+async def warm_up(request: Request, reply: LlamaReply) -> None:
     """n_predict 0 (llama.vim sends its context chunks so): the prompt's K/V go into the
     prefix cache, so the completion requests that follow prefill only what they add. One
     greedy token is sampled and dropped (the engine's generation unit)."""
@@ -573,7 +683,7 @@ async def warm_up(request: Request, reply: InfillReply) -> None:
         return
 
 
-def submit(request: Request, reply: InfillReply) -> tuple[Completion, Job, AsyncIterator[Any]]:
+def submit(request: Request, reply: LlamaReply) -> tuple[Completion, Job, AsyncIterator[Any]]:
     """Queue one completion of the reply's prompt: its record, its job, and its pieces."""
     ids, service = reply.ids, reply.service
     try:
@@ -584,7 +694,7 @@ def submit(request: Request, reply: InfillReply) -> tuple[Completion, Job, Async
     return completion, job, pieces(completion, job_events(request, job))
 
 
-async def stream(request: Request, reply: InfillReply) -> Response:
+async def stream(request: Request, reply: LlamaReply) -> Response:
     """SSE events; the first piece is awaited first, so a failure before it keeps its status."""
     completion, job, parts = submit(request, reply)
     try:
@@ -597,7 +707,7 @@ async def stream(request: Request, reply: InfillReply) -> Response:
 
 
 async def stream_body(
-    reply: InfillReply, completion: Completion, first: Any, parts: AsyncIterator[Any]
+    reply: LlamaReply, completion: Completion, first: Any, parts: AsyncIterator[Any]
 ) -> AsyncIterator[bytes]:
     try:
         part = first

@@ -165,7 +165,7 @@ InputItem = Annotated[
         custom_error_type="item_type",
         custom_error_message=(
             "must be an object of type message, function_call or function_call_output (this "
-            "server reads text only, keeps no stored items and has no built-in tools)"
+            "server reads text only, takes no item references and runs no built-in tools)"
         ),
     ),
 ]
