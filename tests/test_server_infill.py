@@ -194,6 +194,15 @@ def test_llama_vscode_fim_request_with_three_completions(server):
         assert x["generation_settings"]["temperature"] == 1.0, "no temperature sampler: T = 1"
 
 
+def test_seeded_completions_are_those_of_successive_seeds(server):
+    # n_cmpl's completions are decoded together; seeded, completion j is what seed + j gives.
+    body = vim_fim("x = ", "", "\n", n_predict=8, temperature=2.0, top_k=0, top_p=1.0,
+                   samplers=["temperature"], n_indent=0, t_max_predict_ms=0)  # fmt: skip
+    together = [x["content"] for x in vim_post(server, body | {"n_cmpl": 3, "seed": 11}).json()]
+    alone = [vim_post(server, body | {"seed": 11 + j}).json()["content"] for j in range(3)]
+    assert together == alone and len(set(alone)) > 1
+
+
 def test_llama_vscode_prepare_request(server, tokenizer):
     """updateExtraContext: createRequestPayload(true, "", "", chunks, "", ...)."""
     chunks = [{"text": f"v{i} = {i}\n", "time": i, "filename": f"/w/m{i}.py"} for i in range(3)]

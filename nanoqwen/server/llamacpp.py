@@ -39,9 +39,10 @@ The fields of both, each honoured, accepted as a pure hint, or refused (400) unl
               seed (-1 and 4294967295: random), stop (empty strings skipped), samplers (which
               of top_k / top_p / temperature apply: a chain without "temperature" samples at
               1.0, as llama.cpp does), n_indent and t_max_predict_ms (llama.cpp's stopping
-              rules, below), n_cmpl (<= MAX_COMPLETIONS completions, generated one after the
-              other; a JSON array answers n_cmpl > 1), return_tokens, response_fields,
-              timings_per_token, model (must name the served model when given)
+              rules, below), n_cmpl (<= MAX_COMPLETIONS completions, decoded together;
+              seeded, completion j draws from seed + j; a JSON array answers n_cmpl > 1),
+              return_tokens, response_fields, timings_per_token, model (must name the
+              served model when given)
     hints     cache_prompt (the prefix cache is always on: tokens_cached says what it served),
               t_max_prompt_ms (llama.cpp ignores it too), id_slot (-1 or 0: one slot),
               the "infill" sampler (llama.cpp's EOG/prefix-merging sampler: both editors
@@ -81,7 +82,7 @@ from .. import __version__
 from ..errors import ContextError, NanoqwenError
 from ..sampling import SamplingParams
 from ..tokenizer import StopMatcher, TooManyTokens
-from .app import ClientGone, JobStream, Service, job_events
+from .app import ClientGone, JobStream, Service, choice_params, job_events
 from .compat import (
     BadBody,
     Run,
@@ -632,17 +633,26 @@ async def respond(request: Request, reply: LlamaReply) -> Response:
         return JSONResponse(reply.final(0, None, streamed=False))
     if reply.body.stream:
         return await stream(request, reply)
-    results = []
-    for index in range(reply.body.n_cmpl):  # one after the other
-        completion, _, parts = submit(request, reply)
-        try:
-            async for _ in parts:
-                pass
-        except APIError as exc:
-            raise reply.error(exc) from None
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it
-        results.append(reply.final(index, completion, streamed=False))
+    # The n_cmpl completions are queued together, so the batch decodes them together (llama.vscode
+    # asks for 3 with every request); each is read in turn, the later ones' deltas waiting in
+    # their jobs.
+    submitted: list[tuple[Completion, Job, AsyncIterator[Any]]] = []
+    try:
+        for index in range(reply.body.n_cmpl):
+            submitted.append(submit(request, reply, index))
+        results = []
+        for index, (completion, _, parts) in enumerate(submitted):
+            try:
+                async for _ in parts:
+                    pass
+            except APIError as exc:
+                raise reply.error(exc) from None
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it
+            results.append(reply.final(index, completion, streamed=False))
+    finally:
+        for _, job, _ in submitted:
+            job.cancel()  # those not read to their end: a failure, a refusal, a client gone
     return JSONResponse(results[0] if len(results) == 1 else results)
 
 
@@ -683,11 +693,14 @@ async def warm_up(request: Request, reply: LlamaReply) -> None:
         return
 
 
-def submit(request: Request, reply: LlamaReply) -> tuple[Completion, Job, AsyncIterator[Any]]:
-    """Queue one completion of the reply's prompt: its record, its job, and its pieces."""
+def submit(
+    request: Request, reply: LlamaReply, index: int = 0
+) -> tuple[Completion, Job, AsyncIterator[Any]]:
+    """Queue completion `index` of the reply's prompt: its record, its job, and its pieces."""
     ids, service = reply.ids, reply.service
     try:
-        job = service.submit(ids, service.sampling(reply.body, ids, None))
+        params = choice_params(service.sampling(reply.body, ids, None), index)
+        job = service.submit(ids, params)
     except APIError as exc:
         raise reply.error(exc) from None
     completion = Completion(reply.body, len(ids), job.params.max_tokens)
