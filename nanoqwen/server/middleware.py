@@ -7,7 +7,7 @@ messages and never buffers a body: streams pass through as they are. For each HT
 - the request id is the client's `x-request-id` when that is 1-128 characters of
   [A-Za-z0-9._:/+=@-] (anything else could forge log lines or bloat headers), else a fresh
   uuid4 hex; the response echoes it in `x-request-id`;
-- a `RequestRecord` goes into the scope (`record_of`), and `job_events` fills in the
+- a `RequestRecord` goes into the scope (`record_of`), and `app.group_events` fills in the
   generation's figures as its deltas arrive (tokens, queue wait, time to first token);
 - at the end the request is counted by method, route template and status, its duration is
   observed, and one line is logged on the `nanoqwen.server` logger:
@@ -16,7 +16,7 @@ messages and never buffers a body: streams pass through as they are. For each HT
       completion_tokens=16 queue_s=0.000 ttft_s=0.021 total_s=0.412
 
   (one line; `-` for what a request did not have). A request whose client left before the
-  end (`client_gone`, set by `job_events`) or whose body never finished is logged with
+  end (`client_gone`, set by `group_events`) or whose body never finished is logged with
   `incomplete`.
 """
 

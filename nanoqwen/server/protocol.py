@@ -1,7 +1,7 @@
 """OpenAI wire format: error objects, completion bodies and server-sent-event chunks.
 
-One `Reply` per request accumulates deltas, one choice per prompt (a chat has one; a
-completion request one per prompt it lists, each with its `index`), and renders either the
+One `Reply` per request accumulates deltas, `n` choices per prompt (a chat has one prompt; a
+completion request one per prompt it lists), each with its `index`, and renders either the
 whole response (`chat.completion` / `text_completion`, usage summed over the choices) or the
 stream chunks (`chat.completion.chunk` / `text_completion`, each carrying its choice's index),
 the same id and `created` on every chunk; a usage chunk with `choices: []` only when
