@@ -122,7 +122,14 @@ class FakeBatch:
 
 
 async def _next(job: Job, timeout: float = 5.0):
-    return await asyncio.wait_for(job.next(), timeout)
+    """The job's next event, taken as app.group_events takes it: waited for on its Arrival."""
+
+    async def take():
+        while not job.events:
+            await job.arrival.wait()
+        return job.events.popleft()
+
+    return await asyncio.wait_for(take(), timeout)
 
 
 async def _wait_idle(worker: Worker, timeout: float = 5.0) -> None:

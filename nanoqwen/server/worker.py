@@ -92,8 +92,8 @@ class Job:
 
     Events are `Delta`s, then `DONE`, or an exception instance if the generation failed. The
     worker thread `post`s each one; on the loop it lands in `events` and wakes `arrival`, which
-    the one consumer waits on (`next`; or `app.group_events`, which gives the jobs of a request
-    one Arrival). `submitted_at` and `started_at` (time.monotonic(); the latter set by the
+    the one consumer waits on (`app.group_events`, which gives the jobs of a request one
+    Arrival). `submitted_at` and `started_at` (time.monotonic(); the latter set by the
     worker thread when the job leaves the queue) give its queue wait.
     """
 
@@ -124,15 +124,6 @@ class Job:
     def _deliver(self, event: Any) -> None:
         self.events.append(event)
         self.arrival.wake()
-
-    async def next(self) -> Any:
-        """The next event, waited for on the job's loop; None when the wait ended with no event
-        delivered (`arrival.wake` for another reason)."""
-        if not self.events:
-            await self.arrival.wait()
-            if not self.events:
-                return None
-        return self.events.popleft()
 
 
 def post_all(events: list[tuple[Job, Any]]) -> None:
