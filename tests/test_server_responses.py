@@ -395,11 +395,65 @@ def test_the_store_drops_the_least_recently_used_past_its_budget() -> None:
         return {"id": f"resp_{n}", "output": "x" * 100}
 
     talk = Conversation(({"role": "user", "content": "hi"},), frozenset())
-    size = len(json.dumps(response(0))) + len(json.dumps(talk.messages))  # one entry's share
-    store = ResponseStore(max_chars=3 * size)
+    items = ({"id": "msg_1", "type": "message"},)
+    size = sum(len(json.dumps(part)) for part in (response(0), talk.messages, items))
+    store = ResponseStore(max_chars=3 * size)  # three entries' shares
     for n in range(3):
-        store.put(response(n), talk)
+        store.put(response(n), talk, items)
     assert store.get("resp_0").response == response(0)  # now the most recently used
-    store.put(response(3), talk)  # a fourth: the least recently used (resp_1) goes
+    store.put(response(3), talk, items)  # a fourth: the least recently used (resp_1) goes
     assert [store.get(f"resp_{n}") is not None for n in range(4)] == [True, False, True, True]
     assert store.delete("resp_3") and not store.delete("resp_3")
+
+
+def test_input_items_are_listed_in_pages() -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "c1",
+              "output": [{"type": "input_text", "text": "noon"}]}  # fmt: skip
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "It is noon."}]}
+    asked = {"id": "msg_a", "role": "developer", "content": "Time?"}
+    body = {"model": "fake", "tools": TOOLS, "input": [asked, call, answer, said]}
+
+    async def use(client):
+        first = await client.responses.create(**body)
+        whole = await client.responses.input_items.list(first.id, order="asc")
+        # The official client pages with `after` = each page's last id, newest first.
+        paged = [item.id async for item in client.responses.input_items.list(first.id, limit=1)]
+        again = await client.responses.input_items.list(first.id, order="asc")
+        untold = await client.responses.create(**body | {"store": False})
+        http = client._client
+        get = [
+            await http.get(f"http://t/v1/responses/{first.id}/input_items", params=q)
+            for q in ({"limit": 3}, {"limit": 2, "after": whole.data[1].id, "order": "asc"},
+                      {"limit": 0}, {"limit": 101}, {"limit": "x"}, {"order": "up"},
+                      {"after": "msg_nope"})
+        ]  # fmt: skip
+        get.append(await http.get(f"http://t/v1/responses/{untold.id}/input_items"))
+        return whole, paged, again, get
+
+    whole, paged, again, get = sdk(ScriptedLLM(["Done."]), use)
+    listed = [item.model_dump(exclude_none=True) for item in whole.data]
+    fc, fco, msg = (item["id"] for item in listed[1:])
+    assert listed == [
+        {"id": "msg_a", "type": "message", "role": "developer", "status": "completed",
+         "content": [{"type": "input_text", "text": "Time?"}]},
+        {"id": fc, "type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}",
+         "status": "completed"},
+        {"id": fco, "type": "function_call_output", "call_id": "c1", "output": "noon",
+         "status": "completed"},
+        {"id": msg, "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "It is noon.", "annotations": []}]},
+    ]  # fmt: skip
+    assert fc.startswith("fc_") and fco.startswith("fco_") and msg.startswith("msg_")
+    assert whole.first_id == "msg_a" and whole.last_id == msg and not whole.has_more
+    assert paged == [msg, fco, fc, "msg_a"]  # ids made once, when the response was stored
+    assert [item.id for item in again.data] == [item["id"] for item in listed]
+    page = get[0].json()
+    assert [i["id"] for i in page["data"]] == [msg, fco, fc] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (msg, fc)
+    page = get[1].json()
+    assert [i["id"] for i in page["data"]] == [fco, msg] and page["has_more"] is False
+    bad = [r.json()["error"]["param"] for r in get[2:7]]
+    assert [r.status_code for r in get[2:7]] == [400] * 5
+    assert bad == ["limit", "limit", "limit", "order", "after"]
+    assert get[7].status_code == 404  # store false: nothing kept

@@ -3,8 +3,12 @@
 A request carries its conversation as `input` items, after the stored conversation of
 `previous_response_id` when it names one. Responses made with `store` (true unless the request
 says false, as in OpenAI's API) are kept in memory (`ResponseStore`: lost on restart, the least
-recently used dropped past STORE_CHARS), for previous_response_id and for GET and DELETE
-/v1/responses/{id}; a response id not (or no longer) stored is a 400 (404 on GET and DELETE).
+recently used dropped past STORE_CHARS), for previous_response_id, for GET and DELETE
+/v1/responses/{id} and for GET /v1/responses/{id}/input_items (the request's own `input`
+items, each with its id: the client's, else one made here; pages of `limit` 1..100 (20) in
+`order` asc or desc (desc), from the item after `after`; `include` adds nothing, as no item
+here has the extras it names); a response id not (or no longer) stored is a 400 (404 on the
+GETs and DELETE).
 What needs OpenAI's other state (`conversation` objects, `item_reference` items,
 `background` responses) is a 400. Agents that resend their history, as Codex does, need none
 of it (Codex sends store false).
@@ -124,9 +128,15 @@ class TextPart(BaseModel):
     type: Literal["input_text", "output_text"]
     text: str
 
+    def listed(self) -> dict[str, Any]:
+        """As the input items' listing writes the part (an output_text with its annotations)."""
+        part: dict[str, Any] = {"type": self.type, "text": self.text}
+        return part | {"annotations": []} if self.type == "output_text" else part
+
 
 class MessageItem(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")  # id, status
+    model_config = ConfigDict(strict=True, extra="ignore")  # status
+    id: str | None = None
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: list[TextPart]
@@ -137,13 +147,15 @@ class MessageItem(BaseModel):
 class FunctionCallItem(FunctionCall):
     """A call the model made in an earlier turn (`arguments`: JSON text of an object)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")  # id, status
+    model_config = ConfigDict(strict=True, extra="ignore")  # status
+    id: str | None = None
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
 
 
 class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")  # id, status
+    model_config = ConfigDict(strict=True, extra="ignore")  # status
+    id: str | None = None
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: list[TextPart]
@@ -363,6 +375,25 @@ class ResponsesRequest(BaseModel):
                 )
         return Conversation(tuple(messages), frozenset(calls))
 
+    def listed_items(self) -> tuple[dict[str, Any], ...]:
+        """The input items as GET /v1/responses/{id}/input_items lists them: each with its id
+        (the client's, else a new one) and status completed, a message's parts as sent."""
+        out = []
+        for item in self.input:
+            if isinstance(item, MessageItem):
+                out.append({"id": item.id or _id("msg"), "type": "message", "role": item.role,
+                            "status": "completed",
+                            "content": [p.listed() for p in item.content]})  # fmt: skip
+            elif isinstance(item, FunctionCallItem):
+                out.append({"id": item.id or _id("fc"), "type": "function_call",
+                            "call_id": item.call_id, "name": item.name,
+                            "arguments": item.arguments, "status": "completed"})  # fmt: skip
+            else:
+                out.append({"id": item.id or _id("fco"), "type": "function_call_output",
+                            "call_id": item.call_id, "output": _joined(item.output),
+                            "status": "completed"})  # fmt: skip
+        return tuple(out)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
 
@@ -406,6 +437,7 @@ class Conversation:
 class Stored:
     response: dict[str, Any]
     conversation: Conversation  # with the response's own output last
+    items: tuple[dict[str, Any], ...]  # the request's input items, listed (listed_items)
     chars: int  # what it holds, as JSON text: its share of the store's budget
 
 
@@ -419,10 +451,11 @@ class ResponseStore:
         self._held: collections.OrderedDict[str, Stored] = collections.OrderedDict()
         self._chars = 0
 
-    def put(self, response: dict[str, Any], conversation: Conversation) -> None:
-        chars = len(json.dumps(response)) + len(json.dumps(conversation.messages))
+    def put(self, response: dict[str, Any], conversation: Conversation,
+            items: tuple[dict[str, Any], ...]) -> None:  # fmt: skip
+        chars = sum(len(json.dumps(part)) for part in (response, conversation.messages, items))
         self.delete(response["id"])
-        self._held[response["id"]] = Stored(response, conversation, chars)
+        self._held[response["id"]] = Stored(response, conversation, items, chars)
         self._chars += chars
         while self._chars > self.max_chars and len(self._held) > 1:
             self._chars -= self._held.popitem(last=False)[1].chars
@@ -476,6 +509,7 @@ class ResponseReply:
     ) -> None:
         self.id = _id("resp")
         self.conversation, self.store = conversation, store
+        self.items = body.listed_items() if store is not None else ()
         self.created_at = int(time.time())
         self.model = model
         self.echo = body.echo()
@@ -597,7 +631,7 @@ class ResponseReply:
         events = self._close_message(self.status)
         response = self.response()
         if self.store is not None:
-            self.store.put(response, self._with_reply())
+            self.store.put(response, self._with_reply(), self.items)
         return [*events, self.event(f"response.{self.status}", response=response)]
 
     def _with_reply(self) -> Conversation:
@@ -643,8 +677,38 @@ class ResponseReply:
         }
 
 
+def items_page(items: tuple[dict[str, Any], ...], query: Any) -> dict[str, Any]:
+    """The page of a stored response's input items that the query asks for (the module
+    docstring: its limit, order and after), as OpenAI's list object; APIError (400) naming a
+    bad parameter."""
+    limit = query.get("limit", "20")
+    if not (limit.isdecimal() and 1 <= int(limit) <= 100):
+        raise APIError(400, f"limit: must be an integer from 1 to 100, got {limit!r}",
+                       param="limit")  # fmt: skip
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: must be asc or desc, got {order!r}", param="order")
+    ordered = list(items) if order == "asc" else list(reversed(items))
+    start = 0
+    if "after" in query:
+        ids = [item["id"] for item in ordered]
+        if query["after"] not in ids:
+            raise APIError(400, f"after: no input item {query['after']!r} in this response",
+                           param="after")  # fmt: skip
+        start = ids.index(query["after"]) + 1
+    page = ordered[start : start + int(limit)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + len(page) < len(ordered),
+    }
+
+
 def add_responses_routes(app: FastAPI, service: Service) -> None:
-    """Register /v1/responses (POST; GET and DELETE of a stored response) on `app`."""
+    """Register /v1/responses (POST; GET and DELETE of a stored response, GET of its input
+    items) on `app`."""
     store = ResponseStore()
 
     def stored(response_id: str) -> Stored:
@@ -699,6 +763,10 @@ def add_responses_routes(app: FastAPI, service: Service) -> None:
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str) -> JSONResponse:
         return JSONResponse(stored(response_id).response)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request) -> JSONResponse:
+        return JSONResponse(items_page(stored(response_id).items, request.query_params))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str) -> JSONResponse:
