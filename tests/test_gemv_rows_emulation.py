@@ -62,6 +62,36 @@ def test_lane_x_units_are_xr_units():
         assert 16 * j + 4 * t4 + (q ^ sw) == xr_unit(8 * tt + g, 16 * j + 4 * t4 + q)
 
 
+def x_box_unit(mt, j, r, u):
+    """S = 1: where the TMA box of group j (x_map: box (64, 2, MT), the 128-byte swizzle) puts
+    unit u (0..15: elements 8 u ..) of token row r: line l = 2 r + u // 8 of the box at 16 MT j
+    units, chunk u % 8 at (u % 8) ^ (l % 8)."""
+    line = 2 * r + u // 8
+    return 16 * mt * j + 8 * line + ((u % 8) ^ (line % 8))
+
+
+def lane_xt(mt, lane, j, tt, q):
+    """gemv_rows.cu's lane_xt(...)[16 MT j + 128 tt + (q ^ (lane_xt_sw(lane) & 3))]."""
+    g, t4 = lane // 4, lane % 4
+    sw = (2 * g + t4 // 2) & 7
+    base = 8 * (2 * g + t4 // 2) + ((4 * (lane % 2)) ^ (sw & 4))
+    return base + 16 * mt * j + 128 * tt + (q ^ (sw & 3))
+
+
+@pytest.mark.parametrize("mt", [8, 16])
+def test_lane_xt_reads_its_units_without_conflicts(mt):
+    """S = 1: lane (g, t4)'s word q of group j, token tile tt is unit 4 t4 + q of token row
+    8 tt + g as the TMA box placed it, and each quarter warp's LDS.128 (lanes 8 h .. 8 h + 7)
+    reads 8 distinct bank quads (units mod 8)."""
+    for j, tt, q in itertools.product(range(5), range(mt // 8), range(4)):
+        for lane in range(32):
+            r, u = 8 * tt + lane // 4, 4 * (lane % 4) + q
+            assert lane_xt(mt, lane, j, tt, q) == x_box_unit(mt, j, r, u)
+        for h in range(4):
+            quads = {lane_xt(mt, lane, j, tt, q) % 8 for lane in range(8 * h, 8 * h + 8)}
+            assert len(quads) == 8
+
+
 class Emulation:
     """gemv_rows<K, MT, *, EPI, S, T> over words uint32 [R, K/8], scales fp16 [R, G], x fp16
     [M, K] (already normalized), N features, on `ncl` CTAs, the consumers in T `teams`.
@@ -118,10 +148,14 @@ class Emulation:
             gs = (s + 1) * sh["G"] // s_ - g0
             assert 1 <= gs <= sh["GS"] and (s_ == 1 or sh["GS"] <= registry.ROWS_SLICE_GROUPS)
             xs = xbufs[s % 2]
-            for r in range(self.m):
-                for u in range(gs * 16):
+            for r in range(self.m if s_ > 1 else self.mt):  # S = 1: boxes of MT rows, zeros
+                for u in range(gs * 16):  # past M
                     e = g0 * GROUP_SIZE + u * 8
-                    xs[r * sh["GS"] * 16 + xr_unit(r, u)] = self.x[r, e : e + 8].view(np.uint8)
+                    if s_ == 1:
+                        v = self.x[r, e : e + 8] if r < self.m else np.zeros(8, np.float16)
+                        xs[x_box_unit(self.mt, u // 16, r, u % 16)] = v.view(np.uint8)
+                    else:
+                        xs[r * sh["GS"] * 16 + xr_unit(r, u)] = self.x[r, e : e + 8].view(np.uint8)
             xh = xs.view(np.float16).astype(np.float64)  # [units, 8]
             p = p0
             while p < p1:
@@ -213,7 +247,12 @@ class Emulation:
                 v2 = nibbles(st[o : o + 64].view(np.uint32)).reshape(4, 4, 8)
                 u = j * 16 + np.arange(16).reshape(4, 4)  # [t4', q]
                 cols = np.arange(mt)[:, None, None]
-                xu = xh[cols * sh["GS"] * 16 + xr_unit(cols, u)]  # [mt, t4', q, 8]
+                if self.s == 1:  # lane (col % 8, t4')'s word q of token tile col // 8
+                    lanes = 4 * (cols % 8) + np.arange(4)[:, None]
+                    q = np.arange(4)
+                    xu = xh[lane_xt(mt, lanes, j, cols // 8, q)]  # [mt, t4', q, 8]
+                else:
+                    xu = xh[cols * sh["GS"] * 16 + xr_unit(cols, u)]  # [mt, t4', q, 8]
                 d1 = np.einsum("tqe,ctqe->c", v1, xu)
                 d2 = np.einsum("tqe,ctqe->c", v2, xu)
                 for t4 in range(4):

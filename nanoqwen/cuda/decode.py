@@ -148,6 +148,7 @@ class DecodeKernels(Launcher):
         self._gemv_grids: dict[tuple[str, int], int] = {}
         self._rows_grids: dict[tuple[str, int], int] = {}
         self._rows_maps: dict[tuple[int, int, int, int], object] = {}
+        self._x_maps: dict[tuple[int, int, int, int], object] = {}
         for kind, (_, n, _, _) in registry.gemv_shapes(config).items():
             self._gemv_grid(f"gemv_{kind}", n)
             for mt in registry.ROW_BUCKETS if rows else ():
@@ -267,13 +268,14 @@ class DecodeKernels(Launcher):
         grid = self._rows_grids.get((key, n)) or self._rows_grid(key, n)
         rows = 2 * n if epi == registry.Epilogue.SWIGLU else n
         w_map = self._rows_map(qweight, rows, k, self.specs[key].targs[4])
+        x_map = self._x_map(x, k, int(m), self.specs[key].targs[1])
         # q/k/v and gate/up normalize (NORM); o and down, the residual GEMVs, hand off.
         norm = (
             link.normalize()
             if self.specs[key].targs[2]
             else (link.ss, _I32(0), link.produce(grid), 0)
         )
-        self.launch(key, (grid, 1, 1), w_map, x, qweight, scales, bias, out, res, _I32(n),
+        self.launch(key, (grid, 1, 1), w_map, x_map, x, qweight, scales, bias, out, res, _I32(n),
                     _I32(m), pos, rope, pages, _I32(page_stride), kc, vc, *norm, next_w,
                     stream=stream, label=f"gemv_rows {kind}",
                     nbytes=rows * k // 2 + rows * (k // GROUP_SIZE) * 2)  # fmt: skip
@@ -292,6 +294,19 @@ class DecodeKernels(Launcher):
                                            words, fp16=False)  # fmt: skip
             self._rows_maps[key] = w_map
         return w_map
+
+    def _x_map(self, x: int, k: int, m: int, mt: int):
+        """gemv_rows' TMA descriptor of x fp16 [m, K] at S = 1 (K slices ignore it), as
+        (m, K / 64, 64) with boxes (MT, 2, 64): one group of MT rows, rows past m zero-filled
+        (gemv_rows.cu's lane_xt). Kept per (address, K, m): the steps' buffers stay put."""
+        key = (x, k, m, mt)
+        x_map = self._x_maps.get(key)
+        if x_map is None:
+            if len(self._x_maps) >= _MAX_KEPT_MAPS:
+                self._x_maps.clear()
+            x_map = self.gpu.tensor_map_3d(x, (m, k // 64, 64), (mt, 2, 64))
+            self._x_maps[key] = x_map
+        return x_map
 
     def _rows_grid(self, key: str, n: int) -> int:
         """gemv_rows' grid of kernel `key` over n features on this GPU (cached); raises when a

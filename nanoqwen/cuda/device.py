@@ -22,6 +22,8 @@ Public API (stable; the prefill launchers and the engine build on it):
     gpu.tensor_map_2d(ptr, rows, cols, box_rows, box_cols, fp16=True) -> TMA descriptor (a
                                         kernel argument) of a row-major fp16 (128-byte
                                         swizzle) or uint32 matrix
+    gpu.tensor_map_3d(ptr, shape, box) -> TMA descriptor of a C-order fp16 array of 3 dims
+                                        (128-byte swizzle)
     gpu.sync(what)                      stream sync inside `guard`
     gpu.stream_idle(what) -> bool       whether the stream's work is done (raises on an error)
     gpu.record() -> Event               a timing event on the stream (e1 - e0: milliseconds)
@@ -391,6 +393,12 @@ class Gpu:
         row). Boxes are box_rows x box_cols; elements outside the matrix load as zeros. ptr
         and the row pitch must be multiples of 16 bytes."""
         return self._tensor_map(ptr, (rows, cols), (box_rows, box_cols), fp16)
+
+    def tensor_map_3d(self, ptr: int, shape: tuple, box: tuple):
+        """tensor_map_2d's fp16 descriptor of the C-order array `shape` (3 dims, the last
+        contiguous) at `ptr`, boxes `box` in the same order: the last dimension of the box
+        spans at most 128 bytes (the swizzle's), which lands as box rows of that many bytes."""
+        return self._tensor_map(ptr, tuple(shape), tuple(box), True)
 
     def _tensor_map(self, ptr: int, shape: tuple, box: tuple, fp16: bool):
         from cuda.core._tensor_map import TensorMapL2Promotion, TensorMapSwizzle

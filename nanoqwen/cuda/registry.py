@@ -577,10 +577,12 @@ def row_bucket(m: int) -> int:
 
 
 # gemv_rows.cu's constants: pairs a stage (16 weight rows, one mma's A), a K slice's most
-# groups (kMrSliceGroups: a TMA box row of 256 words), the ring's alignment (kMrAlign).
+# groups (kMrSliceGroups: a TMA box row of 256 words), the ring's alignment (kMrAlign), the
+# alignment of gemv_rows' x at S = 1 (kMrXAlign: the 128-byte swizzle's).
 ROWS_STAGE_PAIRS = 8
 ROWS_SLICE_GROUPS = 16
 ROWS_ALIGN = 128
+ROWS_X_ALIGN = 1024
 # gemv_rows.cu's RMSNorm hand-off (NormLink): rows of producer sums of squares a normalizing
 # kernel reads at most (kNormParts: a producer's CTAs; one CTA an SM for gemv_rows' residual
 # GEMVs, ~100-160 for the split's sum kernel), and the bytes of ss plus the two scale slots.
@@ -635,7 +637,7 @@ def rows_stages(k: int, mt: int, s: int, npairs: int, g: Geometry = DEFAULT_GEOM
     x = (1 if s == 1 else 2) * mt * -(-(k // GROUP_SIZE) // s) * GROUP_SIZE * 2
     red = 2 * g.mr_consumers * 16 * mt * 4
     sums = 0 if s == 1 else npairs * 2 * mt * 4
-    free = g.mr_smem - ROWS_ALIGN - x - red - sums
+    free = g.mr_smem - ROWS_ALIGN - (ROWS_X_ALIGN if s == 1 else 0) - x - red - sums
     return min(g.mr_max_stages, free // rows_stage_bytes(k, s)) // teams * teams
 
 

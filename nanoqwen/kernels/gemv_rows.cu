@@ -17,7 +17,10 @@
 // x of all M tokens stays in shared memory for the whole K when it fits (S = 1: MT x K fp16):
 // 57 KB at K = 3584 and MT = 8, 115 KB at MT = 16. So one CTA an SM (kMrConsumers + 1 warps:
 // the SM keeps gemv_int4's warp count), the ring beside x. Every CTA reads all of x from L2
-// (M x 7 KB a CTA at the 7B's hidden size), under the first stage.
+// (M x 7 KB a CTA at the 7B's hidden size) by TMA, one box a group, issued right after the PDL
+// wait by lane 0 of each team-0 consumer warp for the groups its warps take: one copy a group
+// where cp.async took the warp M x 16 copies of 16 bytes, ahead of the epilogue's loads (the
+// step measured faster so: docs/PERFORMANCE.md, the multi-token step).
 //
 // When it does not (registry.rows_split: down_proj, K = 8960..27648; the 14B/32B hidden 5120 at
 // MT = 16; the steps take down_proj through gemv_rows_split below instead, a split of K across the
@@ -39,8 +42,7 @@
 //  - here x of a slice is reused by every pair of the CTA, so each CTA reads x once, M x K x 2
 //    bytes: 303 KB beside its 265 KB of weights (1.5B down, 96 CTAs: 143 KB beside 72 KB); L2
 //    carries the weights plus ~1.1x (7B) to 2x (1.5B) more at M = 8, twice that at M = 16.
-//    The ratio is set by the CTA's rows (N / CTAs, hence at least 8 pairs a CTA); a cluster of
-//    2 multicasting x slices would halve it.
+//    The ratio is set by the CTA's rows (N / CTAs, hence at least 8 pairs a CTA).
 //  - a split of K over CTAs reduced through global memory: the fixed cost above (~12 us).
 //
 // One mma: A = 16 weight rows (row a and row b of the stage's pairs 0..7: lane g holds pair
@@ -104,6 +106,9 @@ constexpr int kMrSliceGroups = 16;                // a slice's most groups: a TM
                                                   // 256 words (the box's largest dimension)
 constexpr int kMrThreads = (kMrConsumers + 1) * kWarp;
 constexpr int kMrAlign = 128;  // TMA boxes land 128-byte aligned: the ring's base is rounded up
+// gemv_rows' x at S = 1 lands in the 128-byte swizzle (lane_xt), whose pattern repeats every
+// 1024 bytes: x's base is rounded up to that (registry's ROWS_X_ALIGN).
+constexpr int kMrXAlign = 1024;
 static_assert(kMrConsumers * kWarp >= 16 * 16, "one consumer thread per (row, token) sum");
 static_assert(kMrConsumers * kWarp % 16 == 0, "a thread keeps one token row: MT | C x 32");
 static_assert(kMrConsumers >= kVerifyRows, "NORM: a warp a token row's sum of squares");
@@ -135,6 +140,7 @@ struct MrShape {
   static constexpr int kStage = (kSc + 2 * kScales + 127) / 128 * 128;
   static constexpr int kXBuf = MT * GS * kGroupSize * 2;           // x [MT][GS groups]
   static constexpr int kX = (S == 1 ? 1 : 2) * kXBuf;              // S > 1: double-buffered
+  static constexpr int kXGroup = MT * kGroupSize * 2;              // S = 1: a group's TMA box
   static constexpr int kRed = 2 * kMrConsumers * 16 * MT * 4;      // [T][2][C/T][16][MT] f32
 };
 
@@ -214,6 +220,18 @@ __device__ __forceinline__ int lane_sw(int lane) {
   return ((lane % 4) >> 1) ^ ((lane / 4 & 1) << 1);
 }
 
+// gemv_rows' x at S = 1, [MT][G groups], lands one TMA box a group (x_map: fp16 (64 elements,
+// K / 64 halves, M rows), box (64, 2, MT), the 128-byte swizzle): group j's box at kXGroup j
+// bytes holds line l = 2 r + h (token row r, half h of the group) at 128 l, its 16-byte chunk c
+// at c ^ (l % 8). The lane's word q of group j, token tile tt (unit 4 t4 + q of row 8 tt + g:
+// half t4 / 2, chunk 4 (t4 % 2) + q) is then lane_xt(...)[16 MT j + 128 tt + (q ^ (sw % 4))],
+// sw = lane_xt_sw(lane) = l % 8; a quarter warp (rows 2h, 2h + 1; t4 = 0..3) reads lines 4h ..
+// 4h + 3 and 8 distinct bank quads.
+__device__ __forceinline__ int lane_xt_sw(int lane) { return (2 * (lane / 4) + lane % 4 / 2) & 7; }
+__device__ __forceinline__ const uint4* lane_xt(const uint4* xs4, int lane) {
+  return xs4 + 8 * (2 * (lane / 4) + lane % 4 / 2) + ((4 * (lane % 2)) ^ (lane_xt_sw(lane) & 4));
+}
+
 // NG groups (slice-local j, j + step, ...) of a stage against the lane's two A rows, g (w1: its
 // chunk t4 of the group's first, scales s1) and g + 8 (w2, s2), and MT / 8 token tiles, scaled
 // into acc[tt] in group order (c0, c1: A row g, tokens 8 tt + 2 t4, + 1; c2, c3: A row g + 8).
@@ -284,10 +302,11 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
   const int g = lane / 4, t4 = lane % 4, odd = Sh::kPad ? g & 1 : 0;
   const unsigned char* w1 = st + odd * Sh::kRunB + g * Sh::kRow + t4 * 16;
   const unsigned char* w2 = st + (odd ^ 1) * Sh::kRunB + g * Sh::kRow + t4 * 16;
-  const uint4* xl = lane_x<Sh::GS>(xs4, lane);
-  const int sw = lane_sw(lane);
+  const uint4* xl = S == 1 ? lane_xt(xs4, lane) : lane_x<Sh::GS>(xs4, lane);
+  const int sw = S == 1 ? lane_xt_sw(lane) & 3 : lane_sw(lane);
   auto x_smem = [xl, sw](int j, int tt, int q) {
-    return xl[16 * j + tt * 8 * Sh::GS * 16 + (q ^ sw)];
+    return S == 1 ? xl[16 * MT * j + 128 * tt + (q ^ sw)]
+                  : xl[16 * j + tt * 8 * Sh::GS * 16 + (q ^ sw)];
   };
   float acc[MT / 8][4] = {};
   const half* s1 = odd ? sb : sa;
@@ -323,6 +342,8 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 
 // w_map    TMA descriptor of qweight as uint32 [R][K/8] (row-major), box [8 rows][GS * 16
 //          words], no swizzle (S > 1 only; S = 1 ignores it)
+// x_map    TMA descriptor of x as fp16 (64, K / 64, M) (C order), box (64, 2, MT), the 128-byte
+//          swizzle (S = 1 only: lane_xt; S > 1 copies x by cp.async)
 // x        fp16   [M, K]         activations, row-major, 16-byte aligned (NORM: the hand-off,
 //                                x = fp16(h w c) of the residual h; see "The RMSNorm hand-off")
 // qweight  uint32 [R, K/8]       ValueShuffle words, row-major; R = N (kSwiGLU: 2N, [gate; up])
@@ -346,13 +367,14 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 //                                producer's c)
 //   next_w fp16 [N]              kResidual: the next RMSNorm's weight; null: out = fp16(res)
 // Grid: at most one CTA per pair (registry.rows_grid: one an SM, fewer where a CTA would
-// get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic
-// shared memory: the ring, x [MT][GS groups] (swizzled; two of them at S > 1), the stage
+// get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic shared memory: the ring, x [MT][GS groups]
+// (S = 1: 1024-byte aligned, lane_xt's layout; S > 1: xr_unit's, two of them), the stage
 // reduction [T][2][C / T][16][MT] fp32 and, at S > 1, the per-pair sums; at least two stages a
 // team must fit (the host checks: registry.rows_stages). T: the consumer teams (rows_teams).
 template <int K, int MT, bool NORM, int EPI, int S, int T>
 __global__ void __launch_bounds__(kMrThreads, 1)
-gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
+gemv_rows(const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map,
+          const half* __restrict__ x,
           const unsigned char* __restrict__ qweight, const half* __restrict__ scales,
           const half* __restrict__ bias, half* out, float* res, int N, int M,
           const int* __restrict__ pos, const float2* __restrict__ rope,
@@ -370,9 +392,9 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long full_bar[kMrMaxStages], empty_bar[kMrMaxStages];
   __shared__ __align__(8) unsigned long long x_bar;  // x staged: the producer may fill the ring
-  // T > 1: xq_bar[w] fires once the T warps w, w + CT, ... have copied their groups of x (the
-  // groups each of them takes: w mod CT); norm_bar once the NORM warps have written norm_f.
-  __shared__ __align__(8) unsigned long long xq_bar[T > 1 ? CT : 1], norm_bar;
+  // S = 1: xg_bar[w] fires once the groups of x that warps w, w + CT, ... take (w, w + CT, ...)
+  // have landed; T > 1: norm_bar once the NORM warps have written norm_f.
+  __shared__ __align__(8) unsigned long long xg_bar[S == 1 ? CT : 1], norm_bar;
   __shared__ float norm_f[MT];  // NORM: rstd / c of each token row, the factor of its sums
   __shared__ float sq_s[EPI == kResidual ? C : 1][MT];  // kResidual: warps' squares by row
 
@@ -396,12 +418,16 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
   const int sum_bytes = S == 1 ? 0 : npairs * 2 * MT * 4;
   // T > 1: a whole number of slots a team (slot k is team k mod T's), so that a team's wait
   // for its stage's round r finds the slot's barrier in phase r (it consumed round r - 1).
-  const int stages = min(kMrMaxStages, ((int)dyn - kMrAlign - Sh::kX - Sh::kRed - sum_bytes) /
-                                           Sh::kStage) / T * T;
+  constexpr int kXSlack = S == 1 ? kMrXAlign : 0;  // S = 1: x's base rounded up (lane_xt)
+  const int stages = min(kMrMaxStages, ((int)dyn - kMrAlign - kXSlack - Sh::kX - Sh::kRed -
+                                        sum_bytes) / Sh::kStage) / T * T;
   if (stages < 2 * T) __trap();  // a launch the host must not make
+  // The ring, x, the stage reduction [T][2][CT][16][MT], the sums (S > 1).
   unsigned char* base = smem + ((kMrAlign - smem_addr(smem) % kMrAlign) % kMrAlign);
-  uint4* xs4 = reinterpret_cast<uint4*>(base + stages * Sh::kStage);  // slice s: xs4 + (s & 1) ..
-  float* red = reinterpret_cast<float*>(base + stages * Sh::kStage + Sh::kX);  // [T][2][CT]..
+  unsigned char* xb0 = base + stages * Sh::kStage;
+  if constexpr (S == 1) xb0 += (kMrXAlign - smem_addr(xb0) % kMrXAlign) % kMrXAlign;
+  uint4* xs4 = reinterpret_cast<uint4*>(xb0);  // slice s: xs4 + (s & 1) kXBuf / 16
+  float* red = reinterpret_cast<float*>(xb0 + Sh::kX);
   float* sums = red + Sh::kRed / 4;  // S > 1: [npairs][2 (row a, b)][MT], slice after slice
   const uint32_t ring = smem_addr(base);
 
@@ -453,10 +479,13 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       mbar_init(smem_addr(&empty_bar[s]), CT);  // the warps of the slot's team
     }
     mbar_init(smem_addr(&x_bar), S == 1 ? C : 1);  // S = 1: each consumer warp's own groups
-    if constexpr (T > 1) {
-      for (int w = 0; w < CT; ++w) mbar_init(smem_addr(&xq_bar[w]), T);
-      mbar_init(smem_addr(&norm_bar), C);
+    // S = 1: set w's boxes (groups w, w + CT, ...: kXGroup bytes each, rows past M zero-filled
+    // and counted).
+    for (int w = 0; w < (S == 1 ? CT : 0); ++w) {
+      mbar_init(smem_addr(&xg_bar[w]), 1);
+      mbar_arrive_expect_tx(smem_addr(&xg_bar[w]), max(0, (G - w + CT - 1) / CT) * Sh::kXGroup);
     }
+    if constexpr (T > 1) mbar_init(smem_addr(&norm_bar), C);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -531,7 +560,8 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
     }
   } else {
-    // ---- consumer warps. x of slice s -> xs4 + (s & 1) slice buffers (cp.async, swizzled).
+    // ---- consumer warps. S = 1: x by TMA (lane_xt), S > 1: x of slice s -> xs4 + (s & 1)
+    // slice buffers (cp.async, swizzled: xr_unit).
     auto stage_x = [&](int s) {
       const int g0 = slice0(s), gs = slice0(s + 1) - g0;
       uint4* xb = xs4 + (s & 1) * (Sh::kXBuf / 16);
@@ -541,6 +571,18 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
     };
     pdl_wait();
+    // S = 1: a warp reads only its own groups of x (tw, tw + CT, ...), so it starts on them as
+    // they land, with no wait for the rest of x. Their boxes are issued first thing (x is what
+    // the first stage waits for) by lane 0 of team 0's warp tw. S > 1: every thread copies a
+    // part of the slice (below), and the consumers meet before its first stage.
+    if constexpr (S == 1) {
+      if (team == 0 && lane == 0) {
+        asm volatile("fence.proxy.async.global;" ::: "memory");  // x: the previous grid's stores
+        const uint32_t bar = smem_addr(&xg_bar[tw]);
+        for (int j = tw; j < G; j += CT)
+          tma_load_3d(smem_addr(xs4 + j * (Sh::kXGroup / 16)), x_map, 0, 2 * j, 0, bar);
+      }
+    }
     // The pair where stage i + n starts, for stage i's p (p1: past the CTA's last).
     auto stage_after = [&](int p, int n) {
       for (int k = 0; k < n && p < p1; ++k) p += stage_len(p);
@@ -552,20 +594,7 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     else if (S > 1 && EPI != kResidual && tid < npairs * MT && tid % MT < M)
       epi_next = epi_load(p0 + tid / MT, tid % MT);
     if (EPI == kResidual && S == 1 && next_w && tid % MT < M) hc = scale[tid % MT];
-    // S = 1: a warp reads only its own groups of x (warp, warp + C, ...; with teams, tw, tw +
-    // CT, ..., copied by the T warps tw, tw + CT, ...: xq_bar), so it copies them itself and
-    // starts on them as they land, with no wait for the rest of x; S > 1: every thread copies a
-    // part of the slice, and the consumers meet before its first stage.
-    if constexpr (S == 1) {
-      for (int j = warp; j < G; j += C) {
-        for (int v = lane; v < M * 16; v += kWarp) {
-          const int r = v / 16, u = 16 * j + v % 16;
-          cp_async16(xs4 + r * GS * 16 + xr_unit(r, u), x + (size_t)r * K + u * 8);
-        }
-      }
-    } else {
-      stage_x(0);
-    }
+    if constexpr (S > 1) stage_x(0);
     // NORM: warp r's token row r, the producers' sums of squares loaded under x's copies and
     // added once x is in (lane-strided in part order, then the warp's butterfly: the same sum
     // at every launch); 1 / rms and the factor its sums take (first read after stage 0).
@@ -578,15 +607,11 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
       }
       xc = scale[warp];
     }
-    cp_async_wait_all();
     if constexpr (S == 1) {
-      __syncwarp();
+      mbar_wait(smem_addr(&xg_bar[tw]), 0);
       if (lane == 0) mbar_arrive(smem_addr(&x_bar));
-      if constexpr (T > 1) {
-        if (lane == 0) mbar_arrive(smem_addr(&xq_bar[tw]));
-        mbar_wait(smem_addr(&xq_bar[tw]), 0);
-      }
     } else {
+      cp_async_wait_all();
       consumer_sync<C>();
       if (tid == 0) mbar_arrive(smem_addr(&x_bar));
     }
@@ -616,13 +641,13 @@ gemv_rows(const __grid_constant__ TensorMap w_map, const half* __restrict__ x,
     constexpr int XR = S == 1 && MT == 8 ? kMrXRegs : 0;
     uint4 xr[XR > 0 ? XR : 1][MT / 8][4];
     if constexpr (XR > 0) {
-      const uint4* xl = lane_x<GS>(xs4, lane);
-      const int sw = lane_sw(lane);
+      const uint4* xl = lane_xt(xs4, lane);
+      const int sw = lane_xt_sw(lane) & 3;
 #pragma unroll
       for (int n = 0; n < XR; ++n) {
         const int j = min(tw + n * CT, G - 1);  // past G: never used
 #pragma unroll
-        for (int q = 0; q < 4; ++q) xr[n][0][q] = xl[16 * j + (q ^ sw)];
+        for (int q = 0; q < 4; ++q) xr[n][0][q] = xl[16 * MT * j + (q ^ sw)];
       }
     }
     const int g = lane / 4;
