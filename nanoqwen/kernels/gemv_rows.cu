@@ -367,10 +367,11 @@ __device__ __forceinline__ void warp_stage(const unsigned char* st, const half* 
 //                                producer's c)
 //   next_w fp16 [N]              kResidual: the next RMSNorm's weight; null: out = fp16(res)
 // Grid: at most one CTA per pair (registry.rows_grid: one an SM, fewer where a CTA would
-// get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic shared memory: the ring, x [MT][GS groups]
-// (S = 1: 1024-byte aligned, lane_xt's layout; S > 1: xr_unit's, two of them), the stage
-// reduction [T][2][C / T][16][MT] fp32 and, at S > 1, the per-pair sums; at least two stages a
-// team must fit (the host checks: registry.rows_stages). T: the consumer teams (rows_teams).
+// get less than a stage's 8 pairs: the 1.5B's down_proj on 96); block kMrThreads. Dynamic
+// shared memory: the ring, x [MT][GS groups] (S = 1: 1024-byte aligned, lane_xt's layout;
+// S > 1: xr_unit's, two of them), the stage reduction [T][2][C / T][16][MT] fp32 and, at S > 1,
+// the per-pair sums; at least two stages a team must fit (the host checks:
+// registry.rows_stages). T: the consumer teams (rows_teams).
 template <int K, int MT, bool NORM, int EPI, int S, int T>
 __global__ void __launch_bounds__(kMrThreads, 1)
 gemv_rows(const __grid_constant__ TensorMap w_map, const __grid_constant__ TensorMap x_map,
