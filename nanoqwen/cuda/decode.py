@@ -23,7 +23,19 @@ from .device import Gpu
 from .launcher import Launcher
 
 _I32 = np.int32
-_MAX_KEPT_MAPS = 4096  # gemv_rows' weight descriptors kept (four a layer of the largest model)
+_MAX_KEPT_MAPS = 4096  # gemv_rows' descriptors a cache keeps (four a layer of the largest model)
+
+
+def _kept(cache: dict, key: tuple, make):
+    """cache[key], made by make() the first time: a TMA descriptor kept per (address, shape),
+    since the buffers and weights it names stay put; the cache is emptied once it holds
+    _MAX_KEPT_MAPS (a caller cycling through buffers cannot grow it without bound)."""
+    found = cache.get(key)
+    if found is None:
+        if len(cache) >= _MAX_KEPT_MAPS:
+            cache.clear()
+        found = cache[key] = make()
+    return found
 
 
 def check_rows(m, what: str) -> int:
@@ -284,29 +296,21 @@ class DecodeKernels(Launcher):
         """gemv_rows' TMA descriptor of qweight uint32 [rows, K/8], box 8 rows x one K slice's
         ceil(G / s) groups of 16 words (kept per address: the weights stay put). S = 1 kernels
         ignore theirs: they get boxes of 8 x 8 words."""
-        key = (qweight, rows, k, s)
-        w_map = self._rows_maps.get(key)
-        if w_map is None:
-            if len(self._rows_maps) >= _MAX_KEPT_MAPS:
-                self._rows_maps.clear()
-            words = 8 if s == 1 else -(-(k // GROUP_SIZE) // s) * (GROUP_SIZE // 8)
-            w_map = self.gpu.tensor_map_2d(qweight, rows, k // 8, registry.ROWS_STAGE_PAIRS,
-                                           words, fp16=False)  # fmt: skip
-            self._rows_maps[key] = w_map
-        return w_map
+        words = 8 if s == 1 else -(-(k // GROUP_SIZE) // s) * (GROUP_SIZE // 8)
+        return _kept(self._rows_maps, (qweight, rows, k, s),
+                     lambda: self.gpu.tensor_map_2d(qweight, rows, k // 8,
+                                                    registry.ROWS_STAGE_PAIRS, words,
+                                                    fp16=False))  # fmt: skip
 
     def _x_map(self, x: int, k: int, m: int, mt: int):
         """gemv_rows' TMA descriptor of x fp16 [m, K] at S = 1 (K slices ignore it), as
         (m, K / 64, 64) with boxes (MT, 2, 64): one group of MT rows, rows past m zero-filled
         (gemv_rows.cu's lane_xt). Kept per (address, K, m): the steps' buffers stay put."""
-        key = (x, k, m, mt)
-        x_map = self._x_maps.get(key)
-        if x_map is None:
-            if len(self._x_maps) >= _MAX_KEPT_MAPS:
-                self._x_maps.clear()
-            x_map = self.gpu.tensor_map_3d(x, (m, k // 64, 64), (mt, 2, 64))
-            self._x_maps[key] = x_map
-        return x_map
+        return _kept(
+            self._x_maps,
+            (x, k, m, mt),
+            lambda: self.gpu.tensor_map_3d(x, (m, k // 64, 64), (mt, 2, 64)),
+        )
 
     def _rows_grid(self, key: str, n: int) -> int:
         """gemv_rows' grid of kernel `key` over n features on this GPU (cached); raises when a
