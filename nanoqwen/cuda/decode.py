@@ -26,7 +26,7 @@ _I32 = np.int32
 _MAX_KEPT_MAPS = 4096  # gemv_rows' descriptors a cache keeps (four a layer of the largest model)
 
 
-def _kept(cache: dict, key: tuple, make):
+def _kept_map(cache: dict, key: tuple, make):
     """cache[key], made by make() the first time: a TMA descriptor kept per (address, shape),
     since the buffers and weights it names stay put; the cache is emptied once it holds
     _MAX_KEPT_MAPS (a caller cycling through buffers cannot grow it without bound)."""
@@ -297,16 +297,16 @@ class DecodeKernels(Launcher):
         ceil(G / s) groups of 16 words (kept per address: the weights stay put). S = 1 kernels
         ignore theirs: they get boxes of 8 x 8 words."""
         words = 8 if s == 1 else -(-(k // GROUP_SIZE) // s) * (GROUP_SIZE // 8)
-        return _kept(self._rows_maps, (qweight, rows, k, s),
-                     lambda: self.gpu.tensor_map_2d(qweight, rows, k // 8,
-                                                    registry.ROWS_STAGE_PAIRS, words,
-                                                    fp16=False))  # fmt: skip
+        return _kept_map(self._rows_maps, (qweight, rows, k, s),
+                         lambda: self.gpu.tensor_map_2d(qweight, rows, k // 8,
+                                                        registry.ROWS_STAGE_PAIRS, words,
+                                                        fp16=False))  # fmt: skip
 
     def _x_map(self, x: int, k: int, m: int, mt: int):
         """gemv_rows' TMA descriptor of x fp16 [m, K] at S = 1 (K slices ignore it), as
         (m, K / 64, 64) with boxes (MT, 2, 64): one group of MT rows, rows past m zero-filled
         (gemv_rows.cu's lane_xt). Kept per (address, K, m): the steps' buffers stay put."""
-        return _kept(
+        return _kept_map(
             self._x_maps,
             (x, k, m, mt),
             lambda: self.gpu.tensor_map_3d(x, (m, k // 64, 64), (mt, 2, 64)),
