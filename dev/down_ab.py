@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
@@ -36,11 +35,9 @@ from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.verify import DOWN_PATHS, down_proj
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness.real_text import code_windows
+from nanoqwen.harness.verify_bench import VerifyStep, prefill_context
 from nanoqwen.quant import dequantize_packed
 from nanoqwen.tokenizer import Tokenizer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from verify_step import VerifyStep, prefill_context  # noqa: E402 (dev/ is not a package)
 
 RATIO = 4.0  # a path this many times the GEMM's error at a layer is wrong, not rounding
 FLOOR = 2e-3  # max |err| / max |update| below which any path is fine

@@ -2,7 +2,8 @@
 decode step, then timed by M (sm_90 GPU). Issue #26's step-cost table.
 
     PYTHONPATH=. python3 dev/verify_step.py FILE [--context 512] [--ms 1,2,4,8,16] [--json PATH]
-        [--down split,rows] [--kernels] [--ablate] [--no-pdl] [--seed N] [--skip-draws M,M]
+        [--down split,rows] [--kernels] [--ablate[-pairs]] [--no-pdl] [--seed N]
+        [--skip-draws M,M]
         [--reference] [--attention auto,short,long] [--variant NAME=v,NAME=v ...]
 
 The verify step (nanoqwen/engine/verify.py, the engine's speculative loop runs it) feeds M
@@ -34,7 +35,9 @@ layers; harness.bench.launch_times, as `nanoqwen bench --kernels` times the deco
 each M, side by side with the decode step's forward by operation (harness.bench.compare_steps):
 where the verify step's cost over the decode step goes. --ablate: each label's cost inside the
 step, the step's recorded launches replayed as one graph (10 copies) with and without that
-label's launches (what runs under another kernel costs nothing here, unlike in --kernels' sums).
+label's launches (what runs under another kernel costs nothing here, unlike in --kernels' sums);
+--ablate-pairs also every two labels' together, and the time the two share (their costs alone
+summed less their cost together: what removing either alone does not give back).
 RESULT last.
 """
 
@@ -47,16 +50,16 @@ import sys
 
 import numpy as np
 
-from nanoqwen.cuda.decode import DecodeKernels
-from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, MATTN_NEVER_LONG, Geometry
+from nanoqwen.cuda.registry import DEFAULT_GEOMETRY, MATTN_NEVER_LONG
 from nanoqwen.engine import CudaBackend
 from nanoqwen.engine.decode_loop import DecodeState
-from nanoqwen.engine.verify import DOWN_PATHS, Verify
+from nanoqwen.engine.verify import DOWN_PATHS
 from nanoqwen.fileformat import NanoqwenFile
 from nanoqwen.harness import import_torch_first
 from nanoqwen.harness.bench import aggregate_kernels, compare_steps, launch_times, time_graph
 from nanoqwen.harness.gpu_script import run_part
 from nanoqwen.harness.real_text import compare
+from nanoqwen.harness.verify_bench import VerifyStep, prefill_context, time_rows
 
 TIE = 0.05  # logit stds: a top-2 margin under this is a near-tie (fp16 noise can flip it)
 MAX_DLOGIT = 0.05  # max |dlogit| / std between the two paths (the ladder's graph-tier bound)
@@ -64,53 +67,6 @@ MAX_DLOGIT = 0.05  # max |dlogit| / std between the two paths (the ladder's grap
 # than this times the decode step's distance (each path rounds in fp16 its own way; on the real
 # 1.5B the two paths' medians from float32 are 0.015 and 0.014)
 EXACT_SLACK = 1.25
-
-
-class VerifyStep:
-    """The engine's verify step (engine.verify.Verify) for up to 16 rows, with its own start
-    word (the engine passes the decode state's POS)."""
-
-    ROWS = 16
-
-    def __init__(self, engine: CudaBackend, geometry: Geometry | None = None) -> None:
-        self.e, gpu = engine, engine.gpu
-        geometry = geometry or engine.kernels.geometry
-        kernels = DecodeKernels(gpu, engine.config, geometry, rows=True)
-        self.v = Verify(gpu, engine.config, kernels, engine.weights, engine.kv,
-                        engine.forward.rope, self.ROWS)  # fmt: skip
-        self.start = gpu.alloc(4, "verify start").ptr
-        self.attention = "auto"  # attention_rows' form: auto (the engine's), short or long
-        self.long = False
-
-    def set_rows(self, tokens: np.ndarray, start: int) -> None:
-        """The step's input: tokens at positions start .. start + len(tokens) - 1, and the
-        attention form the step takes there (synchronous)."""
-        m, gpu, b = len(tokens), self.e.gpu, self.v.buf
-        auto = self.v.verify.long_form(start, m)
-        self.long = {"auto": auto, "short": False, "long": True}[self.attention]
-        gpu.upload(b["tokens"], tokens.astype(np.int32))
-        gpu.upload(b["pos"], np.arange(start, start + m, dtype=np.int32))
-        gpu.upload(self.start, np.array([start], np.int32))
-        gpu.memset(b["keys"], 0, self.ROWS * 8)
-        gpu.sync("verify rows")
-
-    def step(self, m: int, stream=None) -> None:
-        """The verify step over the first m rows (engine/verify.py)."""
-        self.v.step(m, self.start, self.long, stream)
-
-    def logits(self, m: int) -> np.ndarray:
-        out = np.empty((m, self.e.config.vocab_size), np.float32)
-        return self.e.gpu.download(self.v.buf["logits"], out)
-
-
-def prefill_context(e: CudaBackend, ids: np.ndarray) -> None:
-    """K/V of ids at positions 0 .. len(ids) - 1 through the engine's prefill (the whole pool
-    mapped: set_decode_state)."""
-    e.set_decode_state(DecodeState(token=int(ids[-1]), pos=len(ids) - 1))
-    with e.gpu.guard("prefill the context"):
-        e.loop.stage_ids(ids, e.forward.scratch(len(ids))["ids"])
-        e.forward.prefill(len(ids))
-        e.gpu.sync("prefill the context")
 
 
 def decode_rows(e: CudaBackend, tokens: np.ndarray, start: int) -> np.ndarray:
@@ -182,16 +138,13 @@ def exact_logits(f: NanoqwenFile, context_ids: np.ndarray, draws, max_context: i
 
 
 def timing(e: CudaBackend, vs: VerifyStep, ms, context: int) -> list[dict]:
-    e.set_decode_state(DecodeState(token=1, pos=context))
-    base = time_graph(e.gpu, lambda s: e.forward.decode_step(s), reps=20) * 1e6
-    rows = [{"m": 0, "us": base, "ratio": 1.0}]
+    """The step timed by M beside the decode step (harness.verify_bench.time_rows, as `nanoqwen
+    bench --workload verify`): rows {m, us, ratio to the decode step}, the decode step as m 0."""
+    base, by_rows = time_rows(e, vs, ms, context)
     print(f"decode step (M = 1, today's kernels): {base:8.1f} us")
-    rng = np.random.default_rng(0)
-    for m in ms:
-        vs.set_rows(rng.integers(0, e.config.vocab_size, m), context)
-        us = time_graph(e.gpu, lambda s, m=m: vs.step(m, s), reps=20) * 1e6
-        rows.append({"m": m, "us": us, "ratio": us / base})
-    return rows
+    return [{"m": 0, "us": base, "ratio": 1.0}] + [
+        {"m": m, "us": us, "ratio": us / base} for m, us in by_rows.items()
+    ]
 
 
 def record(launchers, gpu, body) -> list:
@@ -236,9 +189,11 @@ def kernels(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
     return cols
 
 
-def ablate(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
+def ablate(e: CudaBackend, vs: VerifyStep, ms, context: int, pairs: bool = False) -> dict:
     """The decode step's forward and the verify step at each M, each label's cost inside the
-    step (the docstring's --ablate), us: {step name: {"whole": us, label: us, ...}}."""
+    step (the docstring's --ablate), us: {step name: {"whole": us, label: us, ...}}; pairs:
+    also each two labels' cost together, and what the pair shares (their costs alone summed
+    less their cost together) under "pairs": {"a + b": [together, shared]}."""
     e.set_decode_state(DecodeState(token=1, pos=context))
     traces = {"decode": record([e.kernels], e.gpu, e.forward.decode_step)}
     rng = np.random.default_rng(0)
@@ -263,6 +218,14 @@ def ablate(e: CudaBackend, vs: VerifyStep, ms, context: int) -> dict:
         print(f"{name}: whole step {whole:.1f} us; each label's cost inside it (us a step)")
         for label, us in list(out[name].items())[1:]:
             print(f"  {label:28s} {us:8.1f}")
+        if pairs:
+            labels, out[name]["pairs"] = list(out[name])[1:], {}
+            print(f"{name}: two labels' cost together and the time they share (us a step)")
+            for a, b in itertools.combinations(labels, 2):
+                both = whole - replayed([ln for ln in trace if ln.label not in (a, b)])
+                shared = out[name][a] + out[name][b] - both
+                out[name]["pairs"][f"{a} + {b}"] = [both, shared]
+                print(f"  {a + ' + ' + b:52s} {both:8.1f} {shared:8.1f}")
     return out
 
 
@@ -299,6 +262,9 @@ def main() -> int:
                     help="also time each kernel of the steps alone, summed over the "
                          "layers, beside the decode step's (where the verify step's cost "
                          "goes)")  # fmt: skip
+    ap.add_argument("--ablate-pairs", action="store_true",
+                    help="--ablate, and also every two labels' cost together and the time they "
+                         "share (what removing either alone does not give back)")  # fmt: skip
     ap.add_argument("--ablate", action="store_true",
                     help="also each label's cost inside the step: the step replayed with and "
                          "without that label's launches")  # fmt: skip
@@ -357,8 +323,9 @@ def main() -> int:
             run_part("kernels", results, print, lambda vs=vs: kernels(e, vs, ms, args.context))
             ok &= bool(results["kernels"])
             breakdowns[down] = results["kernels"] or {}
-        if args.ablate:
-            run_part("ablate", results, print, lambda vs=vs: ablate(e, vs, ms, args.context))
+        if args.ablate or args.ablate_pairs:
+            run_part("ablate", results, print,
+                     lambda vs=vs: ablate(e, vs, ms, args.context, args.ablate_pairs))  # fmt: skip
             ok &= bool(results["ablate"])
             ablations[down] = results["ablate"] or {}
     for down, table in tables.items():

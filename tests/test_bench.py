@@ -395,3 +395,59 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+# -- --workload verify --------------------------------------------------------------------------
+def test_bench_verify_rows_flag():
+    a = build_parser().parse_args(["bench", "m.nanoqwen", "--workload", "verify", "--rows", "1,8"])
+    assert a.workload == "verify" and a.rows == [1, 8]
+    assert build_parser().parse_args(["bench", "m.nanoqwen"]).rows is None  # -> 1,2,4,8,16
+
+
+@pytest.mark.parametrize("text", ["0,1", "1,17", "1,,2", "a", ""])
+def test_bench_verify_rejects_bad_rows(text):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "m.nanoqwen", "--workload", "verify", "--rows", text])
+
+
+@pytest.mark.parametrize("other", [["--workload", "edit"], ["--concurrency", "1,2"], []])
+def test_bench_rows_belong_to_the_verify_workload(other, capsys):
+    assert main(["bench", "m.nanoqwen", "--rows", "1,8", *other]) != 0
+    assert "--rows belongs to the verify workload" in capsys.readouterr().err
+
+
+def test_verify_rows_table_ratios():
+    from nanoqwen.harness.verify_bench import rows_table
+
+    t = rows_table(1000.0, {8: 1200.0, 1: 1100.0, 16: 1600.0})
+    assert [r["m"] for r in t] == [1, 8, 16]
+    assert [round(r["x_decode"], 3) for r in t] == [1.1, 1.2, 1.6]
+    assert [round(r["x_m1"], 4) for r in t] == [1.0, round(1200 / 1100, 4), round(1600 / 1100, 4)]
+    assert [r["ms_per_token_all_accepted"] for r in t] == [1.1, 0.15, 0.1]
+    assert rows_table(1000.0, {8: 1200.0})[0]["x_m1"] is None  # no M = 1 row to divide by
+
+
+def test_print_verify_result(capsys):
+    from nanoqwen.harness.verify_bench import print_verify_result, rows_table
+
+    print_verify_result({"model": "7b", "context": 512, "down_proj": "split", "gpu": "H200",
+                         "reps": 20, "decode_step_us": 1448.5,
+                         "rows": rows_table(1448.5, {1: 1675.5, 8: 1716.8})})  # fmt: skip
+    out = capsys.readouterr().out
+    assert "decode step   1448.5 us" in out
+    assert "     8   1716.8   1.025      1.185   0.215" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not sm90_available(), reason="needs an sm_90 GPU")
+def test_bench_verify_on_tiny(tiny_model, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    rc = main(["bench", str(tiny_model), "--workload", "verify", "--rows", "1,4,16",
+               "--prompt-len", "40", "--kernel-reps", "5", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["workload"] == "verify" and res["context"] == 40 and res["reps"] == 5
+    assert res["decode_step_us"] > 0 and [r["m"] for r in res["rows"]] == [1, 4, 16]
+    assert all(r["us"] > 0 and r["x_decode"] > 0 for r in res["rows"])
+    assert res["rows"][0]["x_m1"] == 1.0
+    assert "x decode" in capsys.readouterr().out

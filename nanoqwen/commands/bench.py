@@ -16,6 +16,11 @@ each generated plain then speculative (--spec-k, --spec-ngram, --spec-backoff) o
 tokens/s and ms/token of each, the speed-up, accepted drafts a step, and (greedy) whether the
 outputs are token-identical (nanoqwen/harness/spec_bench.py).
 
+--workload verify: the verify step of speculative decoding (one pass over the weights for M
+tokens) timed by its rows (--rows) beside the decode step, at context --prompt-len: us a step,
+the ratio to M = 1 and to the decode step, ms a token if all M were accepted
+(nanoqwen/harness/verify_bench.py).
+
 --concurrency 1,2,4,8,16,32: continuous batching offline, in process: for each N, N streams of
 --prompt-len random ids and --gen-len tokens submitted together to the scheduler
 (nanoqwen.batching) on --backend (any: the reference too): aggregate tokens/s, per-stream
@@ -30,7 +35,7 @@ from .generate import add_k_cache_argument, add_speculative_arguments
 HELP = "benchmark the CUDA engine (needs an sm_90 GPU), or speculation on real prompts"
 BASELINES = ("transformers",)
 SPEC_WORKLOADS = ("edit", "fim", "chat")  # nanoqwen.harness.workloads.WORKLOADS
-WORKLOADS = ("e2e", "prefix", *SPEC_WORKLOADS)
+WORKLOADS = ("e2e", "prefix", *SPEC_WORKLOADS, "verify")
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -46,6 +51,21 @@ def concurrency_levels(text: str) -> list[int]:
     return levels
 
 
+def verify_rows(text: str) -> list[int]:
+    """--rows: comma-separated verify-step row counts, each in 1..16, e.g. 1,2,4,8,16."""
+    import argparse
+
+    from ..cuda.registry import MAX_ROWS
+
+    try:
+        rows = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,8,16, got {text!r}") from None
+    if not rows or min(rows) < 1 or max(rows) > MAX_ROWS:
+        raise argparse.ArgumentTypeError(f"every row count must lie in 1..{MAX_ROWS}, got {text!r}")
+    return rows
+
+
 def add_arguments(p) -> None:
     from ..harness import load_protocol
 
@@ -53,7 +73,10 @@ def add_arguments(p) -> None:
     p.add_argument("file", help=".nanoqwen model file")
     p.add_argument("--workload", choices=WORKLOADS, default="e2e",
                    help="e2e: benchmark_e2e; prefix: warm against cold TTFT; edit, fim, chat: "
-                   "speculative against plain greedy on stdlib prompts")  # fmt: skip
+                   "speculative against plain greedy on stdlib prompts; verify: the verify "
+                   "step by its rows beside the decode step")  # fmt: skip
+    p.add_argument("--rows", type=verify_rows, default=None, metavar="M,M,...",
+                   help="verify workload: the row counts timed (default 1,2,4,8,16)")  # fmt: skip
     p.add_argument("--concurrency", type=concurrency_levels, default=None, metavar="N,N,...",
                    help="batched streams at each of these concurrencies (replaces --workload; "
                    "any --backend)")  # fmt: skip
@@ -62,7 +85,9 @@ def add_arguments(p) -> None:
                    "(default: nanoqwen.batching's)")  # fmt: skip
     p.add_argument("--requests", type=int_range(1), default=8,
                    help="edit/fim/chat: prompts of the workload")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="edit/fim/chat: which prompts")
+    p.add_argument(
+        "--seed", type=int, default=0, help="edit/fim/chat: which prompts; verify: its random ids"
+    )
     p.add_argument("--backend", choices=("auto", "cuda", "reference"), default="auto",
                    help="edit/fim/chat: the backend (e2e and prefix need cuda)")  # fmt: skip
     p.add_argument(
@@ -100,9 +125,8 @@ def add_arguments(p) -> None:
         help="also time each kernel of one decode step at position prompt-len "
         "(table: us, bytes, TB/s, share of the step; JSON key 'kernels')",
     )
-    p.add_argument(
-        "--kernel-reps", type=int_range(1), default=20, help="--kernels: launches per timing graph"
-    )
+    p.add_argument("--kernel-reps", type=int_range(1), default=20,
+                   help="--kernels and the verify workload: steps per timing graph")  # fmt: skip
     p.add_argument(
         "--plot",
         default=None,
@@ -123,6 +147,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..errors import NanoqwenError
 
+    if args.rows and (args.concurrency or args.workload != "verify"):
+        raise NanoqwenError("--rows belongs to the verify workload")
     if args.concurrency:
         return _concurrency(args)
     if args.workload in SPEC_WORKLOADS:
@@ -149,6 +175,8 @@ def run(args) -> int:
 
     if args.workload == "prefix":
         return _prefix(args)
+    if args.workload == "verify":
+        return _verify(args)
     if args.plot:
         require_matplotlib()  # before minutes of benchmarking, not after
     with NanoqwenFile(args.file) as f:
@@ -207,6 +235,39 @@ def _prefix(args) -> int:
     if args.json:
         save(res, args.json)
     return 0 if res["identical_tokens"] else 1
+
+
+def _verify(args) -> int:
+    from ..engine import CudaBackend
+    from ..errors import NanoqwenError
+    from ..fileformat import NanoqwenFile
+    from ..harness.bench import default_max_context, save
+    from ..harness.verify_bench import (
+        DEFAULT_ROWS,
+        VerifyStep,
+        print_verify_result,
+        run_verify_bench,
+    )
+
+    if args.kernels or args.plot or args.baseline:
+        raise NanoqwenError("--kernels, --plot and --baseline belong to the e2e workload")
+    with NanoqwenFile(args.file) as f:
+        max_context = args.max_context or default_max_context(
+            args.prompt_len, VerifyStep.ROWS, f.config.max_position_embeddings
+        )
+        if args.prompt_len + VerifyStep.ROWS > max_context:
+            raise NanoqwenError(f"--max-context {max_context} holds no {VerifyStep.ROWS} verify "
+                                f"rows after a {args.prompt_len}-token context")  # fmt: skip
+        engine = CudaBackend(f, max_context=max_context, k_cache=args.k_cache)
+        try:
+            res = run_verify_bench(engine, args.rows or list(DEFAULT_ROWS), args.prompt_len,
+                                   args.kernel_reps, args.seed)  # fmt: skip
+        finally:
+            engine.close()
+    print_verify_result(res)
+    if args.json:
+        save(res, args.json)
+    return 0
 
 
 def _speculative(args) -> int:
