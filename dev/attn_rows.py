@@ -2,6 +2,7 @@
 one sequence, for speculative decoding): validate against torch float32, then time (sm_90 GPU).
 
     PYTHONPATH=. python3 dev/attn_rows.py [--parts lm_head,attention,timing] [--out DIR]
+        [--variant NAME=v,NAME=v ...]
 
 Validation (fresh random inputs every run, the seed printed; outputs poisoned with NaN first):
 - lm_head_rows on the 7B shape (V 152064, H 3584) at M = 1, 2, 3, 5, 8, 9, 16 (M = 3 over the
@@ -20,7 +21,9 @@ both forms, `*` the one the verify step takes there), 28 launches a graph over 2
 caches; lm_head at M = 1 (today's lm_head_argmax), 2, 4, 8, 16. Printed: microseconds a
 launch, the ratio to M = 1, and the bytes' rate.
 
-Each part runs on its own: a failure prints its traceback and the next part runs. RESULT last.
+--variant: lm_head_rows also built on a Geometry with those values, checked and timed beside the
+shipped one. Each part runs on its own: a failure prints its traceback and the next part runs.
+RESULT last.
 """
 
 from __future__ import annotations
@@ -250,7 +253,7 @@ def time_attention(gpu, gen, log) -> list[tuple]:
     return rows
 
 
-def time_lm_head(gpu, dk, vk, cfg, lm: LmHead, log) -> list[tuple]:
+def time_lm_head(gpu, dk, vk, cfg, lm: LmHead, log, name: str = "") -> list[tuple]:
     rows, base = [], None
     nbytes = cfg.vocab_size * cfg.hidden_size * 2
     for m in TIME_MS:
@@ -265,13 +268,14 @@ def time_lm_head(gpu, dk, vk, cfg, lm: LmHead, log) -> list[tuple]:
 
         us = 1e6 * time_graph(gpu, body, 5)
         base = base or us
-        rows.append(("lm_head", cfg.hidden_size, m, "", us, us / base, nbytes / us / 1e6))
-        log(f"lm_head M {m:2d}: {us:8.2f} us  x{us / base:5.2f}  {nbytes / us / 1e6:5.2f} TB/s")
+        rows.append(("lm_head", cfg.hidden_size, m, name, us, us / base, nbytes / us / 1e6))
+        log(f"lm_head{name and ' ' + name} M {m:2d}: {us:8.2f} us  x{us / base:5.2f}  "
+            f"{nbytes / us / 1e6:5.2f} TB/s")  # fmt: skip
     return rows
 
 
 # -- the run ------------------------------------------------------------------------------------
-def run(parts: set[str], gpu: Gpu, log) -> int:
+def run(parts: set[str], gpu: Gpu, log, variants: dict | None = None) -> int:
     seed = int.from_bytes(os.urandom(4), "little")
     log(f"device {gpu.name} SMs {gpu.num_sms} torch {torch.__version__} seed {seed} "
         f"date {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
@@ -283,8 +287,11 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
 
     def lm_setup():
         kernels["vk"] = VerifyKernels(gpu, cfg7)
-        r = kernels["vk"].resources[kernels["vk"].specs["lm_head_rows"].expression]
-        log(f"7b: lm_head_rows {r.registers} regs, {r.spill_bytes} B spilled")
+        kernels["variants"] = {t: VerifyKernels(gpu, cfg7, g) for t, g in (variants or {}).items()}
+        for name, vk in [("", kernels["vk"]), *kernels["variants"].items()]:
+            r = vk.resources[vk.specs["lm_head_rows"].expression]
+            log(f"7b: lm_head_rows{name and ' ' + name} {r.registers} regs, "
+                f"{r.spill_bytes} B spilled")  # fmt: skip
         kernels["lm"] = LmHead(cfg7, kernels["vk"].geometry.verify_rows, gen)
         return True
 
@@ -292,6 +299,10 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
     if "lm_head" in parts and "lm" in kernels:
         run_part("lm_head", results, log,
              lambda: check_lm_head(gpu, kernels["vk"], cfg7, kernels["lm"], log))  # fmt: skip
+        for name, vk in kernels["variants"].items():
+            log(f"lm_head_rows {name}:")
+            run_part(f"lm_head {name}", results, log,
+                     lambda vk=vk: check_lm_head(gpu, vk, cfg7, kernels["lm"], log))  # fmt: skip
     if "attention" in parts:
         run_part("attention", results, log, lambda: check_attention(gpu, gen, log))
     table = []
@@ -300,7 +311,10 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
 
             def lm_time():
                 dk = DecodeKernels(gpu, cfg7)
-                return time_lm_head(gpu, dk, kernels["vk"], cfg7, kernels["lm"], log)
+                rows = time_lm_head(gpu, dk, kernels["vk"], cfg7, kernels["lm"], log)
+                for name, vk in kernels["variants"].items():
+                    rows += time_lm_head(gpu, dk, vk, cfg7, kernels["lm"], log, name)
+                return rows
 
             run_part("lm_head timing", results, log, lm_time)
             table += results["lm_head timing"] or []
@@ -314,7 +328,8 @@ def run(parts: set[str], gpu: Gpu, log) -> int:
             "both forms of attn_rows)")  # fmt: skip
         for kind, ctx, m, form, us, ratio, tb in table:
             log(f"{kind:10s} {ctx:6d} {m:3d} {form:5s} {us:9.2f} {ratio:6.2f} {tb:6.2f}")
-    verdict = {k: results.get(k) for k in ("lm_head", "attention") if k in parts}
+    names = ["lm_head", *(f"lm_head {t}" for t in variants or {}), "attention"]
+    verdict = {k: results.get(k) for k in names if k.split()[0] in parts}
     words = [f"{k} {'PASS' if v else 'FAIL'}" for k, v in verdict.items()]
     log("RESULT " + (", ".join(words) or "timing only"))
     return 0 if all(verdict.values()) else 1
@@ -325,10 +340,17 @@ def main() -> int:
     ap.add_argument("--parts", default="lm_head,attention,timing",
                     help="comma list: lm_head, attention, timing")  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="log directory")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=v,NAME=v (repeatable): lm_head_rows also built on the "
+                         "geometry with these values, checked and timed")  # fmt: skip
     args = ap.parse_args()
+    try:
+        variants = {t: DEFAULT_GEOMETRY.override_text(t) for t in args.variant}
+    except ValueError as exc:
+        ap.error(f"--variant: {exc}")
     parts = set(args.parts.split(","))
     with gpu_session(args.out, "attn_rows.log") as (gpu, log):
-        return run(parts, gpu, log)
+        return run(parts, gpu, log, variants)
 
 
 if __name__ == "__main__":
