@@ -416,6 +416,12 @@ def test_bench_rows_belong_to_the_verify_workload(other, capsys):
     assert "--rows belongs to the verify workload" in capsys.readouterr().err
 
 
+def test_bench_verify_needs_room_for_its_rows(tiny_model, capsys):
+    argv = ["bench", str(tiny_model), "--workload", "verify", "--max-context", "100"]
+    assert main([*argv, "--prompt-len", "90"]) != 0  # refused before any engine is built
+    assert "holds no 16 verify rows after a 90-token context" in capsys.readouterr().err
+
+
 def test_verify_rows_table_ratios():
     from nanoqwen.harness.verify_bench import rows_table
 

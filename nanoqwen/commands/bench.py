@@ -256,8 +256,9 @@ def _verify(args) -> int:
             args.prompt_len, VerifyStep.ROWS, f.config.max_position_embeddings
         )
         if args.prompt_len + VerifyStep.ROWS > max_context:
-            raise NanoqwenError(f"--max-context {max_context} holds no {VerifyStep.ROWS} verify "
-                                f"rows after a {args.prompt_len}-token context")  # fmt: skip
+            raise NanoqwenError(f"a KV cache of {max_context} positions (--max-context, at most "
+                                f"the model's) holds no {VerifyStep.ROWS} verify rows after a "
+                                f"{args.prompt_len}-token context")  # fmt: skip
         engine = CudaBackend(f, max_context=max_context, k_cache=args.k_cache)
         try:
             res = run_verify_bench(engine, args.rows or list(DEFAULT_ROWS), args.prompt_len,
