@@ -416,10 +416,21 @@ def test_bench_rows_belong_to_the_verify_workload(other, capsys):
     assert "--rows belongs to the verify workload" in capsys.readouterr().err
 
 
-def test_bench_verify_needs_room_for_its_rows(tiny_model, capsys):
-    argv = ["bench", str(tiny_model), "--workload", "verify", "--max-context", "100"]
-    assert main([*argv, "--prompt-len", "90"]) != 0  # refused before any engine is built
-    assert "holds no 16 verify rows after a 90-token context" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "argv, need",
+    [(["--workload", "verify", "--prompt-len", "90"], "90 + 16"),
+     (["--workload", "prefix", "--prompt-len", "60", "--new-len", "30", "--gen-len", "20"],
+      "90 + 20")],
+)  # fmt: skip
+def test_bench_refuses_a_cache_too_short(tiny_model, capsys, argv, need):
+    assert main(["bench", str(tiny_model), "--max-context", "100", *argv]) != 0  # no engine built
+    assert f"shorter than the {need} this workload needs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload", ["prefix", "verify", "edit"])
+def test_bench_e2e_flags_belong_to_e2e(workload, capsys):
+    assert main(["bench", "m.nanoqwen", "--workload", workload, "--kernels"]) != 0
+    assert "belong to the e2e workload" in capsys.readouterr().err
 
 
 def test_verify_rows_table_ratios():

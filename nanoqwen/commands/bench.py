@@ -213,24 +213,37 @@ def run(args) -> int:
     return rc
 
 
-def _prefix(args) -> int:
+def _on_engine(args, context: int, extra: int, bench) -> dict:
+    """bench(engine) on a CudaBackend over args.file whose KV cache holds context + extra
+    positions (--max-context, else default_max_context's pages of them), closed after; a cache
+    too short for them is refused before the engine is built."""
     from ..engine import CudaBackend
     from ..errors import NanoqwenError
     from ..fileformat import NanoqwenFile
-    from ..harness.bench import default_max_context, print_prefix_result, run_prefix_bench, save
+    from ..harness.bench import default_max_context
 
     if args.kernels or args.plot or args.baseline:
         raise NanoqwenError("--kernels, --plot and --baseline belong to the e2e workload")
     with NanoqwenFile(args.file) as f:
-        max_context = args.max_context or default_max_context(
-            args.prompt_len + args.new_len, args.gen_len, f.config.max_position_embeddings
-        )
+        limit = f.config.max_position_embeddings
+        max_context = args.max_context or default_max_context(context, extra, limit)
+        if context + extra > max_context:
+            raise NanoqwenError(f"a KV cache of {max_context} positions (--max-context, at most "
+                                f"the model's) is shorter than the {context} + {extra} this "
+                                "workload needs")  # fmt: skip
         engine = CudaBackend(f, max_context=max_context, k_cache=args.k_cache)
         try:
-            res = run_prefix_bench(engine, args.prompt_len, args.new_len, args.gen_len,
-                                   args.warmup, args.runs)  # fmt: skip
+            return bench(engine)
         finally:
             engine.close()
+
+
+def _prefix(args) -> int:
+    from ..harness.bench import print_prefix_result, run_prefix_bench, save
+
+    res = _on_engine(args, args.prompt_len + args.new_len, args.gen_len,
+                     lambda e: run_prefix_bench(e, args.prompt_len, args.new_len, args.gen_len,
+                                                args.warmup, args.runs))  # fmt: skip
     print_prefix_result(res)
     if args.json:
         save(res, args.json)
@@ -238,10 +251,7 @@ def _prefix(args) -> int:
 
 
 def _verify(args) -> int:
-    from ..engine import CudaBackend
-    from ..errors import NanoqwenError
-    from ..fileformat import NanoqwenFile
-    from ..harness.bench import default_max_context, save
+    from ..harness.bench import save
     from ..harness.verify_bench import (
         DEFAULT_ROWS,
         VerifyStep,
@@ -249,22 +259,10 @@ def _verify(args) -> int:
         run_verify_bench,
     )
 
-    if args.kernels or args.plot or args.baseline:
-        raise NanoqwenError("--kernels, --plot and --baseline belong to the e2e workload")
-    with NanoqwenFile(args.file) as f:
-        max_context = args.max_context or default_max_context(
-            args.prompt_len, VerifyStep.ROWS, f.config.max_position_embeddings
-        )
-        if args.prompt_len + VerifyStep.ROWS > max_context:
-            raise NanoqwenError(f"a KV cache of {max_context} positions (--max-context, at most "
-                                f"the model's) holds no {VerifyStep.ROWS} verify rows after a "
-                                f"{args.prompt_len}-token context")  # fmt: skip
-        engine = CudaBackend(f, max_context=max_context, k_cache=args.k_cache)
-        try:
-            res = run_verify_bench(engine, args.rows or list(DEFAULT_ROWS), args.prompt_len,
-                                   args.kernel_reps, args.seed)  # fmt: skip
-        finally:
-            engine.close()
+    rows = args.rows or list(DEFAULT_ROWS)
+    res = _on_engine(args, args.prompt_len, VerifyStep.ROWS,
+                     lambda e: run_verify_bench(e, rows, args.prompt_len, args.kernel_reps,
+                                                args.seed))  # fmt: skip
     print_verify_result(res)
     if args.json:
         save(res, args.json)
