@@ -2,7 +2,7 @@
 what a data dependency between two kernels costs, how long x takes to land behind weight copies
 in flight, and how fast a ring of bulk copies streams for a given stage size.
 
-    PYTHONPATH=. python3 dev/decode_probes.py [--links 112] [--json PATH]
+    PYTHONPATH=. python3 dev/decode_probes.py [--links 112] [--stream-grids 128,112] [--json PATH]
 
 Probe kernels: dev/decode_probes.cu, compiled with the generated header of no model
 (registry.header(None): the geometry and the contract's enums). Timed as CUDA graphs
@@ -28,7 +28,9 @@ tables:
              64 MB a launch (24 launches over fresh memory) through a 96 KB ring: one or two
              producer warps, 1, 2 or 4 bulk copies of 4 KB or one of 16 KB per mbarrier
              handshake (a consumer lane releases each slot as it lands), on decode
-             attention's grid (Geometry.attn_ctas) and the GEMVs' (two CTAs an SM).
+             attention's grid (Geometry.attn_ctas) and the GEMVs' (two CTAs an SM), or on the
+             grids --stream-grids names (e.g. 112: fewer SMs than the GPU has, each streaming
+             more: does the rate hold?).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ STREAM_STAGES = ((1, 4), (2, 4), (4, 4), (1, 16))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--links", type=int, default=112, help="links a chain (4 a layer: 28 layers)")
+    ap.add_argument("--stream-grids", default="",
+                    help="comma list: the copy streams' CTA counts (default: decode attention's "
+                         "grid and the GEMVs')")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     src = Path(__file__).with_suffix(".cu")
@@ -151,7 +156,8 @@ def main() -> int:
 
     print(f"\ncopy streams ({STREAM_BYTES >> 20} MB a launch, {RING >> 10} KB ring)")
     print(f"{'CTAs':>5} {'producers':>9} {'per handshake':>14} {'us':>7} {'TB/s':>5}")
-    for grid in (GEOMETRY.attn_ctas, ctas):  # decode attention's grid, the GEMVs'
+    grids = [int(g) for g in args.stream_grids.split(",") if g] or [GEOMETRY.attn_ctas, ctas]
+    for grid in grids:
         for producers in (1, 2):
             for cpi, kb in STREAM_STAGES:
                 us, tbs = copies(grid, producers, cpi, kb)
