@@ -305,7 +305,7 @@ class DecodeKernels(Launcher):
     def _x_map(self, x: int, k: int, m: int, mt: int):
         """gemv_rows' TMA descriptor of x fp16 [m, K] at S = 1 (K slices ignore it), as
         (m, K / 64, 64) with boxes (MT, 2, 64): one group of MT rows, rows past m zero-filled
-        (gemv_rows.cu's lane_xt). Kept per (address, K, m): the steps' buffers stay put."""
+        (gemv_rows.cu's lane_xt). Kept per (address, K, m, MT): the steps' buffers stay put."""
         return _kept_map(
             self._x_maps,
             (x, k, m, mt),
@@ -537,14 +537,14 @@ class VerifyKernels(Launcher):
         x fp16 [M, H] (pre-norm); norm_w fp16 [H]; w fp16 [V, H] (16-byte aligned); logits
         fp32 [M, V]; keys uint64 [M] (atomicMax of each row's (logit, -id) key; zero before
         the launch). rows: only the first `rows` rows of w (the unit tests' small
-        vocabularies). The TMA descriptor of (w, rows) is made on first use and kept.
+        vocabularies). The TMA descriptor of (w, rows) is made on first use and kept
+        (_kept_map).
         """
         g, v = self.geometry, self.config.vocab_size if rows is None else rows
-        w_map = self._maps.get((w, v))
-        if w_map is None:
-            w_map = self.gpu.tensor_map_2d(w, v, self.config.hidden_size, g.lmr_block_rows,
-                                           g.lmr_k_tile)  # fmt: skip
-            self._maps[w, v] = w_map
+        h = self.config.hidden_size
+        w_map = _kept_map(self._maps, (w, v),
+                          lambda: self.gpu.tensor_map_2d(w, v, h, g.lmr_block_rows,
+                                                         g.lmr_k_tile))  # fmt: skip
         ctas = min(-(-v // g.lmr_block_rows), self.gpu.num_sms)
         self.launch("lm_head_rows", (ctas, 1, 1), w_map, x, norm_w, logits, keys,
                     _I32(check_rows(m, "lm_head_rows")), _I32(v), stream=stream,

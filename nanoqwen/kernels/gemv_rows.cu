@@ -18,9 +18,9 @@
 // 57 KB at K = 3584 and MT = 8, 115 KB at MT = 16. So one CTA an SM (kMrConsumers + 1 warps:
 // the SM keeps gemv_int4's warp count), the ring beside x. Every CTA reads all of x from L2
 // (M x 7 KB a CTA at the 7B's hidden size) by TMA, one box a group, issued right after the PDL
-// wait by lane 0 of each team-0 consumer warp for the groups its warps take: one copy a group
-// where cp.async took the warp M x 16 copies of 16 bytes, ahead of the epilogue's loads (the
-// step measured faster so: docs/PERFORMANCE.md, the multi-token step).
+// wait by lane 0 of each team-0 consumer warp for the groups its warps take: one copy a group,
+// not M x 16 copies of 16 bytes from the warp's lanes, ahead of the epilogue's loads (the step
+// is faster so: docs/PERFORMANCE.md, the multi-token step).
 //
 // When it does not (registry.rows_split: down_proj, K = 8960..27648; the 14B/32B hidden 5120 at
 // MT = 16; the steps take down_proj through gemv_rows_split below instead, a split of K across the
